@@ -1,0 +1,104 @@
+"""Model configuration, with Hugging Face's field names.
+
+`LlamaConfig` holds what a checkpoint says about its architecture. Readers for HF `config.json` and
+Meta `params.json` live here; the GGUF reader lives in `weights.py` (it needs the `gguf` package).
+Nothing here is guessed from a model's name: config is data read from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: same as num_attention_heads (MHA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None, or HF's dict: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["architectures"] = ["LlamaForCausalLM"]
+        d["model_type"] = "llama"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path) -> "LlamaConfig":
+        d = json.loads(Path(path).read_text())
+        model_type = d.get("model_type", "llama")
+        if model_type != "llama":
+            raise ValueError(f"{path}: unsupported model_type {model_type!r} (supported: llama)")
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_meta_params(cls, path: str | Path, vocab_size: int | None = None) -> "LlamaConfig":
+        """Meta's params.json: dim, n_layers, n_heads, n_kv_heads, multiple_of, ffn_dim_multiplier, ..."""
+        p = json.loads(Path(path).read_text())
+        dim, n_heads = p["dim"], p["n_heads"]
+        hidden = int(2 * (4 * dim) / 3)  # Meta's FeedForward sizing rule
+        if p.get("ffn_dim_multiplier") is not None:
+            hidden = int(p["ffn_dim_multiplier"] * hidden)
+        multiple_of = p.get("multiple_of", 256)
+        hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+        vocab = p.get("vocab_size", -1)
+        if vocab is None or vocab < 0:
+            vocab = vocab_size
+        if vocab is None:
+            raise ValueError(f"{path}: vocab_size is not set and no tokenizer gave one")
+        scaling = None
+        if p.get("use_scaled_rope"):
+            scaling = {"rope_type": "llama3", "factor": p.get("rope_scaling_factor", 8.0),
+                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}
+        return cls(
+            vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
+            num_hidden_layers=p["n_layers"], num_attention_heads=n_heads,
+            num_key_value_heads=p.get("n_kv_heads") or n_heads,
+            rms_norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 10000.0),
+            rope_scaling=scaling, max_position_embeddings=p.get("max_seq_len", 4096),
+        )
