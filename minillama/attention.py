@@ -1,0 +1,209 @@
+"""Who sees whom, and the batch-invariant attention kernel.
+
+Notation for tensor shapes: N new tokens in this forward pass, H query heads, Hkv key/value heads,
+G = H / Hkv query heads per KV head, D head dim, S cache slots, R = N * G query rows per KV head,
+B keys per block, T query rows per tile, W work items, NB blocks per row (a power of two).
+
+The segment rule (cache.py has the segments). A query token q sees key token k when
+
+    visible(q, k) = k.segment in chain(q.segment)  and  k.position <= q.position
+
+where chain(s) is s and its ancestors. A question sees its whole document and its own earlier tokens;
+a document never sees its questions; unrelated prompts (separate roots) never see each other.
+
+Why not one masked softmax over the packed sequence: a reduction over a longer row with -inf holes uses
+another summation order than the reduction over the question's own prompt, and the last bits differ
+(NOTES.md). Instead each query's keys are taken in *logical* order (its chain, by position) and cut into
+blocks at positions 0, B, 2B, ...; each block is reduced with fixed-shape kernels, and the blocks are merged
+by online softmax in a fixed binary tree over block index. All of this depends only on the query's own
+logical sequence, so a question gets the same bits packed with a thousand others as alone.
+
+Sharing (Hydragen): all queries that see block b of the same owner segment (say, the 64 questions of a
+document, each decoding one token) are gathered into one group and multiply that block's keys in one
+matrix-matrix product: the document's keys are read once per step, not once per question.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .cache import PAD_SLOT, KVCache
+
+KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
+QUERY_TILE = 16  # T: query rows per matrix product
+
+
+@dataclass
+class AttentionPlan:
+    """What attention needs for one forward pass, shared by all layers."""
+
+    slots: torch.Tensor  # (N,) cache slot of each new token
+    positions: torch.Tensor  # (N,)
+    group_size: int  # G
+    # Blocked kernel: work item w multiplies query rows q_rows[w] by the keys in k_slots[w].
+    q_rows: torch.Tensor  # (W, T) row index into the R query rows; R is the dummy (padding) row
+    k_slots: torch.Tensor  # (W, B) cache slots, PAD_SLOT where the block has no key
+    mask: torch.Tensor  # (W, T, B) visible(query row, key)
+    block: torch.Tensor  # (W,) block index b of the work item's keys
+    n_blocks: int  # NB: a power of two >= every row's block count
+    # Dense masked path (negative control): visible cache slots of each token.
+    visible: torch.Tensor | None = None  # (N, S) bool
+
+
+def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
+                   dense: bool = False) -> AttentionPlan:
+    """Allocate cache slots for the new tokens and lay out the blocked attention work."""
+    device = cache.k.device
+    slots = cache.append(segments, positions)
+    seg_list = segments.tolist()
+    pos_list = positions.tolist()
+    n = len(seg_list)
+    B, T, G = KEY_BLOCK, QUERY_TILE, group_size
+
+    # New tokens of each segment, in position order (append checked they are consecutive).
+    by_seg: dict[int, list[int]] = {}
+    for i, sid in enumerate(seg_list):
+        by_seg.setdefault(sid, []).append(i)
+
+    # Group (owner segment, block b) -> token indices. For a query at position p and a block b <= p // B,
+    # the block's keys are the chain's tokens at positions [bB, bB + B) up to p. Every query whose chain
+    # holds the same tokens there shares the group; the owner is the chain segment holding position
+    # min(bB + B - 1, p), the deepest segment reaching into the block.
+    groups: dict[tuple[int, int], list[torch.Tensor]] = {}
+    chains: dict[int, list[tuple[int, int, int]]] = {}
+    for sid, idx in by_seg.items():
+        chain = [(c, cache.segments[c].start, cache.segments[c].end) for c in cache.chain(sid)]
+        chains[sid] = chain
+        first = pos_list[idx[0]]  # positions are first .. first + len(idx) - 1
+        idx_t = torch.tensor(idx, dtype=torch.long)
+        c_i = 0
+        for b in range(pos_list[idx[-1]] // B + 1):
+            lo, hi = b * B, b * B + B - 1
+            if hi < first:  # every new query of sid is past this block: owner holds position hi
+                while chain[c_i][2] <= hi:
+                    c_i += 1
+                owner, members = chain[c_i][0], idx_t
+            else:  # the block reaches this call's new tokens: owner is sid itself
+                owner, members = sid, idx_t[max(0, lo - first):]
+            groups.setdefault((owner, b), []).append(members)
+
+    # Lay each group out as work items of T query rows against one block of B keys.
+    pos_t = torch.tensor(pos_list + [-1], dtype=torch.long)  # dummy token n has position -1
+    chain_slot_cache: dict[int, torch.Tensor] = {}
+    q_rows, k_slots, k_pos, blocks = [], [], [], []
+    for (owner, b), members in groups.items():
+        tokens = torch.cat(members)
+        rows = (tokens[:, None] * G + torch.arange(G)).reshape(-1)  # (r,) rows of these tokens
+        pad = (-rows.numel()) % T
+        rows = torch.cat([rows, torch.full((pad,), n * G, dtype=torch.long)]).view(-1, T)
+        if owner not in chain_slot_cache:
+            chain_slot_cache[owner] = torch.tensor(cache.chain_slots(owner), dtype=torch.long)
+        keys = chain_slot_cache[owner][b * B:(b + 1) * B]
+        keys = torch.cat([keys, torch.full((B - keys.numel(),), PAD_SLOT, dtype=torch.long)])
+        kp = torch.arange(b * B, b * B + B)
+        kp[(keys == PAD_SLOT)] = torch.iinfo(torch.long).max  # padding is never visible
+        q_rows.append(rows)
+        k_slots.append(keys.expand(rows.shape[0], B))
+        k_pos.append(kp.expand(rows.shape[0], B))
+        blocks.append(torch.full((rows.shape[0],), b, dtype=torch.long))
+    q_rows_t = torch.cat(q_rows)
+    k_pos_t = torch.cat(k_pos)
+    row_pos = pos_t[torch.div(q_rows_t, G, rounding_mode="floor")]  # (W, T)
+    mask = k_pos_t[:, None, :] <= row_pos[:, :, None]  # (W, T, B)
+    n_blocks_needed = max(pos_list) // B + 1
+    n_blocks = 1 << (n_blocks_needed - 1).bit_length()
+
+    visible = None
+    if dense:
+        visible = _dense_visibility(cache, chains, seg_list, positions.cpu())
+
+    return AttentionPlan(
+        slots=slots, positions=positions, group_size=G,
+        q_rows=q_rows_t.to(device), k_slots=torch.cat(k_slots).to(device), mask=mask.to(device),
+        block=torch.cat(blocks).to(device), n_blocks=n_blocks,
+        visible=None if visible is None else visible.to(device),
+    )
+
+
+def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int]]], seg_list: list[int],
+                      positions: torch.Tensor) -> torch.Tensor:
+    """(N, S) bool: the segment rule written out over every cache slot."""
+    s = cache.k.shape[2]
+    slot_seg = torch.full((s,), -1, dtype=torch.long)
+    slot_pos = torch.full((s,), -1, dtype=torch.long)
+    for sid, seg in cache.segments.items():
+        if seg.slots:
+            idx = torch.tensor(seg.slots, dtype=torch.long)
+            slot_seg[idx] = sid
+            slot_pos[idx] = torch.arange(seg.start, seg.end)
+    in_chain = {sid: torch.isin(slot_seg, torch.tensor([c for c, _, _ in ch])) for sid, ch in chains.items()}
+    rows = torch.stack([in_chain[sid] for sid in seg_list])  # (N, S)
+    return rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
+
+
+def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      plan: AttentionPlan) -> torch.Tensor:
+    """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D) in float32."""
+    hkv, r, d = q.shape
+    W, T = plan.q_rows.shape
+    B = plan.k_slots.shape[1]
+    NB = plan.n_blocks
+    q = torch.cat([q.float() * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=torch.float32)], dim=1)
+    qw = q[:, plan.q_rows].view(hkv * W, T, d)  # (Hkv*W, T, D)
+    kw = k_cache[:, plan.k_slots].float().view(hkv * W, B, d)  # (Hkv*W, B, D)
+    vw = v_cache[:, plan.k_slots].float().view(hkv * W, B, d)
+
+    # One block: s = q k^T over B keys, max, exp, sum, and the exp-weighted values, all fixed shapes.
+    s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, B)
+    s = s.masked_fill(~plan.mask, float("-inf"))
+    m = s.amax(dim=-1)  # (Hkv, W, T)
+    e = torch.exp(s - _finite(m)[..., None])  # masked keys: exp(-inf) = 0
+    l = e.sum(dim=-1)
+    o = torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, W, T, d)
+
+    # Scatter each (row, block) partial into a dense (rows, blocks) table; absent blocks stay empty
+    # (m = -inf, l = 0, o = 0), which the merge below treats as an exact identity.
+    flat = (plan.q_rows * NB + plan.block[:, None]).reshape(-1)  # (W*T,)
+    M = q.new_full((hkv, (r + 1) * NB), float("-inf"))
+    L = q.new_zeros((hkv, (r + 1) * NB))
+    O = q.new_zeros((hkv, (r + 1) * NB, d))
+    M[:, flat] = m.reshape(hkv, -1)
+    L[:, flat] = l.reshape(hkv, -1)
+    O[:, flat] = o.reshape(hkv, -1, d)
+    M, L, O = M.view(hkv, r + 1, NB), L.view(hkv, r + 1, NB), O.view(hkv, r + 1, NB, d)
+
+    # Online-softmax merge in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those.
+    # Merging with an empty block returns the other operand bit for bit, so padding NB to a larger power
+    # of two, or a longer neighbour in the batch, cannot change a row's result.
+    while M.shape[-1] > 1:
+        m1, m2 = M[..., 0::2], M[..., 1::2]
+        mx = torch.maximum(m1, m2)
+        a, b = torch.exp(m1 - _finite(mx)), torch.exp(m2 - _finite(mx))
+        L = L[..., 0::2] * a + L[..., 1::2] * b
+        O = O[..., 0::2, :] * a[..., None] + O[..., 1::2, :] * b[..., None]
+        M = mx
+    return O[:, :r, 0] / L[:, :r, 0, None]
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """Replace -inf maxima (nothing visible) by 0, so that exp(-inf - 0) = 0 rather than NaN."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     plan: AttentionPlan) -> torch.Tensor:
+    """The plain way: one softmax over every cache slot with the segment rule as a mask.
+
+    Mathematically equal to `blocked_attention`, but not bit-equal across batches (the negative control).
+    """
+    hkv, r, d = q.shape
+    g = plan.group_size
+    n = r // g
+    qh = q.view(hkv, n, g, d).permute(0, 2, 1, 3).reshape(1, hkv * g, n, d).float()  # (1, H, N, D)
+    out = F.scaled_dot_product_attention(qh, k_cache[None].float(), v_cache[None].float(),
+                                         attn_mask=plan.visible, enable_gqa=True)
+    return out.view(hkv, g, n, d).permute(0, 2, 1, 3).reshape(hkv, r, d)

@@ -1,0 +1,146 @@
+"""The KV cache: every token's keys and values stored once, in slots, with the segment tree beside them.
+
+A *segment* is a run of tokens with consecutive positions: a document, a question, a generated answer's
+stream, a system prompt. Each segment has at most one parent; its first position is its parent's length
+(0 for a root), exactly where it would sit in its own stand-alone prompt:
+
+    segment 0  document   positions 0 .. 99       slots: wherever they were written
+    segment 1  question A positions 100 .. 111    parent 0
+    segment 2  question B positions 100 .. 108    parent 0
+
+A token sees its ancestors' tokens and the earlier tokens of its own segment (attention.py writes the rule
+down). The document's keys and values live in the cache once, however many questions hang off it; a
+finished question is `release`d and its slots are reused.
+
+Storage follows gpt-fast's preallocated cache written by index, with one slot axis for all sequences:
+`k[layer]` is (Hkv, S, D). Slot 0 is never handed out and stays zero: attention reads it as padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import LlamaConfig
+
+PAD_SLOT = 0
+
+
+@dataclass
+class Segment:
+    parent: int | None
+    start: int | None = None  # first position; fixed when the first token arrives (= parent's length)
+    slots: list[int] = field(default_factory=list)  # slot of each token, in position order
+    children: int = 0  # live child segments that already hold tokens
+
+    @property
+    def end(self) -> int:
+        """One past the last position."""
+        return (self.start or 0) + len(self.slots)
+
+
+class KVCache:
+    def __init__(self, config: LlamaConfig, capacity: int = 256, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        self.config = config
+        shape = (config.num_hidden_layers, config.num_key_value_heads, max(capacity, 2), config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free: list[int] = list(range(shape[2] - 1, PAD_SLOT, -1))  # a stack; slot 0 held back
+        self.segments: dict[int, Segment] = {}
+        self._next_id = 0
+
+    # --- the segment tree -------------------------------------------------------------------------
+    def new_segment(self, parent: int | None = None) -> int:
+        if parent is not None and parent not in self.segments:
+            raise KeyError(f"parent segment {parent} does not exist")
+        sid = self._next_id
+        self._next_id += 1
+        self.segments[sid] = Segment(parent)
+        return sid
+
+    def chain(self, sid: int) -> list[int]:
+        """Segment ids from the root down to `sid`."""
+        out = []
+        while sid is not None:
+            out.append(sid)
+            sid = self.segments[sid].parent
+        return out[::-1]
+
+    def length(self, sid: int) -> int:
+        """Position the next token of `sid` takes."""
+        seg = self.segments[sid]
+        if seg.start is None:
+            return self.segments[seg.parent].end if seg.parent is not None else 0
+        return seg.end
+
+    def release(self, sid: int) -> None:
+        """Drop a segment (a finished question): its slots go back to the pool."""
+        seg = self.segments[sid]
+        if seg.children:
+            raise ValueError(f"segment {sid} still has {seg.children} live children")
+        self._free.extend(reversed(seg.slots))
+        if seg.parent is not None and seg.start is not None:
+            self.segments[seg.parent].children -= 1
+        del self.segments[sid]
+
+    # --- slots --------------------------------------------------------------------------------------
+    @property
+    def used_slots(self) -> int:
+        return sum(len(s.slots) for s in self.segments.values())
+
+    def used_bytes(self) -> int:
+        """Bytes of keys and values held for live tokens (each stored once)."""
+        per_slot = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2
+        return self.used_slots * per_slot
+
+    def _grow(self, needed: int) -> None:
+        old = self.k.shape[2]
+        new = max(2 * old, old + needed)
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            bigger = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+            bigger[:, :, :old] = t
+            setattr(self, name, bigger)
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def append(self, segments: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Give each new token a slot. Returns slots (N,).
+
+        Per segment, the new tokens' positions must continue that segment exactly (in call order), and a
+        segment whose children already hold tokens cannot grow: its children's positions would overlap.
+        """
+        seg_list = segments.tolist()
+        pos_list = positions.tolist()
+        if len(self._free) < len(seg_list):
+            self._grow(len(seg_list) - len(self._free))
+        slots = [0] * len(seg_list)
+        for i, (sid, pos) in enumerate(zip(seg_list, pos_list)):
+            seg = self.segments.get(sid)
+            if seg is None:
+                raise KeyError(f"token {i}: segment {sid} does not exist")
+            if seg.children:
+                raise ValueError(f"token {i}: segment {sid} cannot grow after its children got tokens")
+            if seg.start is None:
+                seg.start = self.length(sid)
+                if seg.parent is not None:
+                    self.segments[seg.parent].children += 1
+            if pos != seg.end:
+                raise ValueError(f"token {i}: segment {sid} expects position {seg.end}, got {pos}")
+            slot = self._free.pop()
+            seg.slots.append(slot)
+            slots[i] = slot
+        return torch.tensor(slots, dtype=torch.long, device=self.k.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (N, Hkv, D) for the tokens that were given `slots`."""
+        self.k[layer][:, slots] = k.transpose(0, 1).to(self.k.dtype)
+        self.v[layer][:, slots] = v.transpose(0, 1).to(self.v.dtype)
+
+    def chain_slots(self, sid: int) -> list[int]:
+        """Slots of every token `sid` can see when at its last position, indexed by position."""
+        out: list[int] = []
+        for c in self.chain(sid):
+            out.extend(self.segments[c].slots)
+        return out

@@ -1,0 +1,163 @@
+"""The Llama model, whose forward pass takes token ids, positions and segment ids.
+
+Follows HF transformers' `modeling_llama.py` in names and layout (so HF checkpoints load as they are and
+activations compare one to one) and gpt-fast's `model.py` in size. The one departure: a forward pass is
+a packed list of N tokens from any number of segments (cache.py), each with its own position, so one
+call can prefill a document and all its questions, or advance every unfinished question by one token.
+
+    logits = model(tokens, positions, segments, cache)      # tokens, positions, segments: (N,)
+
+Every matrix product goes through `invariant.linear` and attention through the blocked kernel, so each
+token's logits are bit-identical to those of its stand-alone run. `model.invariant = False` swaps in
+plain `F.linear` and a masked softmax: same mathematics, batch-dependent bits (the negative control).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import AttentionPlan, blocked_attention, masked_attention, plan_attention
+from .cache import KVCache
+from .config import LlamaConfig
+from .invariant import linear
+from .rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As HF: normalise in float32, scale in the input dtype. Row-wise, so batch-invariant as it is.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
+        gate = linear(x, self.gate_proj.weight, invariant)
+        up = linear(x, self.up_proj.weight, invariant)
+        return linear(F.silu(gate) * up, self.down_proj.weight, invariant)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: H query heads share Hkv key/value heads, G = H / Hkv each."""
+
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                plan: AttentionPlan, invariant: bool) -> torch.Tensor:
+        n, hkv, d = x.shape[0], self.n_kv, self.head_dim
+        g = self.n_heads // hkv
+        q = linear(x, self.q_proj.weight, invariant).view(n, self.n_heads, d)
+        k = linear(x, self.k_proj.weight, invariant).view(n, hkv, d)
+        v = linear(x, self.v_proj.weight, invariant).view(n, hkv, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer, plan.slots, k, v)
+        # Query head h = j * G + i uses KV head j (HF's repeat_kv); row n * G + i of KV head j is token n.
+        rows = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, R, D)
+        attend = blocked_attention if invariant else masked_attention
+        out = attend(rows, cache.k[self.layer], cache.v[self.layer], plan)  # (Hkv, R, D)
+        out = out.to(x.dtype).view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, self.n_heads * d)
+        return linear(out, self.o_proj.weight, invariant)
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache, plan, invariant):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, plan, invariant)
+        return x + self.mlp(self.post_attention_layernorm(x), invariant)
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack, named `model` inside `Llama` as in HF checkpoints."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig, invariant: bool = True):
+        super().__init__()
+        self.config = config
+        self.invariant = invariant
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.config, capacity, device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None, cache: KVCache | None = None,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions, segments: (N,). Returns logits (N, vocab), or (len(logits_rows), vocab).
+
+        With no cache, the tokens are one fresh sequence at positions 0 .. N-1. The new tokens are written
+        into the cache; each token attends to what the segment rule lets it see, this call's tokens included.
+        """
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D (packed), got shape {tuple(tokens.shape)}")
+        n = tokens.shape[0]
+        if cache is None:
+            cache = self.new_cache(n + 1)
+        if segments is None:
+            if cache.segments:
+                raise ValueError("segments are required with a cache that already holds segments")
+            segments = torch.full((n,), cache.new_segment(), dtype=torch.long)
+        if positions is None:
+            positions = torch.arange(n)
+        if positions.shape != tokens.shape or segments.shape != tokens.shape:
+            raise ValueError("tokens, positions and segments must have the same shape (N,)")
+        if n and int(positions.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        g = self.config.num_attention_heads // self.config.num_key_value_heads
+        plan = plan_attention(cache, segments.cpu(), positions.cpu(), g, dense=not self.invariant)
+
+        x = self.model.embed_tokens(tokens.to(self.device))
+        cos, sin = rope_cos_sin(positions.to(self.device), inv_frequencies(self.config), x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, plan, self.invariant)
+        if logits_rows is not None:
+            x = x[logits_rows.to(self.device)]
+        return linear(self.model.norm(x), self.lm_head.weight, self.invariant)
