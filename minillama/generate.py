@@ -1,0 +1,313 @@
+"""Generation on token ids in three modes, sampling, and the `python -m minillama.generate` command.
+
+- `independent`: each prompt alone, prefill then decode. The reference every other mode must match.
+- `parallel` (the parallel-prompting paper): the shared document once, then every question as a child
+  segment of it, all in one packed prefill; each decode step advances every unfinished question of every
+  document in one forward pass. Bit-identical to `independent`, tokens and logits.
+- `seqbatch` (the paper's baseline): one stream, the document, then question 1 and its answer, question 2
+  and its answer, ... Each answer also sees the earlier ones, so it is not expected to match.
+
+Prompts are token ids. Prompts of one document share their longest common token prefix: that prefix is
+the document segment and the rest of each prompt is its question segment (tokenizing the document alone
+could merge tokens differently at the boundary; NOTES.md). Sampling uses one random stream per question,
+seeded from (seed, question index), so sampled answers also agree across modes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .cache import KVCache
+from .model import Llama
+
+MODES = ("parallel", "independent", "seqbatch")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    # Called with a question's generated ids after each token; True stops it (e.g. a stop string).
+    stop: Callable[[list[int]], bool] | None = None
+    keep_logits: bool = False  # keep every step's raw logits row (memory: vocab floats per token)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not (self.temperature >= 0) or self.temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Answer:
+    token_ids: list[int] = field(default_factory=list)  # generated ids, the stop token included
+    logprobs: list[float] = field(default_factory=list)  # log-softmax of the raw logits at each token
+    finish_reason: str = "length"  # "stop" (EOS, stop id or stop callback) or "length"
+    logits: list[torch.Tensor] | None = None  # (vocab,) per step, with keep_logits
+
+
+@dataclass
+class Stats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0  # tokens run through prefill (a shared document counts once)
+    generated_tokens: int = 0
+    forward_passes: int = 0
+    peak_kv_bytes: int = 0
+
+    @property
+    def generate_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+def question_generator(seed: int, index: int) -> torch.Generator:
+    """The random stream of question `index`: the same in every mode."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + index) % (2**63))
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick the next token from one (vocab,) row of raw logits."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))  # first maximal index
+    x = logits.float().cpu() / params.temperature
+    if params.top_k and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True, stable=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_x, dim=-1) >= params.top_p  # keep the smallest set reaching top_p
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator))
+
+
+class _Question:
+    """One question in flight: its segment, the answer so far, and its random stream."""
+
+    def __init__(self, index: int, params: SamplingParams, eos: set[int]):
+        self.index = index
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
+        self.answer = Answer(logits=[] if params.keep_logits else None)
+        self.generator = question_generator(params.seed, index)
+        self.segment = -1
+        self.next_pos = 0
+        self.done = params.max_new_tokens == 0
+
+    def take(self, logits: torch.Tensor, max_positions: int) -> None:
+        """Sample from this step's logits row and record the token."""
+        tok = sample(logits, self.params, self.generator)
+        a = self.answer
+        a.token_ids.append(tok)
+        a.logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[tok]))
+        if a.logits is not None:
+            a.logits.append(logits.detach().cpu().clone())
+        if tok in self.stop_ids or (self.params.stop is not None and self.params.stop(a.token_ids)):
+            a.finish_reason, self.done = "stop", True
+        elif len(a.token_ids) >= self.params.max_new_tokens or self.next_pos >= max_positions:
+            a.finish_reason, self.done = "length", True
+
+
+def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int]]], chunk: int,
+         stats: Stats) -> list[torch.Tensor]:
+    """Run pieces (segment, first position, token ids) through the model, `chunk` tokens per pass at most.
+
+    Returns the logits row of each piece's last token.
+    """
+    toks, segs, poss, last = [], [], [], []
+    for sid, start, ids in pieces:
+        toks.extend(ids)
+        segs.extend([sid] * len(ids))
+        poss.extend(range(start, start + len(ids)))
+        last.append(len(toks) - 1)
+    out: dict[int, torch.Tensor] = {}
+    chunk = max(chunk, 1)
+    for lo in range(0, len(toks), chunk):
+        hi = min(lo + chunk, len(toks))
+        want = [i for i in last if lo <= i < hi]
+        logits = model(torch.tensor(toks[lo:hi]), torch.tensor(poss[lo:hi]), torch.tensor(segs[lo:hi]),
+                       cache, logits_rows=torch.tensor([i - lo for i in want], dtype=torch.long))
+        stats.forward_passes += 1
+        stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.used_bytes())
+        for i, row in zip(want, logits):
+            out[i] = row
+    return [out[i] for i in last]
+
+
+def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
+            on_token: Callable[[int], None] | None) -> None:
+    """Advance every unfinished question by one token per forward pass until all are done."""
+    max_pos = model.config.max_position_embeddings
+    while True:
+        live = [q for q in active if not q.done]
+        if not live:
+            return
+        t0 = time.perf_counter()
+        rows = _run(model, cache, [(q.segment, q.next_pos, [q.answer.token_ids[-1]]) for q in live],
+                    len(live), stats)
+        for q, row in zip(live, rows):
+            q.next_pos += 1
+            q.take(row, max_pos)
+            if q.done:
+                cache.release(q.segment)
+        stats.decode_s += time.perf_counter() - t0
+        stats.generated_tokens += len(live)
+        if on_token:
+            on_token(len(live))
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Longest common token prefix, leaving every prompt at least one token of its own."""
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(max(n, 0)):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return max(n, 0)
+
+
+def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+             mode: str = "parallel", docs: Sequence[int] | None = None, parallel_size: int | None = None,
+             batch_docs: int | None = None, eos_ids: Sequence[int] | None = None, prefill_chunk: int = 512,
+             on_token: Callable[[int], None] | None = None, stats: Stats | None = None) -> list[Answer]:
+    """Answer every prompt (token ids); returns one Answer per prompt, in order.
+
+    docs[i] names the document prompt i belongs to (default: all one document); prompts of one document
+    share their common prefix in parallel mode. parallel_size caps the questions decoded together per
+    document, batch_docs the documents per forward pass (the paper's parallel size and batch size).
+    """
+    params = params or SamplingParams()
+    stats = stats if stats is not None else Stats()
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    if not prompts:
+        return []
+    max_pos = model.config.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        if len(p) >= max_pos:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_pos}")
+    docs = list(docs) if docs is not None else [0] * len(prompts)
+    eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
+    questions = [_Question(i, params, eos) for i in range(len(prompts))]
+
+    if mode == "independent":
+        for q, p in zip(questions, prompts):
+            _prefill_and_decode(model, [(q, p, None)], None, prefill_chunk, stats, on_token)
+    elif mode == "seqbatch":
+        for d in dict.fromkeys(docs):
+            _seqbatch(model, [q for q, dd in zip(questions, docs) if dd == d],
+                      [p for p, dd in zip(prompts, docs) if dd == d], prefill_chunk, stats, on_token)
+    else:
+        order = list(dict.fromkeys(docs))
+        per_batch = batch_docs or len(order)
+        for b in range(0, len(order), per_batch):
+            _parallel(model, prompts, questions, docs, order[b:b + per_batch], parallel_size, prefill_chunk,
+                      stats, on_token)
+    return [q.answer for q in questions]
+
+
+def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int], int]], cache: KVCache | None,
+                        chunk: int, stats: Stats, on_token) -> None:
+    """Prefill each (question, its own token ids, parent segment or None), then decode them together."""
+    cache = cache or model.new_cache()
+    pieces = []
+    for q, ids, parent in work:
+        q.segment = cache.new_segment(parent)
+        start = cache.length(q.segment)
+        pieces.append((q.segment, start, ids))
+        q.next_pos = start + len(ids)
+    t0 = time.perf_counter()
+    live = [(q, piece) for q, piece in zip((w[0] for w in work), pieces) if not q.done]
+    rows = _run(model, cache, [piece for _, piece in live], chunk, stats) if live else []
+    stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
+    for (q, _), row in zip(live, rows):
+        q.take(row, model.config.max_position_embeddings)
+        stats.generated_tokens += 1
+        if q.done:
+            cache.release(q.segment)
+    stats.prefill_s += time.perf_counter() - t0
+    if on_token and live:
+        on_token(len(live))
+    _decode(model, cache, [q for q, _ in live], stats, on_token)
+
+
+def _parallel(model, prompts, questions, docs, batch, parallel_size, chunk, stats, on_token) -> None:
+    cache = model.new_cache()
+    t0 = time.perf_counter()
+    waves: list[list[tuple[_Question, Sequence[int], int]]] = []
+    doc_pieces = []
+    for d in batch:
+        idx = [i for i, dd in enumerate(docs) if dd == d]
+        shared = shared_prefix_length([prompts[i] for i in idx])
+        seg = cache.new_segment()
+        if shared:
+            doc_pieces.append((seg, 0, prompts[idx[0]][:shared]))
+        size = parallel_size or len(idx)
+        for w, lo in enumerate(range(0, len(idx), size)):
+            while len(waves) <= w:
+                waves.append([])
+            waves[w].extend((questions[i], prompts[i][shared:], seg) for i in idx[lo:lo + size])
+    # Documents first (questions attach to their full length), chunked like any prefill.
+    _run(model, cache, doc_pieces, chunk, stats)
+    stats.prompt_tokens += sum(len(p[2]) for p in doc_pieces)
+    stats.prefill_s += time.perf_counter() - t0
+    for wave in waves:
+        _prefill_and_decode(model, wave, cache, chunk, stats, on_token)
+
+
+def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
+    """One stream: shared prefix, then each question's own tokens followed by its generated answer."""
+    cache = model.new_cache()
+    shared = shared_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
+    seg = cache.new_segment()
+    max_pos = model.config.max_position_embeddings
+    pending = list(prompts[0][:shared])
+    for q, p in zip(questions, prompts):
+        pending.extend(p[shared:])
+        if cache.length(seg) + len(pending) >= max_pos:
+            raise ValueError(f"seqbatch stream is longer than the model's context ({max_pos})")
+        t0 = time.perf_counter()
+        if q.done:  # max_new_tokens == 0: nothing to generate, the question still joins the stream
+            continue
+        (row,) = _run(model, cache, [(seg, cache.length(seg), pending)], chunk, stats)
+        stats.prompt_tokens += len(pending)
+        stats.prefill_s += time.perf_counter() - t0
+        q.next_pos = cache.length(seg)
+        q.take(row, max_pos)
+        stats.generated_tokens += 1
+        if on_token:
+            on_token(1)
+        q.segment = seg
+        while not q.done:
+            t0 = time.perf_counter()
+            (row,) = _run(model, cache, [(seg, q.next_pos, [q.answer.token_ids[-1]])], 1, stats)
+            q.next_pos += 1
+            q.take(row, max_pos)
+            stats.decode_s += time.perf_counter() - t0
+            stats.generated_tokens += 1
+            if on_token:
+                on_token(1)
+        pending = [q.answer.token_ids[-1]]  # the last answer token has not been run yet
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    raise SystemExit(main())
