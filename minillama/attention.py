@@ -55,8 +55,12 @@ class AttentionPlan:
 
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
-                   dense: bool = False) -> AttentionPlan:
-    """Allocate cache slots for the new tokens and lay out the blocked attention work."""
+                   n_rows: int, dense: bool = False) -> AttentionPlan:
+    """Allocate cache slots for the new tokens and lay out the blocked attention work.
+
+    `n_rows` >= N is the padded token count the model runs (model.py says why); the query row of padded
+    token n_rows is the dummy row that fills the last tile of each group.
+    """
     device = cache.k.device
     slots = cache.append(segments, positions)
     seg_list = segments.tolist()
@@ -92,14 +96,15 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
             groups.setdefault((owner, b), []).append(members)
 
     # Lay each group out as work items of T query rows against one block of B keys.
-    pos_t = torch.tensor(pos_list + [-1], dtype=torch.long)  # dummy token n has position -1
+    pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
+    pos_t[:n] = positions
     chain_slot_cache: dict[int, torch.Tensor] = {}
     q_rows, k_slots, k_pos, blocks = [], [], [], []
     for (owner, b), members in groups.items():
         tokens = torch.cat(members)
         rows = (tokens[:, None] * G + torch.arange(G)).reshape(-1)  # (r,) rows of these tokens
         pad = (-rows.numel()) % T
-        rows = torch.cat([rows, torch.full((pad,), n * G, dtype=torch.long)]).view(-1, T)
+        rows = torch.cat([rows, torch.full((pad,), n_rows * G, dtype=torch.long)]).view(-1, T)
         if owner not in chain_slot_cache:
             chain_slot_cache[owner] = torch.tensor(cache.chain_slots(owner), dtype=torch.long)
         keys = chain_slot_cache[owner][b * B:(b + 1) * B]
@@ -152,7 +157,10 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     W, T = plan.q_rows.shape
     B = plan.k_slots.shape[1]
     NB = plan.n_blocks
+    # Row r is the dummy; the table gets a whole extra tile of rows so that its size stays a multiple of 64
+    # (no scalar tails in exp below; see model.py).
     q = torch.cat([q.float() * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=torch.float32)], dim=1)
+    r_tab = r + 64
     qw = q[:, plan.q_rows].view(hkv * W, T, d)  # (Hkv*W, T, D)
     kw = k_cache[:, plan.k_slots].float().view(hkv * W, B, d)  # (Hkv*W, B, D)
     vw = v_cache[:, plan.k_slots].float().view(hkv * W, B, d)
@@ -168,13 +176,13 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # Scatter each (row, block) partial into a dense (rows, blocks) table; absent blocks stay empty
     # (m = -inf, l = 0, o = 0), which the merge below treats as an exact identity.
     flat = (plan.q_rows * NB + plan.block[:, None]).reshape(-1)  # (W*T,)
-    M = q.new_full((hkv, (r + 1) * NB), float("-inf"))
-    L = q.new_zeros((hkv, (r + 1) * NB))
-    O = q.new_zeros((hkv, (r + 1) * NB, d))
+    M = q.new_full((hkv, r_tab * NB), float("-inf"))
+    L = q.new_zeros((hkv, r_tab * NB))
+    O = q.new_zeros((hkv, r_tab * NB, d))
     M[:, flat] = m.reshape(hkv, -1)
     L[:, flat] = l.reshape(hkv, -1)
     O[:, flat] = o.reshape(hkv, -1, d)
-    M, L, O = M.view(hkv, r + 1, NB), L.view(hkv, r + 1, NB), O.view(hkv, r + 1, NB, d)
+    M, L, O = M.view(hkv, r_tab, NB), L.view(hkv, r_tab, NB), O.view(hkv, r_tab, NB, d)
 
     # Online-softmax merge in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those.
     # Merging with an empty block returns the other operand bit for bit, so padding NB to a larger power
@@ -186,7 +194,9 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         L = L[..., 0::2] * a + L[..., 1::2] * b
         O = O[..., 0::2, :] * a[..., None] + O[..., 1::2, :] * b[..., None]
         M = mx
-    return O[:, :r, 0] / L[:, :r, 0, None]
+    l_out = L[:, :r, 0, None]
+    # Padded token rows saw nothing (l = 0): give them zeros rather than 0/0.
+    return torch.where(l_out > 0, O[:, :r, 0] / l_out, torch.zeros_like(O[:, :r, 0]))
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,8 @@ class KVCache:
     def length(self, sid: int) -> int:
         """Position the next token of `sid` takes."""
         seg = self.segments[sid]
-        if seg.start is None:
-            return self.segments[seg.parent].end if seg.parent is not None else 0
+        if seg.start is None:  # no tokens yet: it will start where its parent ends
+            return self.length(seg.parent) if seg.parent is not None else 0
         return seg.end
 
     def release(self, sid: int) -> None:

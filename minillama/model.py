@@ -8,7 +8,11 @@ call can prefill a document and all its questions, or advance every unfinished q
     logits = model(tokens, positions, segments, cache)      # tokens, positions, segments: (N,)
 
 Every matrix product goes through `invariant.linear` and attention through the blocked kernel, so each
-token's logits are bit-identical to those of its stand-alone run. `model.invariant = False` swaps in
+token's logits are bit-identical to those of its stand-alone run. One more rule keeps elementwise ops
+honest: CPU kernels compute exp, silu, sin and cos with vector code but finish a tensor's last few elements
+with scalar code, whose results can differ in the last bit. So the N tokens run padded to a multiple of
+ROW_TILE rows (every elementwise tensor then has a multiple of 64 elements and no scalar tail), and RoPE's
+cos and sin come from one table computed once per model. `model.invariant = False` swaps in
 plain `F.linear` and a masked softmax: same mathematics, batch-dependent bits (the negative control).
 """
 
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from .attention import AttentionPlan, blocked_attention, masked_attention, plan_attention
 from .cache import KVCache
 from .config import LlamaConfig
-from .invariant import linear
+from .invariant import ROW_TILE, linear
 from .rope import apply_rope, inv_frequencies, rope_cos_sin
 
 
@@ -73,7 +77,7 @@ class Attention(nn.Module):
         k = linear(x, self.k_proj.weight, invariant).view(n, hkv, d)
         v = linear(x, self.v_proj.weight, invariant).view(n, hkv, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, plan.slots, k, v)
+        cache.write(self.layer, plan.slots, k[:plan.slots.shape[0]], v[:plan.slots.shape[0]])
         # Query head h = j * G + i uses KV head j (HF's repeat_kv); row n * G + i of KV head j is token n.
         rows = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, R, D)
         attend = blocked_attention if invariant else masked_attention
@@ -151,13 +155,26 @@ class Llama(nn.Module):
         if n and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
-        g = self.config.num_attention_heads // self.config.num_key_value_heads
-        plan = plan_attention(cache, segments.cpu(), positions.cpu(), g, dense=not self.invariant)
 
-        x = self.model.embed_tokens(tokens.to(self.device))
-        cos, sin = rope_cos_sin(positions.to(self.device), inv_frequencies(self.config), x.dtype)
+        rows = -(-max(n, 1) // ROW_TILE) * ROW_TILE if self.invariant else n  # padded token count
+        g = self.config.num_attention_heads // self.config.num_key_value_heads
+        plan = plan_attention(cache, segments.cpu(), positions.cpu(), g, rows, dense=not self.invariant)
+        pad = rows - n
+        tokens = F.pad(tokens.to(self.device), (0, pad))
+        positions = F.pad(positions.to(self.device), (0, pad))
+
+        x = self.model.embed_tokens(tokens)  # (rows, hidden)
+        cos, sin = self._rope_table(x.dtype)
+        cos, sin = cos[positions], sin[positions]
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, plan, self.invariant)
-        if logits_rows is not None:
-            x = x[logits_rows.to(self.device)]
+        x = x[:n] if logits_rows is None else x[logits_rows.to(self.device)]
         return linear(self.model.norm(x), self.lm_head.weight, self.invariant)
+
+    def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for every position up to the context length, computed once per device."""
+        key = (self.device, dtype)
+        if getattr(self, "_rope", (None,))[0] != key:
+            positions = torch.arange(self.config.max_position_embeddings, device=self.device)
+            self._rope = (key, rope_cos_sin(positions, inv_frequencies(self.config), dtype))
+        return self._rope[1]

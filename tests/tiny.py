@@ -1,0 +1,56 @@
+"""Tiny random Llama models and packed layouts for the tests."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from minillama.config import LlamaConfig
+from minillama.model import Llama
+
+VOCAB = 61
+
+
+def tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, theta=10000.0, llama3=False, tied=False,
+                vocab=VOCAB, max_pos=2048) -> LlamaConfig:
+    scaling = None
+    if llama3:
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=3 * heads * head_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=tied, max_position_embeddings=max_pos,
+        bos_token_id=1, eos_token_id=2,
+    )
+
+
+def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32) -> Llama:
+    """Random weights, norms included, scaled so that logits are spread out (argmax ties are rare)."""
+    g = torch.Generator().manual_seed(seed)
+    model = Llama(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    return model.to(dtype)
+
+
+@st.composite
+def configs(draw) -> LlamaConfig:
+    kv = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 2, 3]))  # 1: MHA
+    return tiny_config(
+        layers=draw(st.integers(1, 3)), heads=kv * group, kv_heads=kv,
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+        theta=draw(st.sampled_from([10000.0, 500000.0, 100.0])), llama3=draw(st.booleans()),
+        tied=draw(st.booleans()),
+    )
+
+
+def ids(draw, lo: int, hi: int) -> list[int]:
+    return draw(st.lists(st.integers(3, VOCAB - 1), min_size=lo, max_size=hi))
