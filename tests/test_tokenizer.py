@@ -1,0 +1,342 @@
+"""tokenizer.py: each backend tokenizes exactly as its reference, and chat templates render as HF's.
+
+References: sentencepiece itself for tokenizer.model and GGUF `llama` vocabularies; the `tokenizers`
+model a GGUF `gpt2` vocabulary was written from, and HF transformers' GGUF tokenizer; HF
+transformers' `apply_chat_template`. The real SmolLM2 tokenizer is checked in the tests marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from jinja2.exceptions import TemplateError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _ckpt_writers import (CHATML, SPECIALS, byte_bpe_tokenizer, corpus, gguf_tokenizer_metadata,  # noqa: E402
+                           random_state_dict, sentencepiece_model, sp_gguf_tokenizer_metadata, tiny_config,
+                           write_gguf)
+from minillama import tokenizer as T  # noqa: E402
+from minillama.tokenizer import (HFTokenizer, SentencePieceTokenizer, TokenizerError,  # noqa: E402
+                                 load_tokenizer, tokenizer_from_gguf_metadata)
+
+TEXTS = corpus(150, seed=7) + ["", " ", "   leading", "trailing   ", "a\r\nb\n\n\tc", "😀👍🏽👨‍👩‍👧", "0123456789" * 3]
+
+
+def gguf_meta(m: dict) -> dict:
+    """_ckpt_writers' short names -> the tokenizer.ggml.* keys a GGUF file holds."""
+    keys = {"model": "model", "pre": "pre", "tokens": "tokens", "merges": "merges", "scores": "scores",
+            "types": "token_type", "bos": "bos_token_id", "eos": "eos_token_id", "add_bos": "add_bos_token"}
+    out = {f"tokenizer.ggml.{keys[k]}": v for k, v in m.items() if k in keys}
+    if m.get("chat_template"):
+        out["tokenizer.chat_template"] = m["chat_template"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp():
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_proto=sentencepiece_model())
+
+
+# --------------------------------------------------------------------------------------------------
+# sentencepiece
+
+
+def test_sentencepiece_model_tokenizes_as_sentencepiece(sp):
+    tok = SentencePieceTokenizer(sentencepiece_model())
+    for s in TEXTS:
+        assert tok.encode(s) == sp.encode(s), s
+        assert tok.decode(tok.encode(s)) == s
+    assert (tok.bos_id, tok.eos_ids, tok.vocab_size) == (1, [2], 512)
+    assert tok.encode("hello", add_special=True) == [1] + sp.encode("hello")
+
+
+def test_sentencepiece_control_tokens_in_text_become_ids(sp):
+    tok = SentencePieceTokenizer(sentencepiece_model())
+    # Each stretch of text between control tokens is encoded on its own, as HF's Llama tokenizers do.
+    assert tok.encode("<s>the river</s>") == [1, *sp.encode("the river"), 2]
+    assert tok.encode("a<sep>b") == sp.encode("a<sep>b")  # user-defined pieces: sentencepiece's own job
+    assert tok.decode([1, *sp.encode("the river"), 2]) == "<s>the river</s>"
+    assert tok.decode([1, *sp.encode("the river"), 2], skip_special=True) == "the river"
+
+
+def test_gguf_llama_vocabulary_tokenizes_as_sentencepiece(sp, tmp_path):
+    meta = gguf_meta(sp_gguf_tokenizer_metadata(sentencepiece_model()))
+    tok = tokenizer_from_gguf_metadata(meta)
+    assert isinstance(tok, SentencePieceTokenizer)
+    for s in TEXTS:
+        assert tok.encode(s) == sp.encode(s), s
+    assert tok.encode("x", add_special=True)[0] == 1 and tok.eos_ids == [2]
+    # The same through a GGUF file on disk.
+    config = tiny_config(vocab=512)
+    path = write_gguf(tmp_path / "sp.gguf", config, random_state_dict(config),
+                      sp_gguf_tokenizer_metadata(sentencepiece_model()))
+    assert load_tokenizer(path).encode(TEXTS[0]) == sp.encode(TEXTS[0])
+
+
+def test_gguf_llama_vocabulary_without_space_prefix(sp):
+    meta = gguf_meta(sp_gguf_tokenizer_metadata(sentencepiece_model()))
+    tok = tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.add_space_prefix": False})
+    assert sp.id_to_piece(sp.encode("the river")[0]).startswith("\u2581")
+    assert not tok.id_to_token(tok.encode("the river")[0]).startswith("\u2581")
+    assert tok.decode(tok.encode("the river")) == "the river"
+
+
+def test_tiktoken_file_is_refused_clearly(tmp_path):
+    p = tmp_path / "tokenizer.model"
+    p.write_bytes(b"IQ== 0\nIg== 1\nIw== 2\n")
+    with pytest.raises(TokenizerError, match="tokenizer.model: a tiktoken BPE file"):
+        load_tokenizer(p)
+
+
+# --------------------------------------------------------------------------------------------------
+# byte-level BPE
+
+
+def test_gguf_gpt2_vocabulary_tokenizes_as_its_source():
+    src = byte_bpe_tokenizer()
+    tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(src)))
+    assert isinstance(tok, HFTokenizer)
+    for s in TEXTS + ["<|im_start|>user\nhi 12<|im_end|>\n<|endoftext|>"]:
+        assert tok.encode(s) == src.encode(s).ids, s
+        assert tok.decode(tok.encode(s)) == s
+    assert tok.encode("<|im_start|>x<|im_end|>")[::2] == [1, 2]
+    assert (tok.bos_id, tok.eos_ids, tok.chat_template) == (1, [2], CHATML)
+    assert tok.encode("hi", add_special=True) == tok.encode("hi")  # add_bos_token false, as SmolLM2
+
+
+def test_gguf_gpt2_vocabulary_matches_transformers_gguf_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    config = tiny_config(vocab=320)
+    path = write_gguf(tmp_path / "bpe.gguf", config, random_state_dict(config),
+                      gguf_tokenizer_metadata(byte_bpe_tokenizer()))
+    ours, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for s in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
+        assert ours.encode(s) == ref.encode(s, add_special_tokens=False), s
+
+
+def test_add_bos_token_from_gguf_adds_bos():
+    meta = gguf_meta({**gguf_tokenizer_metadata(byte_bpe_tokenizer()), "add_bos": True})
+    tok = tokenizer_from_gguf_metadata(meta)
+    assert tok.encode("hi", add_special=True) == [1, *tok.encode("hi")]
+
+
+def test_llama3_pre_tokenizer_groups_digits_by_three():
+    tok = T.byte_bpe_tokenizer(["a", "b"], [], [1, 1], "llama-bpe", bos_id=None, add_bos=False)
+    assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("12345 ab")] == ["123", "45", "Ġab"]
+
+
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp), applied one after the other: each splits every
+# piece the previous ones left into matches and the text between them.
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+LLAMA_CPP_SPLITS = {
+    "gpt-2": [_GPT2_RE],
+    "smollm": [r"\p{N}", _GPT2_RE],
+    "llama-bpe": [r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+}
+
+
+def llama_cpp_split(text: str, exprs: list[str]) -> list[str]:
+    import regex
+
+    pieces = [text]
+    for expr in exprs:
+        out = []
+        for p in pieces:
+            last = 0
+            for m in regex.finditer(expr, p):
+                out += [p[last:m.start()]] if m.start() > last else []
+                out += [m.group()] if m.end() > m.start() else []
+                last = m.end()
+            out += [p[last:]] if last < len(p) else []
+        pieces = out
+    return pieces
+
+
+@pytest.mark.parametrize("pre", sorted(LLAMA_CPP_SPLITS))
+def test_byte_level_pre_tokenizers_split_text_as_llama_cpp(pre):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_char = bytes_to_unicode()
+    tok = T.byte_bpe_tokenizer(["a"], [], [1], pre, bos_id=None, add_bos=False)
+    for s in real_corpus():
+        got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(s)]
+        want = ["".join(byte_char[b] for b in p.encode()) for p in llama_cpp_split(s, LLAMA_CPP_SPLITS[pre])]
+        assert got == want, s
+
+
+def test_unknown_vocabulary_kinds_are_refused():
+    meta = gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer()))
+    with pytest.raises(TokenizerError, match="unsupported BPE pre-tokenizer 'qwen9'"):
+        tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, "x.gguf")
+    with pytest.raises(TokenizerError, match="x.gguf: unsupported tokenizer type 'rwkv'"):
+        tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.model": "rwkv"}, "x.gguf")
+    with pytest.raises(TokenizerError, match="x.gguf: no tokenizer"):
+        tokenizer_from_gguf_metadata({}, "x.gguf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving, HF directories, chat templates
+
+
+def test_saved_directories_load_back_the_same(tmp_path):
+    for tok, name in [(tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer()))), "bpe"),
+                      (SentencePieceTokenizer(sentencepiece_model(), chat_template=CHATML), "sp")]:
+        d = tmp_path / name
+        d.mkdir()
+        tok.save(d)
+        back = load_tokenizer(d)
+        assert type(back) is type(tok)
+        assert [back.encode(s, add_special=True) for s in TEXTS] == [tok.encode(s, add_special=True) for s in TEXTS]
+        assert (back.bos_id, back.eos_ids, back.chat_template) == (tok.bos_id, tok.eos_ids, tok.chat_template)
+
+
+def test_saved_tokenizer_json_loads_in_transformers_alike(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())))
+    tok.save(tmp_path)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path))
+    for s in TEXTS[:50] + ["<|im_start|>user\nhi<|im_end|>"]:
+        assert tok.encode(s, add_special=True) == ref.encode(s)
+    assert (ref.bos_token, ref.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+    "{% if loop.index0 > 5 %}{% break %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if m.get('meta') %} {{ m['meta'] | tojson }}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant ({{ strftime_now('%Y-%m-%d') }})\n{% endif %}")
+
+
+def test_chat_template_renders_as_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = tokenizer_from_gguf_metadata({**gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())),
+                                        "tokenizer.chat_template": TEMPLATE})
+    tok.save(tmp_path)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Où est « café » ? 🙂", "meta": {"k": ["é", 1]}}]
+    for gen in (True, False):
+        text = tok.apply_chat_template(chat, add_generation_prompt=gen)
+        assert text == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=gen)
+    assert datetime.now().strftime("%Y-%m-%d") in text or not gen
+    assert '{"k": ["é", 1]}' in text
+    ids = tok.encode(tok.apply_chat_template(chat))
+    assert ids[0] == 1 and ids.count(1) == 4 and ids.count(2) == 2
+    with pytest.raises(TemplateError, match="bad role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_chat_template_sources_in_hf_directories(tmp_path):
+    tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())))
+    tok.save(tmp_path)
+    cfg_path = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_tokenizer(tmp_path).chat_template == "D"
+    del cfg["chat_template"]
+    cfg_path.write_text(json.dumps(cfg))
+    assert load_tokenizer(tmp_path).chat_template is None
+    with pytest.raises(TokenizerError, match="no chat template"):
+        load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+    (tmp_path / "chat_template.jinja").write_text("J")
+    assert load_tokenizer(tmp_path).chat_template == "J"
+
+
+def test_eos_ids_gather_every_end_token(tmp_path):
+    tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())))
+    tok.save(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert load_tokenizer(tmp_path).eos_ids == [2, 0]
+
+
+def test_missing_tokenizer_files(tmp_path):
+    with pytest.raises(TokenizerError, match="no tokenizer"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json: not a readable tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# The real SmolLM2 tokenizer
+
+
+def real_corpus() -> list[str]:
+    root = Path(__file__).resolve().parent.parent
+    code = [p.read_text() for p in sorted((root / "minillama").glob("*.py"))]
+    lines = [ln for text in code for ln in text.splitlines(keepends=True)]
+    odd = ["Ünïcödé façade — “quotes” ‘and’ …", "Здравствуй, мир!", "مرحبا بالعالم", "हिन्दी पाठ", "中文，标点。",
+           "한국어 텍스트", "🙂🚀👨‍👩‍👧‍👦🏳️‍🌈👍🏽", "e\u0301 combining", "\u200bzero\u200dwidth", "1234567890123",
+           "3.14159e-10 -42 +7", "0x1F 0b1010", "    four spaces", "\t\ttabs\n\n\n\nnewlines", "a  b   c    d",
+           "\r\nwindows\r\n", "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|><|endoftext|>",
+           "text<|im_end|>text", "<|im_start", "<repo_name>x<file_sep>", "  <|im_start|>  ", "don't I'll WE'RE"]
+    return code + lines[:3000] + corpus(300, seed=11) + odd
+
+
+@pytest.fixture(scope="module")
+def real():
+    from minillama import weights
+
+    d = weights.fetch_default()
+    return d, weights.default_gguf_path()
+
+
+@pytest.mark.slow
+def test_default_tokenizer_matches_transformers_gguf_tokenizer(real):
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    d, gguf_path = real
+    ref = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    as_loaded = ref.backend_tokenizer.pre_tokenizer
+    # transformers builds a GPT-2 tokenizer from this GGUF and does not split digits first, as
+    # llama.cpp's "smollm" pre-tokenizer and SmolLM2's own tokenizer.json do; so a run of blanks before
+    # a digit ("    4") splits differently. Its vocabulary, merges and special tokens are the reference;
+    # its pre-tokenizer is set to SmolLM2's (test_byte_level_pre_tokenizers_split_text_as_llama_cpp
+    # checks ours against llama.cpp's).
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    converted, direct = load_tokenizer(d), load_tokenizer(gguf_path)
+    texts = real_corpus()
+    assert sum(map(len, texts)) > 100_000
+    for s in texts:
+        want = ref.encode(s, add_special_tokens=False)
+        assert converted.encode(s) == want, s
+        assert direct.encode(s) == want, s
+        assert converted.decode(want) == ref.decode(want, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert (converted.bos_id, converted.eos_ids, converted.vocab_size) == (1, [2], 49152)
+    ref.backend_tokenizer.pre_tokenizer = as_loaded
+    import regex
+
+    differ = [s for s in texts if converted.encode(s) != ref.encode(s, add_special_tokens=False)]
+    assert all(regex.search(r"\s\s\p{N}", s) for s in differ), differ[:3]
+
+
+@pytest.mark.slow
+def test_default_chat_template_matches_transformers(real):
+    from transformers import AutoTokenizer
+
+    d, gguf_path = real
+    ref = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok = load_tokenizer(d)
+    for chat in ([{"role": "user", "content": "What is 2+2?"}],
+                 [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi 🙂"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+        text = tok.apply_chat_template(chat)
+        assert text == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False)
+    assert "You are a helpful AI assistant named SmolLM" in tok.apply_chat_template([{"role": "user", "content": "x"}])
