@@ -152,18 +152,19 @@ def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: AttentionPlan) -> torch.Tensor:
-    """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D) in float32."""
+    """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32."""
     hkv, r, d = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
     W, T = plan.q_rows.shape
     B = plan.k_slots.shape[1]
     NB = plan.n_blocks
     # Row r is the dummy; the table gets a whole extra tile of rows so that its size stays a multiple of 64
     # (no scalar tails in exp below; see model.py).
-    q = torch.cat([q.float() * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=torch.float32)], dim=1)
+    q = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1)
     r_tab = r + 64
     qw = q[:, plan.q_rows].view(hkv * W, T, d)  # (Hkv*W, T, D)
-    kw = k_cache[:, plan.k_slots].float().view(hkv * W, B, d)  # (Hkv*W, B, D)
-    vw = v_cache[:, plan.k_slots].float().view(hkv * W, B, d)
+    kw = k_cache[:, plan.k_slots].to(acc).view(hkv * W, B, d)  # (Hkv*W, B, D)
+    vw = v_cache[:, plan.k_slots].to(acc).view(hkv * W, B, d)
 
     # One block: s = q k^T over B keys, max, exp, sum, and the exp-weighted values, all fixed shapes.
     s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, B)
@@ -213,7 +214,8 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     hkv, r, d = q.shape
     g = plan.group_size
     n = r // g
-    qh = q.view(hkv, n, g, d).permute(0, 2, 1, 3).reshape(1, hkv * g, n, d).float()  # (1, H, N, D)
-    out = F.scaled_dot_product_attention(qh, k_cache[None].float(), v_cache[None].float(),
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qh = q.view(hkv, n, g, d).permute(0, 2, 1, 3).reshape(1, hkv * g, n, d).to(acc)  # (1, H, N, D)
+    out = F.scaled_dot_product_attention(qh, k_cache[None].to(acc), v_cache[None].to(acc),
                                          attn_mask=plan.visible, enable_gqa=True)
     return out.view(hkv, g, n, d).permute(0, 2, 1, 3).reshape(hkv, r, d)

@@ -38,8 +38,12 @@ def inv_frequencies(config: LlamaConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (N, D) for N token positions; each row depends on its position alone."""
-    angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]  # (N, D/2)
+    """cos and sin of shape (N, D) for N token positions; each row depends on its position alone.
+
+    Angles are computed in float32 as HF does (float64 for a float64 model).
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    angles = positions.to(work)[:, None] * inv_freq.to(positions.device, work)[None, :]  # (N, D/2)
     emb = torch.cat([angles, angles], dim=-1)  # (N, D): rotate-half pairs i and i + D/2
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

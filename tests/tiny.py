@@ -34,7 +34,7 @@ def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32) -> Llama
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(0.25 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
     return model.to(dtype)

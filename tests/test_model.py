@@ -1,0 +1,90 @@
+"""The model against a textbook float64 forward and against HF transformers; cached decoding."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minillama.model import Llama
+from reference import reference_logits
+from tiny import configs, tiny_config, tiny_model
+
+
+@settings(max_examples=25, deadline=None)
+@given(config=configs(), seed=st.integers(0, 100), n=st.integers(1, 200))
+def test_matches_textbook_float64(config, seed, n):
+    model = tiny_model(config, seed)
+    tokens = torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    expected = reference_logits(model.state_dict(), config, tokens)
+    got32 = model(torch.tensor(tokens)).double()
+    torch.testing.assert_close(got32, expected, atol=1e-4, rtol=1e-4)
+    got64 = model.double()(torch.tensor(tokens))
+    torch.testing.assert_close(got64, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_cached_decoding_equals_recomputation():
+    config = tiny_config(layers=2, heads=6, kv_heads=3, head_dim=16)
+    model = tiny_model(config, 3)
+    tokens = torch.randint(3, config.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
+    full = model(tokens)
+    cache = model.new_cache()
+    seg = cache.new_segment()
+    steps = [model(tokens[:70], torch.arange(70), torch.full((70,), seg), cache)]
+    for i in range(70, 150):  # one token at a time, each seeing only the cache
+        steps.append(model(tokens[i:i + 1], torch.tensor([i]), torch.tensor([seg]), cache))
+    assert torch.equal(torch.cat(steps), full)
+
+
+def test_chunked_prefill_gives_the_same_cache_bits():
+    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
+    model = tiny_model(config, 4)
+    tokens = torch.randint(3, config.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    caches = []
+    for chunk in (300, 64, 37, 1):
+        cache = model.new_cache(400)
+        seg = cache.new_segment()
+        for lo in range(0, 300, chunk):
+            hi = min(lo + chunk, 300)
+            model(tokens[lo:hi], torch.arange(lo, hi), torch.full((hi - lo,), seg), cache)
+        slots = torch.tensor(cache.segments[seg].slots)
+        caches.append((cache.k[:, :, slots], cache.v[:, :, slots]))
+    for k, v in caches[1:]:
+        assert torch.equal(k, caches[0][0]) and torch.equal(v, caches[0][1])
+
+
+def _hf_model(config, model):
+    transformers = pytest.importorskip("transformers")  # a test dependency, installed by .ci/run
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.to_dict().items() if k != "architectures"},
+                                         attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM(hf_config).eval()
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return hf
+
+
+@pytest.mark.parametrize("kw", [
+    dict(heads=4, kv_heads=4, head_dim=16),  # MHA
+    dict(heads=6, kv_heads=2, head_dim=8, theta=500000.0, llama3=True),  # GQA, Llama-3 RoPE scaling
+    dict(heads=9, kv_heads=3, head_dim=8, tied=True, layers=3),  # SmolLM2's head layout, tied head
+])
+def test_matches_hf_transformers(kw):
+    config = tiny_config(**kw, max_pos=512)
+    model = tiny_model(config, 7)
+    hf = _hf_model(config, model)
+    tokens = torch.randint(3, config.vocab_size, (1, 180), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(tokens).logits[0]
+    torch.testing.assert_close(model(tokens[0]), expected, atol=1e-5, rtol=0)
+
+
+def test_forward_rejects_bad_positions_and_segments():
+    model = tiny_model(tiny_config(), 0)
+    cache = model.new_cache()
+    seg = cache.new_segment()
+    model(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([seg, seg]), cache)
+    with pytest.raises(ValueError, match="expects position 2, got 3"):
+        model(torch.tensor([7]), torch.tensor([3]), torch.tensor([seg]), cache)
+    with pytest.raises(KeyError, match="segment 99 does not exist"):
+        model(torch.tensor([7]), torch.tensor([2]), torch.tensor([99]), cache)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(torch.tensor([7]), torch.tensor([5000]), torch.tensor([seg]), model.new_cache())
