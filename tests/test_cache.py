@@ -1,0 +1,52 @@
+"""The KV cache: segment rules, slots, a document stored once."""
+
+import pytest
+import torch
+
+from minillama.cache import PAD_SLOT, KVCache
+from tiny import tiny_config
+
+
+def test_positions_continue_from_parent_and_rules_are_enforced():
+    cache = KVCache(tiny_config(), capacity=8)
+    doc = cache.new_segment()
+    q1, q2 = cache.new_segment(doc), cache.new_segment(doc)
+    cache.append(torch.tensor([doc] * 5), torch.arange(5))
+    assert cache.length(q1) == cache.length(q2) == 5
+    cache.append(torch.tensor([q1, q1, q2]), torch.tensor([5, 6, 5]))
+    assert cache.chain(q1) == [doc, q1]
+    with pytest.raises(ValueError, match="cannot grow after its children"):
+        cache.append(torch.tensor([doc]), torch.tensor([5]))
+    with pytest.raises(ValueError, match="expects position 7, got 9"):
+        cache.append(torch.tensor([q1]), torch.tensor([9]))
+    with pytest.raises(ValueError, match="live children"):
+        cache.release(doc)
+
+
+def test_release_recycles_slots_and_growth_keeps_contents():
+    cache = KVCache(tiny_config(), capacity=4)
+    a = cache.new_segment()
+    slots = cache.append(torch.tensor([a] * 3), torch.arange(3))
+    assert PAD_SLOT not in slots.tolist()
+    cache.k[0][:, slots] = 1.0
+    b = cache.new_segment()
+    more = cache.append(torch.tensor([b] * 10), torch.arange(10))  # grows past capacity
+    assert len(set(slots.tolist() + more.tolist())) == 13
+    assert torch.all(cache.k[0][:, slots] == 1.0) and torch.all(cache.k[:, :, PAD_SLOT] == 0)
+    used = cache.used_bytes()
+    cache.release(b)
+    assert cache.used_bytes() == used * 3 // 13
+    c = cache.new_segment()
+    assert set(cache.append(torch.tensor([c] * 10), torch.arange(10)).tolist()) == set(more.tolist())
+
+
+def test_document_is_stored_once():
+    config = tiny_config()
+    cache = KVCache(config)
+    doc = cache.new_segment()
+    cache.append(torch.tensor([doc] * 100), torch.arange(100))
+    for _ in range(10):
+        q = cache.new_segment(doc)
+        cache.append(torch.tensor([q] * 3), torch.arange(100, 103))
+    per_token = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 2
+    assert cache.used_bytes() == (100 + 10 * 3) * per_token
