@@ -1,0 +1,101 @@
+"""Generation modes and sampling on token ids (parity itself is in test_parity.py)."""
+
+import pytest
+import torch
+
+from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
+from tiny import tiny_config, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8), seed=5)
+
+
+def _prompts(n=5, doc=90, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d = torch.randint(3, 61, (doc,), generator=g).tolist()
+    return [d + torch.randint(3, 61, (int(k),), generator=g).tolist() for k in torch.randint(1, 20, (n,), generator=g)]
+
+
+def test_shared_prefix_leaves_each_prompt_a_token():
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 4]]) == 2
+    assert shared_prefix_length([[1, 2], [1, 2, 3]]) == 1
+    assert shared_prefix_length([[5, 6, 7]]) == 2
+    assert shared_prefix_length([[1], [2]]) == 0
+
+
+def test_finish_reasons_and_stop_rules(model):
+    prompts = _prompts()
+    free = generate(model, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert all(a.finish_reason == "length" and len(a.token_ids) == 12 for a in free)
+    stop_id = free[0].token_ids[4]
+    stopped = generate(model, prompts, SamplingParams(max_new_tokens=12, stop_token_ids=(stop_id,)))
+    a = stopped[0]
+    assert a.finish_reason == "stop" and a.token_ids[-1] == stop_id
+    assert a.token_ids == free[0].token_ids[:len(a.token_ids)]
+    by_fn = generate(model, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, stop=lambda ids: len(ids) == 3))
+    assert all(x.finish_reason == "stop" and len(x.token_ids) == 3 for x in by_fn)
+    assert all(x.token_ids == [] for x in generate(model, prompts, SamplingParams(max_new_tokens=0)))
+
+
+def test_finished_questions_drop_out_of_decode_steps(model):
+    prompts = _prompts(n=4)
+    full = generate(model, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    wanted = [2, 5, 9, 12]  # stop question i after wanted[i] tokens, through the stop callback
+    targets = [a.token_ids[:n] for a, n in zip(full, wanted)]
+    rule = SamplingParams(max_new_tokens=12, ignore_eos=True, stop=lambda ids: ids in targets)
+    counts, stats = [], Stats()
+    answers = generate(model, prompts, rule, on_token=counts.append, stats=stats)
+    assert [len(a.token_ids) for a in answers] == wanted
+    assert counts == [4, 4, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1]  # rows per forward pass shrink as questions finish
+    assert stats.generated_tokens == sum(wanted)
+
+
+def test_sampling_is_seeded_per_question(model):
+    prompts = _prompts()
+    p = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20, top_p=0.9, seed=11, ignore_eos=True)
+    a, b = generate(model, prompts, p), generate(model, prompts[:2], p)
+    assert [x.token_ids for x in a[:2]] == [x.token_ids for x in b]
+    c = generate(model, prompts, SamplingParams(**{**p.__dict__, "seed": 12}))
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_sample_filters():
+    logits = torch.tensor([0.0, 5.0, 4.9, -1.0, 4.8])
+    g = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(), g) == 1
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert picks == {1, 2}
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.3), g) for _ in range(100)}
+    assert picks == {1}
+
+
+def test_seqbatch_answers_in_one_stream(model):
+    prompts = _prompts(n=3)
+    stats = Stats()
+    answers = generate(model, prompts, SamplingParams(max_new_tokens=5, ignore_eos=True), mode="seqbatch",
+                       stats=stats)
+    assert [len(a.token_ids) for a in answers] == [5, 5, 5]
+    alone = generate(model, prompts[:1], SamplingParams(max_new_tokens=5, ignore_eos=True), mode="independent")
+    assert answers[0].token_ids == alone[0].token_ids  # the first answer has seen nothing else
+    assert stats.prompt_tokens == len(prompts[0]) + sum(len(p) - 90 for p in prompts[1:]) + 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_new_tokens=-1), "max_new_tokens"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"),
+])
+def test_bad_sampling_params(bad, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**bad)
+
+
+def test_bad_requests(model):
+    with pytest.raises(ValueError, match="unknown mode"):
+        generate(model, [[1, 2]], mode="fast")
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(model, [[1, 2], []])
+    with pytest.raises(ValueError, match="context is 2048"):
+        generate(model, [[3] * 2048])
