@@ -33,10 +33,12 @@ class Tokenizer:
     """What the rest of minillama needs from a tokenizer. Build one with `load_tokenizer(path)`."""
 
     bos_id: int | None
-    eos_ids: list[int]
+    eos_ids: list[int]  # every id that ends generation (EOS, end-of-turn, ...)
     chat_template: str | None
     bos_token: str | None
     eos_token: str | None
+    add_bos: bool | None  # what encode(text, add_special=True) adds
+    add_eos: bool | None
 
     @property
     def vocab_size(self) -> int:
@@ -256,7 +258,13 @@ class HFTokenizer(Tokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special).ids
+        ids = self._tok.encode(text, add_special_tokens=add_special).ids
+        if add_special and self._tok.post_processor is None:  # then tokenizer_config.json decides
+            if self.add_bos and self.bos_id is not None:
+                ids.insert(0, self.bos_id)
+            if self.add_eos and self.eos_ids:
+                ids.append(self.eos_ids[0])
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

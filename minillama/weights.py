@@ -387,9 +387,11 @@ def _read_meta_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
     except (KeyError, TypeError, ValueError) as e:
         raise WeightsError(f"{d / 'params.json'}: {e}") from None
     config.tie_word_embeddings = "output.weight" not in raw
-    if (d / "tokenizer.model").exists():
+    try:  # BOS/EOS ids live in the tokenizer; the weights load without one (load_model will ask)
         tok = load_tokenizer(d / "tokenizer.model")
         config.bos_token_id, config.eos_token_id = tok.bos_id, (tok.eos_ids[0] if tok.eos_ids else None)
+    except WeightsError:
+        config.bos_token_id = config.eos_token_id = None
     sd = {}
     for key, t in raw.items():
         name = map_name(key, META_NAMES, d)
@@ -515,6 +517,13 @@ def llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float
     raise WeightsError(f"{source}: rope_freqs.weight does not follow Llama 3 RoPE scaling; not supported")
 
 
+def _rope_factors(reader: Any) -> np.ndarray | None:
+    from gguf.quants import dequantize
+
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else dequantize(t.data, t.tensor_type).reshape(-1)
+
+
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
     """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file."""
     from gguf.quants import dequantize
@@ -526,10 +535,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]
         if t.tensor_type not in supported:
             raise WeightsError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
                                f"(supported: {', '.join(sorted(q.name for q in supported))})")
-    names = {t.name for t in reader.tensors}
-    rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    rope_factors = None if rope is None else dequantize(rope.data, rope.tensor_type).reshape(-1)
-    config = gguf_config(meta, names, path, rope_factors)
+    config = gguf_config(meta, {t.name for t in reader.tensors}, path, _rope_factors(reader))
     sd: StateDict = {}
     for t in reader.tensors:
         name = map_name(t.name, GGUF_NAMES, path)
@@ -630,8 +636,15 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     """Model and tokenizer of a checkpoint: an HF or Meta directory or a .gguf file. Without a path,
     the default model (SmolLM2-135M-Instruct), fetched and converted on first use."""
     path = fetch_default() if path is None else Path(path)
-    config, sd = load_state_dict(path)
-    tok = load_tokenizer(path)
+    if detect_format(path) == "gguf":  # read the file once: the tokenizer is in its metadata
+        config, sd, meta = read_gguf(path)
+        try:
+            tok = tokenizer_from_gguf_metadata(meta, str(path))
+        except TokenizerError as e:
+            raise WeightsError(str(e)) from None
+    else:
+        config, sd = load_state_dict(path)
+        tok = load_tokenizer(path)
     return build_model(config, sd, device, dtype), tok
 
 
@@ -649,7 +662,7 @@ def info(path: str | Path) -> dict[str, Any]:
         meta = gguf_metadata(reader)
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
-        config = gguf_config(meta, {t.name for t in reader.tensors}, p)
+        config = gguf_config(meta, {t.name for t in reader.tensors}, p, _rope_factors(reader))
         n_tensors = len(reader.tensors)
         try:
             tok: Tokenizer | None = tokenizer_from_gguf_metadata(meta, str(p))

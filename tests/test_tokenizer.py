@@ -128,6 +128,11 @@ def test_add_bos_token_from_gguf_adds_bos():
     assert tok.encode("hi", add_special=True) == [1, *tok.encode("hi")]
 
 
+def test_add_bos_token_from_tokenizer_config_when_tokenizer_json_has_no_post_processor():
+    tok = HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"], add_bos=True)
+    assert tok.encode("hi", add_special=True) == [1, *tok.encode("hi")]
+
+
 def test_llama3_pre_tokenizer_groups_digits_by_three():
     tok = T.byte_bpe_tokenizer(["a", "b"], [], [1, 1], "llama-bpe", bos_id=None, add_bos=False)
     assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("12345 ab")] == ["123", "45", "Ġab"]
