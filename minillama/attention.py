@@ -14,8 +14,8 @@ a document never sees its questions; unrelated prompts (separate roots) never se
 Why not one masked softmax over the packed sequence: a reduction over a longer row with -inf holes uses
 another summation order than the reduction over the question's own prompt, and the last bits differ
 (NOTES.md). Instead each query's keys are taken in *logical* order (its chain, by position) and cut into
-blocks at positions 0, B, 2B, ...; each block is reduced with fixed-shape kernels, and the blocks are merged
-by online softmax in a fixed binary tree over block index. All of this depends only on the query's own
+blocks at positions 0, B, 2B, ...; each block is reduced with fixed-shape kernels against the row's exact
+maximum, and the blocks' sums are added in a fixed binary tree over block index. All of this depends only on the query's own
 logical sequence, so a question gets the same bits packed with a thousand others as alone.
 
 Sharing (Hydragen): all queries that see block b of the same owner segment (say, the 64 questions of a
@@ -34,7 +34,22 @@ import torch.nn.functional as F
 from .cache import PAD_SLOT, KVCache
 
 KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
-QUERY_TILE = 16  # T: query rows per matrix product
+# T: query rows per matrix product. A query sees every key of the blocks before its own ("full" blocks,
+# shared by many queries: big tiles) and some keys of the block holding its position ("partial": small
+# tiles, as often only one token's G heads need it). Which kind a (query, block) pair is depends only on
+# the query's position, never on the batch, so each pair always meets the same kernel shape.
+FULL_TILE = 64
+PARTIAL_TILE = 8
+
+
+@dataclass
+class WorkItems:
+    """Work item w multiplies query rows q_rows[w] by the keys in k_slots[w] (one fixed tile shape)."""
+
+    q_rows: torch.Tensor  # (W, T) row index into the R query rows; R is the dummy (padding) row
+    k_slots: torch.Tensor  # (W, B) cache slots, PAD_SLOT where the block has no key
+    mask: torch.Tensor | None  # (W, T, B) visible(query row, key); None: all visible (full blocks)
+    block: torch.Tensor  # (W,) block index b of the work item's keys
 
 
 @dataclass
@@ -44,11 +59,7 @@ class AttentionPlan:
     slots: torch.Tensor  # (N,) cache slot of each new token
     positions: torch.Tensor  # (N,)
     group_size: int  # G
-    # Blocked kernel: work item w multiplies query rows q_rows[w] by the keys in k_slots[w].
-    q_rows: torch.Tensor  # (W, T) row index into the R query rows; R is the dummy (padding) row
-    k_slots: torch.Tensor  # (W, B) cache slots, PAD_SLOT where the block has no key
-    mask: torch.Tensor  # (W, T, B) visible(query row, key)
-    block: torch.Tensor  # (W,) block index b of the work item's keys
+    items: list[WorkItems]  # one list per tile shape
     n_blocks: int  # NB: a power of two >= every row's block count
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
@@ -66,7 +77,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     seg_list = segments.tolist()
     pos_list = positions.tolist()
     n = len(seg_list)
-    B, T, G = KEY_BLOCK, QUERY_TILE, group_size
+    B, G = KEY_BLOCK, group_size
 
     # New tokens of each segment, in position order (append checked they are consecutive).
     by_seg: dict[int, list[int]] = {}
@@ -99,26 +110,37 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
     pos_t[:n] = positions
     chain_slot_cache: dict[int, torch.Tensor] = {}
-    q_rows, k_slots, k_pos, blocks = [], [], [], []
+    tiles = {FULL_TILE: ([], [], [], []), PARTIAL_TILE: ([], [], [], [])}  # T -> rows, keys, key pos, block
     for (owner, b), members in groups.items():
         tokens = torch.cat(members)
-        rows = (tokens[:, None] * G + torch.arange(G)).reshape(-1)  # (r,) rows of these tokens
-        pad = (-rows.numel()) % T
-        rows = torch.cat([rows, torch.full((pad,), n_rows * G, dtype=torch.long)]).view(-1, T)
         if owner not in chain_slot_cache:
             chain_slot_cache[owner] = torch.tensor(cache.chain_slots(owner), dtype=torch.long)
         keys = chain_slot_cache[owner][b * B:(b + 1) * B]
         keys = torch.cat([keys, torch.full((B - keys.numel(),), PAD_SLOT, dtype=torch.long)])
         kp = torch.arange(b * B, b * B + B)
         kp[(keys == PAD_SLOT)] = torch.iinfo(torch.long).max  # padding is never visible
-        q_rows.append(rows)
-        k_slots.append(keys.expand(rows.shape[0], B))
-        k_pos.append(kp.expand(rows.shape[0], B))
-        blocks.append(torch.full((rows.shape[0],), b, dtype=torch.long))
-    q_rows_t = torch.cat(q_rows)
-    k_pos_t = torch.cat(k_pos)
-    row_pos = pos_t[torch.div(q_rows_t, G, rounding_mode="floor")]  # (W, T)
-    mask = k_pos_t[:, None, :] <= row_pos[:, :, None]  # (W, T, B)
+        full = pos_t[tokens] >= b * B + B - 1
+        for tile, part in ((FULL_TILE, tokens[full]), (PARTIAL_TILE, tokens[~full])):
+            if not part.numel():
+                continue
+            rows = (part[:, None] * G + torch.arange(G)).reshape(-1)  # (r,) query rows of these tokens
+            pad = (-rows.numel()) % tile
+            rows = torch.cat([rows, torch.full((pad,), n_rows * G, dtype=torch.long)]).view(-1, tile)
+            acc = tiles[tile]
+            acc[0].append(rows)
+            acc[1].append(keys.expand(rows.shape[0], B))
+            acc[2].append(kp.expand(rows.shape[0], B))
+            acc[3].append(torch.full((rows.shape[0],), b, dtype=torch.long))
+    items = []
+    for tile, (rows, keys, kpos, blocks) in tiles.items():
+        if not rows:
+            continue
+        rows_t, kpos_t = torch.cat(rows), torch.cat(kpos)
+        mask = None
+        if tile == PARTIAL_TILE:  # full blocks are wholly visible; their dummy rows are zeros, harmless
+            row_pos = pos_t[torch.div(rows_t, G, rounding_mode="floor")]  # (W, T)
+            mask = (kpos_t[:, None, :] <= row_pos[:, :, None]).to(device)  # (W, T, B)
+        items.append(WorkItems(rows_t.to(device), torch.cat(keys).to(device), mask, torch.cat(blocks).to(device)))
     n_blocks_needed = max(pos_list) // B + 1
     n_blocks = 1 << (n_blocks_needed - 1).bit_length()
 
@@ -126,12 +148,8 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     if dense:
         visible = _dense_visibility(cache, chains, seg_list, positions.cpu())
 
-    return AttentionPlan(
-        slots=slots, positions=positions, group_size=G,
-        q_rows=q_rows_t.to(device), k_slots=torch.cat(k_slots).to(device), mask=mask.to(device),
-        block=torch.cat(blocks).to(device), n_blocks=n_blocks,
-        visible=None if visible is None else visible.to(device),
-    )
+    return AttentionPlan(slots=slots, positions=positions, group_size=G, items=items, n_blocks=n_blocks,
+                         visible=None if visible is None else visible.to(device))
 
 
 def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int]]], seg_list: list[int],
@@ -155,46 +173,47 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32."""
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
-    W, T = plan.q_rows.shape
-    B = plan.k_slots.shape[1]
     NB = plan.n_blocks
     # Row r is the dummy; the table gets a whole extra tile of rows so that its size stays a multiple of 64
     # (no scalar tails in exp below; see model.py).
     q = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1)
     r_tab = r + 64
-    qw = q[:, plan.q_rows].view(hkv * W, T, d)  # (Hkv*W, T, D)
-    kw = k_cache[:, plan.k_slots].to(acc).view(hkv * W, B, d)  # (Hkv*W, B, D)
-    vw = v_cache[:, plan.k_slots].to(acc).view(hkv * W, B, d)
 
-    # One block: s = q k^T over B keys, max, exp, sum, and the exp-weighted values, all fixed shapes.
-    s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, B)
-    s = s.masked_fill(~plan.mask, float("-inf"))
-    m = s.amax(dim=-1)  # (Hkv, W, T)
-    e = torch.exp(s - _finite(m)[..., None])  # masked keys: exp(-inf) = 0
-    l = e.sum(dim=-1)
-    o = torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, W, T, d)
+    # Pass 1: scores of every (row, block) pair, and each row's maximum over all its blocks. A maximum
+    # is exact in any order, so scatter_reduce may combine the blocks however it likes.
+    scores = []
+    M = q.new_full((hkv, r_tab), float("-inf"))
+    for it in plan.items:
+        W, T = it.q_rows.shape
+        B = it.k_slots.shape[1]
+        qw = q[:, it.q_rows].view(hkv * W, T, d)  # (Hkv*W, T, D)
+        kw = k_cache[:, it.k_slots].to(acc).view(hkv * W, B, d)  # (Hkv*W, B, D)
+        s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, B)  # q k^T over one block: fixed shapes
+        if it.mask is not None:
+            s.masked_fill_(~it.mask, float("-inf"))
+        M.scatter_reduce_(1, it.q_rows.reshape(1, -1).expand(hkv, -1), s.amax(dim=-1).view(hkv, -1), "amax")
+        scores.append(s)
 
-    # Scatter each (row, block) partial into a dense (rows, blocks) table; absent blocks stay empty
-    # (m = -inf, l = 0, o = 0), which the merge below treats as an exact identity.
-    flat = (plan.q_rows * NB + plan.block[:, None]).reshape(-1)  # (W*T,)
-    M = q.new_full((hkv, r_tab * NB), float("-inf"))
+    # Pass 2: per block, exp(s - row max), its sum and its weighted values, into a (rows, blocks) table.
+    # Blocks a row does not have stay zero.
     L = q.new_zeros((hkv, r_tab * NB))
     O = q.new_zeros((hkv, r_tab * NB, d))
-    M[:, flat] = m.reshape(hkv, -1)
-    L[:, flat] = l.reshape(hkv, -1)
-    O[:, flat] = o.reshape(hkv, -1, d)
-    M, L, O = M.view(hkv, r_tab, NB), L.view(hkv, r_tab, NB), O.view(hkv, r_tab, NB, d)
+    m_safe = _finite(M)
+    for it, s in zip(plan.items, scores):
+        W, T, B = s.shape[1], s.shape[2], s.shape[3]
+        e = s.sub_(m_safe[:, it.q_rows][..., None]).exp_()  # (Hkv, W, T, B); masked keys: exp(-inf) = 0
+        vw = v_cache[:, it.k_slots].to(acc).view(hkv * W, B, d)
+        flat = (it.q_rows * NB + it.block[:, None]).reshape(-1)  # (W*T,) table cells
+        L[:, flat] = e.sum(dim=-1).view(hkv, -1)
+        O[:, flat] = torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, -1, d)
+    L, O = L.view(hkv, r_tab, NB), O.view(hkv, r_tab, NB, d)
 
-    # Online-softmax merge in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those.
-    # Merging with an empty block returns the other operand bit for bit, so padding NB to a larger power
-    # of two, or a longer neighbour in the batch, cannot change a row's result.
-    while M.shape[-1] > 1:
-        m1, m2 = M[..., 0::2], M[..., 1::2]
-        mx = torch.maximum(m1, m2)
-        a, b = torch.exp(m1 - _finite(mx)), torch.exp(m2 - _finite(mx))
-        L = L[..., 0::2] * a + L[..., 1::2] * b
-        O = O[..., 0::2, :] * a[..., None] + O[..., 1::2, :] * b[..., None]
-        M = mx
+    # Sum over blocks in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those.
+    # Blocks past a row's last one are zeros, and x + 0 = x, so padding NB to a larger power of two, or a
+    # longer neighbour in the batch, cannot change a row's result.
+    while L.shape[-1] > 1:
+        L = L[..., 0::2] + L[..., 1::2]
+        O = O[..., 0::2, :] + O[..., 1::2, :]
     l_out = L[:, :r, 0, None]
     # Padded token rows saw nothing (l = 0): give them zeros rather than 0/0.
     return torch.where(l_out > 0, O[:, :r, 0] / l_out, torch.zeros_like(O[:, :r, 0]))

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import KEY_BLOCK, blocked_attention, masked_attention, plan_attention
+from minillama.attention import FULL_TILE, KEY_BLOCK, PARTIAL_TILE, blocked_attention, masked_attention, plan_attention
 from minillama.cache import KVCache
 from tiny import tiny_config
 
@@ -64,13 +64,14 @@ def test_decode_reads_each_document_block_once_for_all_questions():
         cache.append(torch.tensor([q] * 4), torch.arange(doc_len, doc_len + 4))
     plan = plan_attention(cache, torch.tensor(qs), torch.full((40,), doc_len + 4), 3, n_rows=64)
     doc_slots = set(cache.segments[doc].slots)
+    full, partial = plan.items
+    assert full.q_rows.shape[1] == FULL_TILE and partial.q_rows.shape[1] == PARTIAL_TILE
     for b in range(5):
-        items = (plan.block == b)
-        rows = plan.q_rows[items]
-        # All 40 questions' 3 query heads, in ceil(120 / tile) tiles against the same key block.
-        assert set(rows[rows < 64 * 3].tolist()) == set(range(120))
-        assert all(set(k.tolist()) <= doc_slots for k in plan.k_slots[items])
-        assert len({tuple(k.tolist()) for k in plan.k_slots[items]}) == 1
-    # The block holding each question's own tokens is that question's alone.
-    own = plan.k_slots[plan.block == 5]
-    assert own.shape[0] == 40
+        items = full.block == b
+        rows = full.q_rows[items]
+        # All 40 questions' 3 query heads, in ceil(120 / 64) = 2 tiles against the same key block.
+        assert rows.shape[0] == 2 and set(rows[rows < 64 * 3].tolist()) == set(range(120))
+        assert len({tuple(k.tolist()) for k in full.k_slots[items]}) == 1
+        assert set(full.k_slots[items][0].tolist()) <= doc_slots
+    # The block holding each question's own tokens is that question's alone, in a small tile.
+    assert (full.block < 5).all() and (partial.block == 5).all() and partial.q_rows.shape[0] == 40
