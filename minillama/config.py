@@ -65,7 +65,15 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        out = {k: v for k, v in d.items() if k in names}
+        # transformers 5 writes RoPE settings as one `rope_parameters` dict (theta included).
+        rope = d.get("rope_parameters")
+        if isinstance(rope, dict):
+            if "rope_theta" in rope:
+                out["rope_theta"] = rope["rope_theta"]
+            if rope.get("rope_type", "default") != "default":
+                out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        return cls(**out)
 
     @classmethod
     def from_hf_json(cls, path: str | Path) -> "LlamaConfig":

@@ -42,3 +42,15 @@ def test_llama3_scaling_matches_hf():
     plain = inv_frequencies(tiny_config(head_dim=64, heads=2, kv_heads=2, theta=500000.0))
     assert torch.equal(inv_frequencies(config)[:3], plain[:3])  # wavelengths under 64/4 untouched
     assert torch.allclose(inv_frequencies(config)[-1], plain[-1] / 8)  # low ones slowed by the factor
+
+
+def test_config_reads_transformers5_rope_parameters():
+    from minillama.config import LlamaConfig
+
+    c = LlamaConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}})
+    assert c.rope_theta == 100000.0 and c.rope_scaling is None
+    c = LlamaConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}})
+    assert c.rope_theta == 5e5 and c.rope_scaling["rope_type"] == "llama3" and "rope_theta" not in c.rope_scaling
