@@ -1,0 +1,32 @@
+"""The oracle: minillama as the reference another backend is checked against.
+
+    python -m minillama.oracle export  -o ref.safetensors          # greedy answers + every step's logits
+    python -m minillama.oracle compare --backend transformers      # HF on the same checkpoint, same tokens
+    python -m minillama.oracle compare --reference ref.safetensors --candidate mine.jsonl
+
+- record.py    what a run answered, step by step: export from minillama, save, load (safetensors, JSONL)
+- backends.py  minillama, HF transformers (eager, fp32; HF directory or GGUF via gguf_file=), llama.cpp;
+               logits and named activations of one token sequence
+- diff.py      per question: first divergent step, logit/logprob errors, top-k overlap, verdict; the layer
+               diff that names the first layer and sub-module out of tolerance
+- __main__.py  the command line
+
+In Python:
+
+    from minillama.oracle import export, run_backend, compare, TransformersBackend
+    ref = export(model, prompts, max_new_tokens=16)
+    results = compare(ref, run_backend(ref, TransformersBackend.load("weights/smollm2-135m-instruct")))
+"""
+
+from .backends import (Activations, Backend, BackendError, LlamaCppBackend, MinillamaBackend, TransformersBackend,
+                       activation_names, load_backend)
+from .diff import (Comparison, LayerDiff, QuestionResult, Tolerances, compare, diff_layers, layer_diff,
+                      report, run_backend)
+from .record import QuestionRecord, Record, RecordError, export, load, save
+
+__all__ = [
+    "Activations", "Backend", "BackendError", "LlamaCppBackend", "MinillamaBackend", "TransformersBackend",
+    "activation_names", "load_backend", "Comparison", "LayerDiff", "QuestionResult", "Tolerances", "compare",
+    "diff_layers", "layer_diff", "report", "run_backend", "QuestionRecord", "Record", "RecordError", "export",
+    "load", "save",
+]

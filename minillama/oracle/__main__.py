@@ -1,0 +1,262 @@
+"""`python -m minillama.oracle`: export a reference run, compare a candidate with it.
+
+    python -m minillama.oracle export -o ref.safetensors [--doc DOC --questions QUESTIONS] [--hidden]
+    python -m minillama.oracle compare --backend transformers [--layers] [--json]
+    python -m minillama.oracle compare --reference ref.safetensors --candidate answers.jsonl
+
+Without --doc/--questions or --prompt-ids, a small built-in document with three questions is used.
+Exit status: 0 when every question passes; 1 when one fails; 2 on bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import torch
+
+from ..generate import MODES
+from ..tokenizer import TokenizerError
+from ..weights import WeightsError, build_model, fetch_default, load_state_dict, load_tokenizer
+from .backends import BACKENDS, BackendError, MinillamaBackend, load_backend
+from .diff import Comparison, Tolerances, compare, diff_hidden, diff_layers, report, run_backend
+from .record import RecordError, Record, export, load, save
+
+EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
+               "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
+               "Lindell works, 40 kilometres up the river.")
+EXAMPLE_QUESTIONS = ["Who designed the Harbour Bridge?", "When did the bridge open?", "How long is the bridge?"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BadInput(Exception):
+    """Reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise BadInput(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m minillama.oracle", allow_abbrev=False,
+                description="minillama as a correctness oracle: export its greedy answers with every step's "
+                            "logits, and compare another backend or a candidate file with them.",
+                epilog="Exit status: 0 when every question passes, 1 when one fails, 2 on bad input.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    e = sub.add_parser("export", help="answer greedily with minillama; write tokens and logits (safetensors + JSON)")
+    c = sub.add_parser("compare", help="compare a backend (run on the reference's tokens) or a candidate file")
+    for s in (e, c):
+        m = s.add_argument_group("reference model and prompts")
+        m.add_argument("--model", "-m", metavar="PATH",
+                       help="HF or Meta directory, or .gguf file (default: the default model, SmolLM2-135M-Instruct)")
+        m.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+        m.add_argument("--dtype", default="float32", choices=DTYPES, help="default: float32")
+        m.add_argument("--doc", metavar="DOC", help="the document: a UTF-8 text file (with --questions)")
+        m.add_argument("--questions", metavar="QUESTIONS", help="one question per line")
+        m.add_argument("--prompt-ids", metavar="FILE.jsonl",
+                       help='prompts as token ids, one JSON list per line (or {"prompt_ids": [...], "doc": 0}); '
+                            "prompts of one doc share their common prefix")
+        m.add_argument("--max-new-tokens", "-n", type=int, default=16, metavar="N", help="default: 16")
+        m.add_argument("--mode", default="parallel", choices=[x for x in MODES if x != "seqbatch"],
+                       help="how minillama schedules the questions; the bits are the same (default: parallel)")
+    e.add_argument("--output", "-o", required=True, metavar="OUT.safetensors",
+                   help="the record; the manifest goes to OUT.json beside it")
+    e.add_argument("--hidden", action="store_true", help="also every layer's hidden states (embeddings + blocks)")
+    src = c.add_argument_group("what to compare")
+    src.add_argument("--reference", metavar="REF.safetensors",
+                     help="a record from `export` (default: run minillama now on --model and the prompts)")
+    src.add_argument("--backend", choices=list(BACKENDS),
+                     help="run this backend on the reference's prompts and answers (teacher forcing)")
+    src.add_argument("--backend-model", metavar="PATH",
+                     help="the checkpoint the backend loads (default: the reference's model; a .gguf file "
+                          "loads through transformers' own GGUF reader)")
+    src.add_argument("--candidate", metavar="FILE",
+                     help="a candidate's answers: .safetensors (export's layout) or .jsonl, one object per "
+                          'question: {"token_ids": [...], "logprobs": [...], "logits": [[...]]}')
+    src.add_argument("--layers", action="store_true",
+                     help="also compare layer by layer and name the first sub-module out of tolerance (with "
+                          "--backend: both models run again; with --candidate: the hidden states both files hold)")
+    t = c.add_argument_group("tolerances (elementwise: |cand - ref| <= atol + rtol * |ref|)")
+    d = Tolerances()
+    t.add_argument("--atol", type=float, default=d.atol, help=f"logits (default: {d.atol:g})")
+    t.add_argument("--rtol", type=float, default=d.rtol, help=f"logits (default: {d.rtol:g})")
+    t.add_argument("--logprob-atol", type=float, default=d.logprob_atol, help=f"default: {d.logprob_atol:g}")
+    t.add_argument("--logprob-rtol", type=float, default=d.logprob_rtol, help=f"default: {d.logprob_rtol:g}")
+    t.add_argument("--layer-rtol", type=float, default=d.layer_rtol,
+                   help=f"activations: max|err| <= this * max|ref| (default: {d.layer_rtol:g})")
+    t.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k overlap reported (default: {d.top_k})")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    return p
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    return Path(args.model) if args.model else fetch_default()
+
+
+def _load_reference_model(path: Path, args: argparse.Namespace):
+    config, sd = load_state_dict(path)
+    return build_model(config, sd, args.device, DTYPES[args.dtype])
+
+
+def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
+    """Prompt ids, document of each, question texts and EOS ids, from the arguments."""
+    if args.prompt_ids:
+        if args.doc or args.questions:
+            raise BadInput("give --prompt-ids or --doc/--questions, not both")
+        prompts, docs = [], []
+        try:
+            lines = Path(args.prompt_ids).read_text().splitlines()
+        except OSError as e:
+            raise BadInput(f"{args.prompt_ids}: {e.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                ids = obj["prompt_ids"] if isinstance(obj, dict) else obj
+                doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
+                ids = [int(i) for i in ids]
+            except (ValueError, KeyError, TypeError):
+                raise BadInput(f"{args.prompt_ids}:{n}: expected a JSON list of token ids or "
+                               '{"prompt_ids": [...], "doc": 0}') from None
+            if not ids or min(ids) < 0 or max(ids) >= config.vocab_size:
+                raise BadInput(f"{args.prompt_ids}:{n}: token ids must be in 0 .. {config.vocab_size - 1}")
+            prompts.append(ids)
+            docs.append(doc)
+        if not prompts:
+            raise BadInput(f"{args.prompt_ids}: no prompts")
+        return {"prompts": prompts, "docs": docs, "questions": None, "eos_ids": None}
+    if bool(args.doc) != bool(args.questions):
+        raise BadInput("--doc and --questions go together")
+    if args.doc:
+        try:
+            doc = Path(args.doc).read_text()
+            questions = [q.strip() for q in Path(args.questions).read_text().splitlines() if q.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadInput(f"cannot read the document or questions: {e}") from None
+        if not questions:
+            raise BadInput(f"{args.questions}: no questions")
+    else:
+        doc, questions = EXAMPLE_DOC, EXAMPLE_QUESTIONS
+    from ..api import build_prompts
+
+    tok = load_tokenizer(path)
+    prompts, docs, _ = build_prompts(tok, [(doc, questions)])
+    eos = list(dict.fromkeys([*tok.eos_ids, *config.eos_token_ids]))
+    return {"prompts": prompts, "docs": docs, "questions": questions, "eos_ids": eos}
+
+
+def _make_reference(args: argparse.Namespace, hidden: bool = False):
+    if args.max_new_tokens < 1:
+        raise BadInput("--max-new-tokens must be at least 1")
+    path = _model_path(args)
+    model = _load_reference_model(path, args)
+    p = _prompts(args, path, model.config)
+    rec = export(model, p["prompts"], docs=p["docs"], max_new_tokens=args.max_new_tokens, mode=args.mode,
+                 eos_ids=p["eos_ids"], hidden=hidden, questions=p["questions"], model_path=str(path))
+    return rec, model
+
+
+def _describe_reference(rec: Record) -> str:
+    m = rec.manifest
+    parts = [m.get("backend", "minillama"), f"{m.get('mode', '?')} mode, greedy"]
+    if (m.get("model") or {}).get("path"):
+        parts.append(m["model"]["path"])
+    if m.get("minillama_commit"):
+        parts.append(f"commit {m['minillama_commit'][:12]}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    if out.suffix != ".safetensors":
+        raise BadInput(f"{out}: the record is a .safetensors file")
+    rec, _ = _make_reference(args, hidden=args.hidden)
+    mpath = save(rec, out)
+    for i, q in enumerate(rec.questions):
+        print(f"q{i + 1}: {len(q.prompt_ids)} prompt tokens -> {len(q.token_ids)} tokens ({q.finish_reason}): "
+              f"{q.token_ids}")
+    print(f"wrote {out} and {mpath}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if bool(args.backend) == bool(args.candidate):
+        raise BadInput("give one of --backend or --candidate")
+    if args.layers and args.backend and not BACKENDS[args.backend].supports_activations:
+        raise BadInput(f"--layers: the {args.backend} backend gives no layer-by-layer activations")
+    tol = Tolerances(args.atol, args.rtol, args.logprob_atol, args.logprob_rtol, args.layer_rtol, args.top_k)
+    if min(tol.atol, tol.rtol, tol.logprob_atol, tol.logprob_rtol, tol.layer_rtol) < 0 or tol.top_k < 1:
+        raise BadInput("tolerances must be >= 0 and --top-k >= 1")
+    model = None
+    if args.reference:
+        if args.doc or args.questions or args.prompt_ids:
+            raise BadInput("--reference already holds the prompts; drop --doc/--questions/--prompt-ids")
+        ref = load(args.reference)
+    else:
+        ref, model = _make_reference(args)
+    ref_path = args.model or (ref.manifest.get("model") or {}).get("path")
+    if args.backend:
+        backend_path = args.backend_model or ref_path
+        if backend_path is None:
+            raise BadInput("the reference names no model; give --backend-model")
+        backend = load_backend(args.backend, backend_path, args.device, DTYPES[args.dtype])
+        cand = run_backend(ref, backend)
+    else:
+        cand = load(args.candidate)
+        made_by = cand.manifest.get("backend")
+        cand.manifest["describe"] = f"{args.candidate} ({made_by})" if made_by else args.candidate
+    results = compare(ref, cand, tol)
+    if args.layers and args.candidate:
+        for r, d in zip(results, diff_hidden(ref, cand, tol)):
+            r.layers = d
+    elif args.layers:
+        if model is None:
+            if ref_path is None:
+                raise BadInput("the reference names no model; give --model for --layers")
+            model = _load_reference_model(Path(ref_path), args)
+        for r, d in zip(results, diff_layers(ref, MinillamaBackend(model), backend, tol)):
+            r.layers = d
+    c = Comparison({"describe": _describe_reference(ref), **{k: v for k, v in ref.manifest.items()
+                                                           if k in ("model", "versions", "minillama_commit")}},
+                   {"describe": cand.manifest.get("describe", "")}, tol, results)
+    print(json.dumps(c.to_json(), indent=1) if args.json else report(c))
+    return 0 if c.passed else 1
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BadInput(f"--device {name}: not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput(f"--device {name}: no CUDA device here")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        _check_device(args.device)
+        return cmd_export(args) if args.cmd == "export" else cmd_compare(args)
+    except (BadInput, RecordError, BackendError, WeightsError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # generate() and the config reject bad values with ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

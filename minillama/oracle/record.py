@@ -1,0 +1,267 @@
+"""Records: what a run answered, step by step, in a file another backend can be checked against.
+
+A record holds, per question, the prompt's token ids, the generated ids, and (when known) the raw logits
+row and the log-probability of every generated token; a reference record may also hold the hidden states
+of every layer. One safetensors file holds it all:
+
+    q{i}.token_ids   (steps,)            int64    generated ids, the stop token included
+    q{i}.logits      (steps, vocab)      float32  raw logits at each step (before sampling)
+    q{i}.logprobs    (steps,)            float32  log-softmax of the logits at each chosen token
+    q{i}.prompt_ids  (prompt,)           int64    the question's complete stand-alone prompt
+    q{i}.hidden      (layers+1, T, hidden) float32  embeddings and each block's output over the prompt and
+                                                  the answer but its last token (export --hidden)
+
+Only `q{i}.token_ids` is required: a backend writes what it has. The manifest (JSON) rides in the file's
+metadata under "minillama-oracle" and is also written beside it as `<name>.json`: model, sampling, dtype,
+device, library versions, the minillama commit, and per question its prompt ids and answer.
+
+A candidate can also come as JSON Lines, one object per question, in order:
+    {"token_ids": [...], "logprobs": [...], "logits": [[...], ...], "prompt_ids": [...]}
+with only "token_ids" required.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import re
+import subprocess
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..generate import Answer, SamplingParams, generate, shared_prefix_length
+from ..model import Llama
+from .backends import MinillamaBackend
+
+FORMAT = "minillama-oracle/1"
+META_KEY = "minillama-oracle"
+JSONL_KEYS = {"token_ids", "logprobs", "logits", "prompt_ids"}
+
+
+class RecordError(Exception):
+    """A record or candidate file that cannot be read or does not fit the reference."""
+
+
+@dataclass
+class QuestionRecord:
+    prompt_ids: list[int] | None
+    token_ids: list[int]
+    logits: torch.Tensor | None = None  # (steps, vocab) float32
+    logprobs: torch.Tensor | None = None  # (steps,) float32
+    hidden: torch.Tensor | None = None  # (layers + 1, T, hidden)
+    shared: int = 0  # leading prompt tokens run as its document's segment (shared with the other questions)
+    doc: int = 0
+    question: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Record:
+    questions: list[QuestionRecord]
+    manifest: dict[str, Any] = field(default_factory=dict)
+    # Candidate logits computed on the reference's tokens (a backend run), not on the candidate's own answer.
+    teacher_forced: bool = False
+
+
+# --------------------------------------------------------------------------------------------------
+# Making a reference record
+
+
+def export(model: Llama, prompts: Sequence[Sequence[int]], *, docs: Sequence[int] | None = None,
+           max_new_tokens: int = 16, mode: str = "parallel", eos_ids: Sequence[int] | None = None,
+           hidden: bool = False, questions: Sequence[str] | None = None,
+           model_path: str | None = None) -> Record:
+    """Answer `prompts` greedily with minillama, keeping every step's logits (and hidden states)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, keep_logits=True)
+    answers = generate(model, prompts, params, mode=mode, docs=docs, eos_ids=eos_ids)
+    docs = list(docs) if docs is not None else [0] * len(prompts)
+    # The document segment of each document, as generate() cuts it in parallel mode.
+    shared = {d: shared_prefix_length([p for p, dd in zip(prompts, docs) if dd == d]) for d in set(docs)}
+    vocab = model.config.vocab_size
+    out = [_question(p, a, vocab, shared[d], d, questions[i] if questions is not None else None)
+           for i, (p, a, d) in enumerate(zip(prompts, answers, docs))]
+    if hidden:
+        backend = MinillamaBackend(model)
+        for q in out:
+            acts = backend.activations(q.prompt_ids + q.token_ids[:-1]).tensors
+            n = model.config.num_hidden_layers
+            q.hidden = torch.stack([acts["embed"]] + [acts[f"layers.{i}"] for i in range(n)])
+    manifest = {
+        "format": FORMAT,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"path": model_path, "config": model.config.to_dict()},
+        "backend": MinillamaBackend(model).describe(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
+        "mode": mode,
+        "sampling": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                     "eos_ids": None if eos_ids is None else list(eos_ids)},
+        "versions": versions(),
+        "minillama_commit": git_commit(),
+        "hidden_states": "embeddings, then each block's output" if hidden else None,
+    }
+    return Record(out, manifest)
+
+
+def _question(prompt: Sequence[int], a: Answer, vocab: int, shared: int, doc: int,
+              text: str | None) -> QuestionRecord:
+    logits = torch.stack(a.logits).float() if a.logits else torch.zeros(0, vocab)
+    return QuestionRecord(list(prompt), list(a.token_ids), logits, torch.tensor(a.logprobs, dtype=torch.float32),
+                          shared=shared, doc=doc, question=text, finish_reason=a.finish_reason)
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("minillama", "torch", "numpy", "safetensors", "tokenizers", "gguf", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_commit() -> str | None:
+    """The commit of the minillama checkout this code runs from, "+dirty" with uncommitted changes."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return None
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+
+
+def manifest_path(path: str | Path) -> Path:
+    return Path(path).with_suffix(".json")
+
+
+def save(record: Record, path: str | Path) -> Path:
+    """Write `path` (safetensors) and the manifest beside it; returns the manifest's path."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for i, q in enumerate(record.questions):
+        tensors[f"q{i}.token_ids"] = torch.tensor(q.token_ids, dtype=torch.int64)
+        if q.prompt_ids is not None:
+            tensors[f"q{i}.prompt_ids"] = torch.tensor(q.prompt_ids, dtype=torch.int64)
+        for name in ("logits", "logprobs", "hidden"):
+            t = getattr(q, name)
+            if t is not None:
+                tensors[f"q{i}.{name}"] = t.float().contiguous()
+    manifest = dict(record.manifest)
+    manifest["questions"] = [
+        {"prompt_ids": q.prompt_ids, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
+         "doc": q.doc, "shared": q.shared, "question": q.question} for q in record.questions]
+    save_file(tensors, str(path), metadata={META_KEY: json.dumps(manifest)})
+    # Indented for reading, but each list of token ids kept on one line.
+    text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), json.dumps(manifest, indent=1))
+    mpath = manifest_path(path)
+    mpath.write_text(text + "\n")
+    return mpath
+
+
+def load(path: str | Path) -> Record:
+    """A record from a safetensors file or a JSON Lines candidate file."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecordError(f"{p}: no such file")
+    if p.suffix in (".jsonl", ".json"):
+        return _load_jsonl(p)
+    return _load_safetensors(p)
+
+
+def _load_safetensors(p: Path) -> Record:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise RecordError(f"{p}: not a readable safetensors file ({e})") from None
+    manifest = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+    described = manifest.get("questions") or []
+    count = 0
+    while f"q{count}.token_ids" in tensors:
+        count += 1
+    if count == 0:
+        raise RecordError(f"{p}: no q0.token_ids tensor (see `python -m minillama.oracle --help` for the layout)")
+    known = {f"q{i}.{k}" for i in range(count) for k in ("token_ids", "prompt_ids", "logits", "logprobs", "hidden")}
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise RecordError(f"{p}: unknown tensor {unknown[0]!r} (expected q<i>.token_ids, .logits, .logprobs, "
+                          f".prompt_ids, .hidden for questions 0 .. {count - 1})")
+    questions = []
+    for i in range(count):
+        d = described[i] if i < len(described) else {}
+        prompt = tensors.get(f"q{i}.prompt_ids")
+        q = QuestionRecord(
+            prompt_ids=prompt.tolist() if prompt is not None else d.get("prompt_ids"),
+            token_ids=tensors[f"q{i}.token_ids"].tolist(),
+            logits=_float(tensors.get(f"q{i}.logits")), logprobs=_float(tensors.get(f"q{i}.logprobs")),
+            hidden=_float(tensors.get(f"q{i}.hidden")), shared=d.get("shared", 0), doc=d.get("doc", 0),
+            question=d.get("question"), finish_reason=d.get("finish_reason"))
+        _check_question(q, f"{p}: question {i + 1}")
+        questions.append(q)
+    manifest.pop("questions", None)
+    return Record(questions, manifest)
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def _load_jsonl(p: Path) -> Record:
+    questions = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise RecordError(f"{where}: not JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise RecordError(f"{where}: expected an object with token_ids")
+        unknown = sorted(set(obj) - JSONL_KEYS)
+        if unknown:
+            raise RecordError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(sorted(JSONL_KEYS))})")
+        if "token_ids" not in obj:
+            raise RecordError(f"{where}: token_ids is missing")
+        try:
+            q = QuestionRecord(
+                prompt_ids=[int(t) for t in obj["prompt_ids"]] if obj.get("prompt_ids") is not None else None,
+                token_ids=[int(t) for t in obj["token_ids"]],
+                logits=torch.tensor(obj["logits"], dtype=torch.float32) if obj.get("logits") is not None else None,
+                logprobs=(torch.tensor(obj["logprobs"], dtype=torch.float32)
+                          if obj.get("logprobs") is not None else None))
+        except (TypeError, ValueError) as e:
+            raise RecordError(f"{where}: bad value ({e})") from None
+        _check_question(q, where)
+        questions.append(q)
+    if not questions:
+        raise RecordError(f"{p}: no questions (one JSON object per line)")
+    return Record(questions)
+
+
+def _check_question(q: QuestionRecord, where: str) -> None:
+    steps = len(q.token_ids)
+    if q.logits is not None and (q.logits.dim() != 2 or q.logits.shape[0] != steps):
+        raise RecordError(f"{where}: logits must be (steps, vocab) with one row per token id; got "
+                          f"{tuple(q.logits.shape)} for {steps} token ids")
+    if q.logprobs is not None and tuple(q.logprobs.shape) != (steps,):
+        raise RecordError(f"{where}: logprobs must have one value per token id; got {tuple(q.logprobs.shape)} "
+                          f"for {steps} token ids")

@@ -1,0 +1,454 @@
+"""The oracle: minillama checked against HF transformers, and broken candidates caught and located.
+
+A tiny random model is saved as an HF directory that both minillama and transformers load. Against the
+intact HF model every question passes; against HF models broken the way ports break (one weight perturbed,
+the wrong RoPE theta, Q/K rows left in GGUF order, question tokens one position off) the verdict fails and
+the layer diff names the layer and sub-module where the activations first leave tolerance. The default
+model (marked slow, run in CI) passes against transformers through the command line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from minillama import weights
+from minillama.oracle import (MinillamaBackend, Record, Tolerances, TransformersBackend, activation_names, compare,
+                              export, layer_diff, load, run_backend, save)
+from minillama.oracle.__main__ import main
+from minillama.oracle.backends import BackendError, LlamaCppBackend
+from minillama.oracle.diff import diff_hidden
+from tiny import tiny_config, tiny_model
+
+LAYERS = 3
+DOC = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # the shared document: 10 tokens
+PROMPTS = [DOC + [20, 21], DOC + [30, 31, 32], [40, 41, 42, 43]]
+DOCS = [0, 0, 1]
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    config = tiny_config(layers=LAYERS, heads=4, kv_heads=2, head_dim=8, theta=10000.0)
+    model = tiny_model(config, seed=1)
+    path = tmp_path_factory.mktemp("oracle") / "tiny"
+    weights.save_hf_dir(config, model.state_dict(), None, path)
+    return config, model, path
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    _, model, path = tiny
+    return export(model, PROMPTS, docs=DOCS, max_new_tokens=STEPS, model_path=str(path))
+
+
+@pytest.fixture(scope="module")
+def ref_acts(tiny, ref):
+    """minillama's activations on each question's prompt and answer, for every layer diff."""
+    backend = MinillamaBackend(tiny[1])
+    return [backend.activations(q.prompt_ids + q.token_ids[:-1]) for q in ref.questions]
+
+
+@pytest.fixture(scope="module")
+def hf_intact(tiny):
+    return TransformersBackend.load(tiny[2]).model
+
+
+def hf(intact, theta: float | None = None):
+    """A copy of the HF model to break, with another RoPE theta if asked."""
+    if theta is None:
+        return copy.deepcopy(intact)
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(intact.config)
+    config.rope_parameters["rope_theta"] = theta
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(intact.state_dict())
+    return model.eval()
+
+
+def check(ref: Record, ref_acts, backend, tol: Tolerances | None = None):
+    """Per-question results, each with its layer diff."""
+    tol = tol or Tolerances()
+    results = compare(ref, run_backend(ref, backend), tol)
+    for r, q, acts in zip(results, ref.questions, ref_acts):
+        r.layers = layer_diff(acts, backend.activations(q.prompt_ids + q.token_ids[:-1]), tol)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Against HF transformers
+
+
+def test_transformers_agrees_on_a_tiny_model(tiny, ref, ref_acts):
+    results = check(ref, ref_acts, TransformersBackend.load(tiny[2]))
+    assert [r.passed for r in results] == [True] * len(PROMPTS), [r.reason for r in results]
+    for r in results:
+        assert r.compared == STEPS and r.first_divergence is None and r.top_k_overlap == 1.0
+        assert r.logit_max < 1e-5 and r.logprob_max < 1e-5
+        assert r.layers.first_bad is None
+        assert [row.name for row in r.layers.rows] == activation_names(LAYERS)
+
+
+@pytest.mark.parametrize("module, layer, name, kind", [
+    ("mlp.down_proj", 1, "layers.1.mlp", "MLP"),
+    ("self_attn.o_proj", 2, "layers.2.self_attn", "attention"),
+    ("self_attn.v_proj", 0, "layers.0.self_attn.v_proj", "attention"),
+    ("post_attention_layernorm", 1, "layers.1.post_attention_layernorm", "norm"),
+])
+def test_a_weight_perturbed_in_one_layer_is_located(ref, ref_acts, hf_intact, module, layer, name, kind):
+    broken = hf(hf_intact)
+    with torch.no_grad():
+        broken.get_submodule(f"model.layers.{layer}.{module}").weight.view(-1)[3] += 0.05
+    results = check(ref, ref_acts, TransformersBackend(broken))
+    assert not any(r.passed for r in results)
+    for r in results:
+        assert "out of tolerance" in r.reason
+        bad = r.layers.first_bad
+        assert (bad.layer, bad.kind, bad.name) == (layer, kind, name)
+
+
+def test_a_wrong_rope_theta_is_located(ref, ref_acts, hf_intact):
+    results = check(ref, ref_acts, TransformersBackend(hf(hf_intact, theta=100000.0)))
+    assert not any(r.passed for r in results)
+    for r in results:
+        bad = r.layers.first_bad
+        # Position 0 is not rotated at all: the first token out of tolerance is token 1.
+        assert (bad.name, bad.kind, bad.layer, bad.first_bad_token) == ("layers.0.self_attn.q_rope", "RoPE", 0, 1)
+        assert "rope_theta ~ 1e+05 against the reference's 1e+04" in r.layers.hint
+
+
+def test_a_missing_qk_permutation_is_located(tiny, ref, ref_acts, hf_intact):
+    from _ckpt_writers import half_to_interleaved
+
+    config = tiny[0]
+    broken = hf(hf_intact)
+    with torch.no_grad():  # Q/K rows as a GGUF file stores them, loaded without `interleaved_to_half`
+        for layer in broken.model.layers:
+            q, k = layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight
+            q.copy_(half_to_interleaved(q.clone(), config.num_attention_heads))
+            k.copy_(half_to_interleaved(k.clone(), config.num_key_value_heads))
+    results = check(ref, ref_acts, TransformersBackend(broken))
+    assert not any(r.passed for r in results)
+    for r in results:
+        bad = r.layers.first_bad
+        assert (bad.name, bad.kind, bad.layer, bad.first_bad_token) == ("layers.0.self_attn.q_proj", "attention", 0, 0)
+        assert "interleaved RoPE order" in r.layers.hint
+
+
+def test_question_tokens_one_position_off_are_located(ref, ref_acts, hf_intact):
+    shared = len(DOC)
+    assert [q.shared for q in ref.questions[:2]] == [shared, shared]
+
+    def question_positions_off_by_one(n: int) -> torch.Tensor:  # the document right, its questions one late
+        p = torch.arange(n)
+        p[shared:] += 1
+        return p
+
+    results = check(ref, ref_acts, TransformersBackend(hf(hf_intact), positions=question_positions_off_by_one))
+    for r in results[:2]:
+        assert not r.passed
+        bad = r.layers.first_bad
+        assert (bad.name, bad.kind, bad.layer, bad.first_bad_token) == ("layers.0.self_attn.q_rope", "RoPE", 0, shared)
+        assert f"token {shared} is rotated as the reference rotates token {shared + 1}" in r.layers.hint
+        assert "off by +1" in r.layers.hint
+
+
+# --------------------------------------------------------------------------------------------------
+# Verdicts on candidate answers
+
+
+def candidate(ref: Record, **changes) -> Record:
+    c = copy.deepcopy(ref)
+    c.manifest = {}
+    for q in c.questions:
+        for k, v in changes.items():
+            setattr(q, k, v)
+    return c
+
+
+def test_logit_errors_are_judged_by_the_tolerances(ref):
+    tol = Tolerances(atol=1e-4, rtol=0.0)
+    for delta, passed in ((5e-5, True), (3e-4, False)):
+        c = candidate(ref)
+        c.questions[1].logits[3, 7] += delta
+        results = compare(ref, c, tol)
+        assert [r.passed for r in results] == [True, passed, True]
+        assert results[1].logit_max == pytest.approx(delta, rel=1e-2)
+        if not passed:
+            assert results[1].reason.startswith("logits out of tolerance from step 3")
+
+
+def test_nan_logits_fail(ref):
+    c = candidate(ref)
+    c.questions[0].logits[2, 0] = float("nan")
+    assert not compare(ref, c)[0].passed
+
+
+def test_token_ids_alone_must_agree_exactly(ref):
+    c = candidate(ref, logits=None, logprobs=None)
+    assert all(r.passed for r in compare(ref, c))
+    q = c.questions[0]
+    q.token_ids = q.token_ids[:2] + [(q.token_ids[2] + 1) % 61] + q.token_ids[3:]
+    r = compare(ref, c)[0]
+    assert not r.passed and r.first_divergence == 2 and r.compared == 3
+    assert r.reason.startswith("tokens differ at step 2")
+
+
+def test_logprobs_of_the_chosen_tokens_are_checked(ref):
+    c = candidate(ref, logits=None)
+    assert all(r.passed for r in compare(ref, c))
+    c.questions[2].logprobs[5] -= 1e-2
+    r = compare(ref, c)[2]
+    assert not r.passed and r.logprob_max == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_tokens_may_part_only_at_a_near_tie(ref):
+    step = 4
+    for gap, passed in ((5e-5, True), (1e-2, False)):
+        r_ = copy.deepcopy(ref)
+        q = r_.questions[0]
+        best, other = q.token_ids[step], (q.token_ids[step] + 1) % 61
+        q.logits[step, other] = q.logits[step, best] - gap  # the reference prefers `best` by `gap`
+        parted = q.token_ids[:step] + [other] + [3] * (STEPS - step - 1)  # the candidate picks `other`, goes on
+
+        with_logits = candidate(r_)
+        cq = with_logits.questions[0]
+        cq.logits[step, other] = cq.logits[step, best] + 1e-6
+        cq.logits[step + 1:] += 1.0  # after parting its context differs: those steps are not compared
+        cq.token_ids = parted
+        res = compare(r_, with_logits)[0]
+        assert (res.passed, res.first_divergence, res.compared) == (passed, step, step + 1)
+        if passed:
+            assert any("near tie" in n for n in res.notes)
+        else:
+            assert res.reason.startswith(f"logits out of tolerance from step {step}")
+
+        # With logprobs only, the candidate's logprob of `other` is the reference's own: only the margin
+        # tells a near tie from a wrong choice.
+        with_logprobs = candidate(r_, logits=None)
+        cq = with_logprobs.questions[0]
+        cq.token_ids = parted
+        cq.logprobs[step] = torch.log_softmax(q.logits[step], dim=-1)[other]
+        res = compare(r_, with_logprobs)[0]
+        assert (res.passed, res.first_divergence, res.compared) == (passed, step, step + 1)
+        if not passed:
+            assert res.reason.startswith(f"tokens differ at step {step}") and "more than the tolerances" in res.reason
+
+
+def test_hidden_states_in_two_records_locate_a_layer(tiny):
+    _, model, _ = tiny
+    ref = export(model, PROMPTS[:1], max_new_tokens=4, hidden=True)
+    n = len(PROMPTS[0]) + 4 - 1
+    assert ref.questions[0].hidden.shape == (LAYERS + 1, n, model.config.hidden_size)
+    emb = model.model.embed_tokens.weight[torch.tensor(PROMPTS[0] + ref.questions[0].token_ids[:-1])]
+    assert torch.equal(ref.questions[0].hidden[0], emb)
+    c = copy.deepcopy(ref)
+    c.questions[0].hidden[2] += 0.1  # the output of block 1
+    (d,) = diff_hidden(ref, c, Tolerances())
+    assert d.first_bad.name == "layers.1" and d.first_bad.layer == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Backends
+
+
+def test_transformers_reads_gguf_through_its_own_loader(tmp_path):
+    from _ckpt_writers import byte_bpe_tokenizer, gguf_tokenizer_metadata, random_state_dict, write_gguf
+    from _ckpt_writers import tiny_config as ckpt_config
+
+    config = ckpt_config(vocab=320)
+    path = write_gguf(tmp_path / "m.gguf", config, random_state_dict(config), gguf_tokenizer_metadata(
+        byte_bpe_tokenizer()))
+    model, _ = weights.load_model(path)
+    backend = TransformersBackend.load(path)
+    assert "via gguf_file" in backend.describe()
+    ref = export(model, [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11]], max_new_tokens=6)
+    assert all(r.passed for r in compare(ref, run_backend(ref, backend)))
+
+
+class _FakeLlamaCpp:
+    """Stands in for llama_cpp.Llama: the documented reset / eval / scores API, computed by minillama."""
+
+    model = None
+
+    def __init__(self, model_path, n_ctx, logits_all, verbose):
+        assert logits_all and not verbose
+        self.scores = torch.zeros(n_ctx, self.model.config.vocab_size).numpy()
+        self.ids: list[int] = []
+        self.n_tokens = 0
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):  # appends to the tokens evaluated since the last reset
+        self.ids = self.ids[:self.n_tokens] + list(tokens)
+        self.n_tokens = len(self.ids)
+        self.scores[:self.n_tokens] = self.model(torch.tensor(self.ids)).numpy() + 0.01  # stands for quantization
+
+
+def test_llama_cpp_backend_is_tolerance_based(tiny, ref, tmp_path, monkeypatch):
+    _, model, _ = tiny
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlamaCpp, __version__="fake"))
+    monkeypatch.setattr(_FakeLlamaCpp, "model", model)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    backend = LlamaCppBackend(tmp_path / "m.gguf")
+    assert not any(r.passed for r in compare(ref, run_backend(ref, backend)))
+    results = compare(ref, run_backend(ref, backend), Tolerances(atol=0.02, logprob_atol=1e-4))
+    assert all(r.passed for r in results)
+    assert all(r.logit_max == pytest.approx(0.01, abs=1e-5) for r in results)
+    with pytest.raises(BackendError, match="no layer-by-layer activations"):
+        backend.activations([1, 2, 3])
+
+
+def test_llama_cpp_missing_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
+    with pytest.raises(BackendError, match=r"pip install llama-cpp-python"):
+        LlamaCppBackend(tmp_path / "m.gguf")
+
+
+# --------------------------------------------------------------------------------------------------
+# Files and the command line
+
+
+def test_record_round_trip(tiny, ref, tmp_path):
+    _, model, path = tiny
+    manifest_file = save(ref, tmp_path / "ref.safetensors")
+    got = load(tmp_path / "ref.safetensors")
+    for a, b in zip(ref.questions, got.questions):
+        assert (a.prompt_ids, a.token_ids, a.shared, a.doc) == (b.prompt_ids, b.token_ids, b.shared, b.doc)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.logprobs, b.logprobs)
+    m = json.loads(manifest_file.read_text())
+    assert m["model"]["path"] == str(path) and m["model"]["config"]["num_hidden_layers"] == LAYERS
+    assert (m["dtype"], m["device"], m["mode"]) == ("float32", "cpu", "parallel")
+    assert m["versions"]["torch"] == torch.__version__ and "minillama_commit" in m
+    assert [q["prompt_ids"] for q in m["questions"]] == PROMPTS
+    # The logits are the raw rows generate() sampled from: greedy picks their argmax.
+    assert all(q.logits.argmax(-1).tolist() == q.token_ids for q in got.questions)
+
+
+def _write_prompts(tmp_path) -> str:
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("\n".join(json.dumps({"prompt_ids": ids, "doc": d}) for ids, d in zip(PROMPTS, DOCS)) + "\n")
+    return str(p)
+
+
+def test_cli_export_then_compare(tiny, tmp_path, capsys):
+    _, _, path = tiny
+    out = tmp_path / "ref.safetensors"
+    assert main(["export", "-m", str(path), "--prompt-ids", _write_prompts(tmp_path), "-n", "5",
+                 "-o", str(out)]) == 0
+    assert (tmp_path / "ref.json").exists()
+    capsys.readouterr()
+
+    assert main(["compare", "--reference", str(out), "--backend", "transformers", "--layers", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["passed"] and len(got["questions"]) == 3
+    assert got["questions"][0]["layers"]["first_bad"] is None
+
+    rec = load(out)
+    lines = [{"token_ids": q.token_ids, "logprobs": q.logprobs.tolist()} for q in rec.questions]
+    lines[1]["token_ids"][2] = (lines[1]["token_ids"][2] + 1) % 61
+    cand = tmp_path / "cand.jsonl"
+    cand.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert main(["compare", "--reference", str(out), "--candidate", str(cand)]) == 1
+    text = capsys.readouterr().out
+    assert "2 of 3 questions pass: FAIL" in text and "step 2" in text
+
+
+def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys):
+    _, model, path = tiny
+    broken = tmp_path / "broken"
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["model.layers.2.mlp.up_proj.weight"][0, 0] += 0.5
+    weights.save_hf_dir(model.config, sd, None, broken)
+    code = main(["compare", "-m", str(path), "--prompt-ids", _write_prompts(tmp_path), "-n", "4",
+                 "--backend", "transformers", "--backend-model", str(broken), "--layers"])
+    text = capsys.readouterr().out
+    assert code == 1
+    assert "first out of tolerance: layer 2 MLP (layers.2.mlp)" in text
+    assert "0 of 3 questions pass: FAIL" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", "--reference", "nope.safetensors", "--backend", "transformers"], "nope.safetensors: no such file"),
+    (["compare", "--reference", "REF"], "give one of --backend or --candidate"),
+    (["compare", "--reference", "REF", "--backend", "transformers", "--candidate", "REF"], "give one of"),
+    (["compare", "--reference", "REF", "--candidate", "BAD"], "not JSON"),
+    (["compare", "--reference", "REF", "--candidate", "UNKNOWN"], "unknown key 'logprob'"),
+    (["compare", "--reference", "REF", "--candidate", "SHORT"], "the candidate has 1 questions, the reference 3"),
+    (["compare", "--reference", "REF", "--backend", "transformers", "--backend-model", "nowhere"],
+     "nowhere: not an HF directory"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--atol", "-1"], "tolerances must be >= 0"),
+    (["export", "-m", "MODEL", "--prompt-ids", "OUT_OF_VOCAB", "-o", "x.safetensors"], "token ids must be in 0 .. 60"),
+    (["export", "-m", "MODEL", "--prompt-ids", "PROMPTS", "-o", "x.bin"], "the record is a .safetensors file"),
+    (["compare", "--bogus"], "unrecognized arguments: --bogus"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--device", "warp9"], "--device warp9: not a torch device"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
+    _, _, path = tiny
+    files = {"REF": tmp_path / "ref.safetensors", "BAD": tmp_path / "bad.jsonl", "UNKNOWN": tmp_path / "u.jsonl",
+             "SHORT": tmp_path / "short.jsonl", "OUT_OF_VOCAB": tmp_path / "oov.jsonl"}
+    save(ref, files["REF"])
+    files["BAD"].write_text("{not json\n")
+    files["UNKNOWN"].write_text('{"token_ids": [1], "logprob": [0.0]}\n')
+    files["SHORT"].write_text('{"token_ids": [1]}\n')
+    files["OUT_OF_VOCAB"].write_text("[1, 2, 999]\n")
+    subst = {**{k: str(v) for k, v in files.items()}, "MODEL": str(path), "PROMPTS": _write_prompts(tmp_path)}
+    args = [subst.get(a, a) for a in args]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: ") and message in captured.err
+
+
+def test_module_entry_point_reports_bad_input_without_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "minillama.oracle", "compare", "--reference",
+                           str(tmp_path / "missing.safetensors"), "--backend", "transformers"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'missing.safetensors'}: no such file"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The default model (SmolLM2-135M-Instruct)
+
+
+@pytest.fixture(scope="module")
+def default_dir():
+    return weights.fetch_default()
+
+
+@pytest.mark.slow
+def test_default_model_agrees_with_transformers(default_dir, tmp_path, capsys):
+    out = tmp_path / "ref.safetensors"
+    assert main(["export", "-n", "12", "-o", str(out)]) == 0
+    capsys.readouterr()
+    code = main(["compare", "--reference", str(out), "--backend", "transformers", "--layers"])
+    text = capsys.readouterr().out
+    print(text)
+    assert code == 0, text
+    assert "3 of 3 questions pass: PASS" in text
+    assert "every activation within tolerance" in text
+
+
+@pytest.mark.slow
+def test_default_model_perturbed_layer_is_named(default_dir):
+    model, tok = weights.load_model(default_dir)
+    from minillama.api import build_prompts
+    from minillama.oracle.__main__ import EXAMPLE_DOC, EXAMPLE_QUESTIONS
+
+    prompts, _, _ = build_prompts(tok, [(EXAMPLE_DOC, EXAMPLE_QUESTIONS[:1])])
+    ref = export(model, prompts, max_new_tokens=4, eos_ids=tok.eos_ids)
+    backend = TransformersBackend.load(default_dir)
+    with torch.no_grad():
+        backend.model.model.layers[17].mlp.down_proj.weight *= 1.01
+    (r,) = check(ref, [MinillamaBackend(model).activations(prompts[0] + ref.questions[0].token_ids[:-1])], backend)
+    assert not r.passed
+    assert (r.layers.first_bad.layer, r.layers.first_bad.kind) == (17, "MLP")
