@@ -35,7 +35,7 @@ import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -97,6 +97,25 @@ def _positions(n: int, positions: torch.Tensor | None) -> torch.Tensor:
     return torch.arange(n) if positions is None else positions
 
 
+def _capture(base: torch.nn.Module, keep: Callable[[str], Callable], attention: Callable[[str, Any], list],
+             run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`run()` with forward hooks on the modules both layouts name alike (HF names): embeddings, norms, MLPs
+    and blocks get `keep(name)`; `attention(name, module)` hooks a layer's attention and returns the handles."""
+    hooks = [base.embed_tokens.register_forward_hook(keep("embed")), base.norm.register_forward_hook(keep("norm"))]
+    for i, layer in enumerate(base.layers):
+        p = f"layers.{i}."
+        hooks += attention(p + "self_attn", layer.self_attn)
+        hooks += [layer.input_layernorm.register_forward_hook(keep(p + "input_layernorm")),
+                  layer.post_attention_layernorm.register_forward_hook(keep(p + "post_attention_layernorm")),
+                  layer.mlp.register_forward_hook(keep(p + "mlp")),
+                  layer.register_forward_hook(keep(f"layers.{i}"))]
+    try:
+        return run()
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 class Backend:
     """What the oracle needs from a model: the logits of a token sequence and, where `supports_activations`,
     its named activations. `load` builds one from a checkpoint path."""
@@ -146,7 +165,7 @@ class MinillamaBackend(Backend):
         def keep(name: str) -> Callable:
             return lambda _mod, _args, out: acts.tensors.__setitem__(name, _cpu(out[:n]))
 
-        def attention_input(p: str, attn) -> Callable:
+        def projections(p: str, attn) -> Callable:
             def hook(_mod, args) -> None:
                 # Attention.forward(x, cos, sin, cache, plan, invariant); all rows, as the model runs them.
                 x, cos, sin = args[:3]
@@ -162,21 +181,11 @@ class MinillamaBackend(Backend):
                     acts.cos, acts.sin = _cpu(cos[:n]), _cpu(sin[:n])
             return hook
 
-        m = model.model
-        hooks = [m.embed_tokens.register_forward_hook(keep("embed")), m.norm.register_forward_hook(keep("norm"))]
-        for i, layer in enumerate(m.layers):
-            p = f"layers.{i}."
-            hooks += [layer.input_layernorm.register_forward_hook(keep(p + "input_layernorm")),
-                      layer.self_attn.register_forward_pre_hook(attention_input(p + "self_attn.", layer.self_attn)),
-                      layer.self_attn.register_forward_hook(keep(p + "self_attn")),
-                      layer.post_attention_layernorm.register_forward_hook(keep(p + "post_attention_layernorm")),
-                      layer.mlp.register_forward_hook(keep(p + "mlp")),
-                      layer.register_forward_hook(keep(f"layers.{i}"))]
-        try:
-            acts.tensors["logits"] = self.logits(ids, positions)
-        finally:
-            for h in hooks:
-                h.remove()
+        def attention(name: str, attn) -> list:
+            return [attn.register_forward_pre_hook(projections(name + ".", attn)),
+                    attn.register_forward_hook(keep(name))]
+
+        acts.tensors["logits"] = _capture(model.model, keep, attention, lambda: self.logits(ids, positions))
         return acts
 
 
@@ -273,23 +282,13 @@ class TransformersBackend(Backend):
                     acts.cos, acts.sin = _cpu(cos[0]), _cpu(sin[0])
             return hook
 
-        base = self.model.model
-        hooks = [base.embed_tokens.register_forward_hook(keep("embed")), base.norm.register_forward_hook(keep("norm"))]
-        for i, layer in enumerate(base.layers):
-            p, attn = f"layers.{i}.", layer.self_attn
-            hooks += [layer.input_layernorm.register_forward_hook(keep(p + "input_layernorm")),
-                      attn.q_proj.register_forward_hook(keep(p + "self_attn.q_proj")),
-                      attn.k_proj.register_forward_hook(keep(p + "self_attn.k_proj")),
-                      attn.v_proj.register_forward_hook(keep(p + "self_attn.v_proj")),
-                      attn.register_forward_hook(attention_output(p + "self_attn.", attn), with_kwargs=True),
-                      layer.post_attention_layernorm.register_forward_hook(keep(p + "post_attention_layernorm")),
-                      layer.mlp.register_forward_hook(keep(p + "mlp")),
-                      layer.register_forward_hook(keep(f"layers.{i}"))]
-        try:
-            acts.tensors["logits"] = self._run(ids, positions)
-        finally:
-            for h in hooks:
-                h.remove()
+        def attention(name: str, attn) -> list:
+            return [attn.q_proj.register_forward_hook(keep(name + ".q_proj")),
+                    attn.k_proj.register_forward_hook(keep(name + ".k_proj")),
+                    attn.v_proj.register_forward_hook(keep(name + ".v_proj")),
+                    attn.register_forward_hook(attention_output(name + ".", attn), with_kwargs=True)]
+
+        acts.tensors["logits"] = _capture(self.model.model, keep, attention, lambda: self._run(ids, positions))
         return acts
 
 
