@@ -85,17 +85,17 @@ def export(model: Llama, prompts: Sequence[Sequence[int]], *, docs: Sequence[int
     vocab = model.config.vocab_size
     out = [_question(p, a, vocab, shared[d], d, questions[i] if questions is not None else None)
            for i, (p, a, d) in enumerate(zip(prompts, answers, docs))]
+    backend = MinillamaBackend(model)
     if hidden:
-        backend = MinillamaBackend(model)
+        blocks = ["embed"] + [f"layers.{i}" for i in range(model.config.num_hidden_layers)]
         for q in out:
             acts = backend.activations(q.prompt_ids + q.token_ids[:-1]).tensors
-            n = model.config.num_hidden_layers
-            q.hidden = torch.stack([acts["embed"]] + [acts[f"layers.{i}"] for i in range(n)])
+            q.hidden = torch.stack([acts[b] for b in blocks])
     manifest = {
         "format": FORMAT,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {"path": model_path, "config": model.config.to_dict()},
-        "backend": MinillamaBackend(model).describe(),
+        "backend": backend.describe(),
         "dtype": str(model.dtype).removeprefix("torch."),
         "device": str(model.device),
         "mode": mode,
