@@ -60,7 +60,7 @@ class AttentionPlan:
     positions: torch.Tensor  # (N,)
     group_size: int  # G
     items: list[WorkItems]  # one list per tile shape
-    n_blocks: int  # NB: a power of two >= every row's block count
+    n_blocks: int  # NB: the most blocks any row has
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
 
@@ -141,8 +141,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
             row_pos = pos_t[torch.div(rows_t, G, rounding_mode="floor")]  # (W, T)
             mask = (kpos_t[:, None, :] <= row_pos[:, :, None]).to(device)  # (W, T, B)
         items.append(WorkItems(rows_t.to(device), torch.cat(keys).to(device), mask, torch.cat(blocks).to(device)))
-    n_blocks_needed = max(pos_list) // B + 1
-    n_blocks = 1 << (n_blocks_needed - 1).bit_length()
+    n_blocks = max(pos_list) // B + 1
 
     visible = None
     if dense:
@@ -208,12 +207,14 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         O[:, flat] = torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, -1, d)
     L, O = L.view(hkv, r_tab, NB), O.view(hkv, r_tab, NB, d)
 
-    # Sum over blocks in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those.
-    # Blocks past a row's last one are zeros, and x + 0 = x, so padding NB to a larger power of two, or a
-    # longer neighbour in the batch, cannot change a row's result.
+    # Sum over blocks in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those; an
+    # odd one out passes up unchanged, as if added to a zero. Blocks past a row's last one are zeros too,
+    # and x + 0 = x, so a longer neighbour in the batch (a larger NB) cannot change a row's result.
     while L.shape[-1] > 1:
-        L = L[..., 0::2] + L[..., 1::2]
-        O = O[..., 0::2, :] + O[..., 1::2, :]
+        half = L.shape[-1] // 2
+        odd_l, odd_o = L[..., 2 * half:], O[..., 2 * half:, :]  # empty when even
+        L = torch.cat([L[..., 0:2 * half:2] + L[..., 1:2 * half:2], odd_l], dim=-1)
+        O = torch.cat([O[..., 0:2 * half:2, :] + O[..., 1:2 * half:2, :], odd_o], dim=-2)
     l_out = L[:, :r, 0, None]
     # Padded token rows saw nothing (l = 0): give them zeros rather than 0/0.
     return torch.where(l_out > 0, O[:, :r, 0] / l_out, torch.zeros_like(O[:, :r, 0]))
