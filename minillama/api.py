@@ -1,0 +1,195 @@
+"""Questions about documents, answered in a few lines: the job `python -m minillama.generate` does.
+
+    model = minillama.api.load()                          # the default model, or load("path/to/ckpt")
+    replies = minillama.api.ask(model, doc, ["Who built the bridge?", "When did it open?"])
+    replies[0].text, replies[0].token_ids, replies[0].logprobs, replies[0].finish_reason
+
+The prompt of each question is built here, once, by `prompt_ids` (document + question -> chat messages ->
+rendered template -> token ids): the CLI, the benchmark and the notebooks all call it. Every question's
+prompt is tokenized whole, exactly as a stand-alone run would tokenize it; `generate()` finds the prefix
+the questions of one document share (NOTES.md: tokenizing the document alone can merge tokens
+differently at the boundary). So the modes differ only in how the same token ids are scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .generate import SamplingParams, Stats, generate
+from .model import Llama
+from .tokenizer import Tokenizer
+
+# The user turn: document first, so that the questions of one document share the longest possible
+# prefix; instruction and question last. Worded for small instruction-tuned models: SmolLM2-135M
+# answers the shipped example (examples/) with it, where "answer the question using the text below"
+# before the document made it recite the document's first sentence.
+USER_TEMPLATE = "Context: {doc}\n\nUsing only the context above, answer briefly: {question}"
+# Without a chat template (base models, --no-chat-template): plain text that ends where the answer starts.
+PLAIN_TEMPLATE = "{doc}\n\nQuestion: {question}\nAnswer:"
+
+
+@dataclass
+class LoadedModel:
+    """A model and its tokenizer. Unpacks as `llama, tokenizer = minillama.api.load()`."""
+
+    llama: Llama
+    tokenizer: Tokenizer
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.llama, self.tokenizer))
+
+    @property
+    def context_length(self) -> int:
+        return self.llama.config.max_position_embeddings
+
+
+@dataclass
+class Reply:
+    """The answer to one question."""
+
+    question: str
+    text: str  # the answer, cut before a stop string; a final EOS / stop token is not spelled out
+    token_ids: list[int]  # generated ids, the stop token included
+    logprobs: list[float]  # log-softmax of the model's raw logits at each generated token
+    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
+    prompt_token_ids: list[int]  # the complete stand-alone prompt of this question
+    doc_index: int = 0
+    question_index: int = 0  # within its document
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)  # with keep_logits
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit in the model's context (nothing is truncated silently)."""
+
+
+def load(path: str | Path | None = None, device: str | torch.device = "cpu",
+         dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a checkpoint (an HF directory, a Meta directory or a .gguf file; None: the default model)."""
+    from .weights import load_model
+
+    llama, tokenizer = load_model(path, device=device, dtype=dtype)
+    return LoadedModel(llama, tokenizer)
+
+
+def messages(doc: str, question: str, system: str | None = None) -> list[dict[str, str]]:
+    """The chat of one question: an optional system turn, then one user turn with document and question
+    (their surrounding whitespace trimmed: the template places them). With no system turn the
+    checkpoint's template adds its own default, if it has one."""
+    turns = [{"role": "system", "content": system}] if system is not None else []
+    return turns + [{"role": "user", "content": USER_TEMPLATE.format(doc=doc.strip(), question=question.strip())}]
+
+
+def prompt_text(tokenizer: Tokenizer, doc: str, question: str, system: str | None = None,
+                chat_template: bool = True) -> str:
+    """The prompt of one question as text: the chat template rendered with a generation prompt, or, when
+    the tokenizer has none or `chat_template` is False, `PLAIN_TEMPLATE` after the system text."""
+    if chat_template and tokenizer.chat_template is not None:
+        return tokenizer.apply_chat_template(messages(doc, question, system), add_generation_prompt=True)
+    text = PLAIN_TEMPLATE.format(doc=doc.strip(), question=question.strip())
+    return f"{system}\n\n{text}" if system is not None else text
+
+
+def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None = None,
+               chat_template: bool = True) -> list[int]:
+    """The token ids of one question's complete stand-alone prompt."""
+    text = prompt_text(tokenizer, doc, question, system, chat_template)
+    if chat_template and tokenizer.chat_template is not None:
+        return tokenizer.encode(text)  # the template writes BOS itself where the model wants one
+    return tokenizer.encode(text, add_special=True)
+
+
+def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    seed: int = 0, ignore_eos: bool = False, stop: Sequence[str] = (),
+                    tokenizer: Tokenizer | None = None, keep_logits: bool = False) -> SamplingParams:
+    """SamplingParams with stop strings turned into a stop callback (it needs the tokenizer).
+    Raises ValueError on a bad value, e.g. a negative token count or top_p outside (0, 1]."""
+    stop = tuple(stop)
+    if any(not s for s in stop):
+        raise ValueError("a stop string must not be empty")
+    if stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer")
+    check = None
+    if stop:
+        def check(ids: list[int]) -> bool:
+            # The whole answer so far, decoded: a stop string may span tokens, and the decoded text of
+            # a tail of ids is not always a tail of the decoded text (partial UTF-8, leading spaces).
+            text = tokenizer.decode(ids)
+            return any(s in text for s in stop)
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
+                          top_p=float(top_p), seed=seed, ignore_eos=ignore_eos, stop=check,
+                          keep_logits=keep_logits)
+
+
+def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[int],
+                stop: Sequence[str] = ()) -> str:
+    """The text of an answer: a final stop token (EOS, stop id) left out, cut before the first stop string."""
+    ids = list(token_ids)
+    if ids and ids[-1] in stop_ids:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids)
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+def ask(model: LoadedModel, doc: str, questions: Sequence[str], **options: Any) -> list[Reply]:
+    """Answer questions about one document; one Reply per question, in order. Options: see `ask_many`."""
+    return ask_many(model, [(doc, questions)], **options)[0]
+
+
+def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, mode: str = "parallel",
+             system: str | None = None, chat_template: bool = True, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             ignore_eos: bool = False, stop: Sequence[str] = (), keep_logits: bool = False,
+             parallel_size: int | None = None, batch_docs: int | None = None, prefill_chunk: int = 512,
+             on_token: Callable[[int], None] | None = None, stats: Stats | None = None) -> list[list[Reply]]:
+    """Answer questions about several documents together: jobs are (document, questions) pairs. Returns
+    one list of Replies per document. In `parallel` mode each document is prefilled once and all its
+    questions decode together; parallel_size caps the questions per document and batch_docs the
+    documents per forward pass. Sampling (temperature > 0) draws from one random stream per question,
+    seeded from (seed, the question's index over all jobs), so every mode gives the same answers.
+
+    Raises ValueError on bad options and PromptTooLong when a prompt does not fit in the context.
+    """
+    llama, tok = model
+    params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop, tok,
+                             keep_logits)
+    prompts, docs, where = build_prompts(tok, jobs, system, chat_template)
+    check_context(prompts, where, llama.config.max_position_embeddings)
+    eos = list(dict.fromkeys([*tok.eos_ids, *llama.config.eos_token_ids]))
+    answers = generate(llama, prompts, params, mode=mode, docs=docs, parallel_size=parallel_size,
+                       batch_docs=batch_docs, eos_ids=eos, prefill_chunk=prefill_chunk, on_token=on_token,
+                       stats=stats)
+    stop_ids = set(params.stop_token_ids) | (set() if ignore_eos else set(eos))
+    out: list[list[Reply]] = [[] for _ in jobs]
+    for p, (d, qi), a in zip(prompts, where, answers):
+        out[d].append(Reply(question=jobs[d][1][qi], text=answer_text(tok, a.token_ids, stop_ids, stop),
+                            token_ids=a.token_ids, logprobs=a.logprobs, finish_reason=a.finish_reason,
+                            prompt_token_ids=list(p), doc_index=d, question_index=qi, logits=a.logits))
+    return out
+
+
+def build_prompts(tokenizer: Tokenizer, jobs: Sequence[tuple[str, Sequence[str]]], system: str | None = None,
+                  chat_template: bool = True) -> tuple[list[list[int]], list[int], list[tuple[int, int]]]:
+    """Every question's prompt ids, in job order, with its document index and its (document, question)
+    position: the three lists `generate()` and the output need."""
+    prompts, docs, where = [], [], []
+    for d, (doc, questions) in enumerate(jobs):
+        if isinstance(questions, str):
+            raise TypeError("questions must be a list of strings, not one string")
+        for qi, q in enumerate(questions):
+            prompts.append(prompt_ids(tokenizer, doc, q, system, chat_template))
+            docs.append(d)
+            where.append((d, qi))
+    return prompts, docs, where
+
+
+def check_context(prompts: Sequence[Sequence[int]], where: Sequence[tuple[int, int]], context: int) -> None:
+    """Raise PromptTooLong for the first prompt that leaves no room to generate one token."""
+    for p, (d, qi) in zip(prompts, where):
+        if len(p) >= context:
+            raise PromptTooLong(f"document {d + 1}, question {qi + 1}: the prompt has {len(p)} tokens, "
+                                f"the model's context is {context}")

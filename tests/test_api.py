@@ -1,0 +1,158 @@
+"""minillama.api on a tiny random model with a tiny byte-level BPE tokenizer and a ChatML template.
+
+Prompts are built once and tokenized whole; every mode answers the same token ids, and parallel mode gives
+each question the bits of its stand-alone run (tokens, log-probs, finish reasons), greedy and sampled.
+"""
+
+import pytest
+import torch
+
+from minillama import api
+from minillama.tokenizer import HFTokenizer
+from tiny import tiny_config, tiny_model
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: as SmolLM2
+DOC = "The Elm bridge over the river Tay was built in 1932 by the town of Elmford. It is 120 metres long."
+QUESTIONS = ["Who built the bridge?", "When was it built?", "How long is it?", "Which river does it cross?"]
+
+
+def tiny_tokenizer(chat_template: str | None = CHATML) -> HFTokenizer:
+    """A byte-level BPE (any UTF-8 text encodes) trained on a few sentences: 300 ids, BOS 1, EOS 2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([DOC, *QUESTIONS, "Answer the question using the text below."] * 10, trainer)
+    return HFTokenizer(tok, bos_token="<|im_start|>", eos_tokens=["<|im_end|>"], chat_template=chat_template)
+
+
+def tiny_loaded(chat_template: str | None = CHATML, max_pos: int = 2048) -> api.LoadedModel:
+    tok = tiny_tokenizer(chat_template)
+    config = tiny_config(vocab=tok.vocab_size, max_pos=max_pos, tied=True)
+    return api.LoadedModel(tiny_model(config, seed=1), tok)
+
+
+@pytest.fixture(scope="module")
+def model() -> api.LoadedModel:
+    return tiny_loaded()
+
+
+def test_prompt_ids_tokenize_the_rendered_template_whole(model):
+    tok = model.tokenizer
+    text = api.prompt_text(tok, DOC, "Who?")
+    assert text == ("<|im_start|>user\n" + api.USER_TEMPLATE.format(doc=DOC, question="Who?")
+                    + "<|im_end|>\n<|im_start|>assistant\n")
+    assert api.prompt_ids(tok, DOC, "Who?") == tok.encode(text)
+    with_system = api.prompt_text(tok, DOC, "Who?", system="Be brief.")
+    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    assert api.messages(DOC, "Who?", "Be brief.")[0] == {"role": "system", "content": "Be brief."}
+
+
+def test_plain_prompt_without_a_chat_template(model):
+    tok = model.tokenizer
+    plain = api.PLAIN_TEMPLATE.format(doc=DOC, question="Who?")
+    assert api.prompt_text(tok, DOC, "Who?", chat_template=False) == plain
+    assert api.prompt_text(tok, DOC, "Who?", system="S", chat_template=False) == "S\n\n" + plain
+    assert api.prompt_ids(tok, DOC, "Who?", chat_template=False) == tok.encode(plain, add_special=True)
+    no_template = tiny_tokenizer(chat_template=None)
+    assert api.prompt_text(no_template, DOC, "Who?") == plain  # falls back by itself
+
+
+def test_questions_share_the_document_prefix(model):
+    prompts = [api.prompt_ids(model.tokenizer, DOC, q) for q in QUESTIONS]
+    from minillama.generate import shared_prefix_length
+
+    assert shared_prefix_length(prompts) >= len(model.tokenizer.encode(DOC))
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_k": 50, "top_p": 0.9, "seed": 7}])
+def test_parallel_equals_independent(model, sampling):
+    par = api.ask(model, DOC, QUESTIONS, max_new_tokens=8, **sampling)
+    ind = api.ask(model, DOC, QUESTIONS, max_new_tokens=8, mode="independent", **sampling)
+    small_waves = api.ask(model, DOC, QUESTIONS, max_new_tokens=8, parallel_size=3, **sampling)
+    for a, b, c in zip(par, ind, small_waves):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert a.logprobs == b.logprobs == c.logprobs
+        assert a.finish_reason == b.finish_reason == c.finish_reason
+        assert a.text == b.text and a.prompt_token_ids == b.prompt_token_ids
+
+
+def test_reply_fields(model):
+    replies = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=5)
+    for qi, r in enumerate(replies):
+        assert (r.question, r.doc_index, r.question_index) == (QUESTIONS[qi], 0, qi)
+        assert r.prompt_token_ids == api.prompt_ids(model.tokenizer, DOC, QUESTIONS[qi])
+        assert len(r.token_ids) == len(r.logprobs) <= 5
+        assert all(isinstance(x, float) and x <= 0 for x in r.logprobs)
+        assert r.finish_reason in ("stop", "length")
+        assert r.text == api.answer_text(model.tokenizer, r.token_ids, {2})
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits(model):
+    (r,) = api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=4, keep_logits=True)
+    for tok, lp, row in zip(r.token_ids, r.logprobs, r.logits):
+        assert lp == float(torch.log_softmax(row.float(), dim=-1)[tok])
+        assert tok == int(torch.argmax(row))
+
+
+def test_ask_many_several_documents(model):
+    jobs = [(DOC, QUESTIONS[:2]), ("Tay is a river in Scotland.", ["Where is the Tay?"]), (DOC, QUESTIONS[2:])]
+    together = api.ask_many(model, jobs, max_new_tokens=6, batch_docs=2)
+    assert [len(x) for x in together] == [2, 1, 2]
+    for d, (doc, questions) in enumerate(jobs):
+        assert [r.doc_index for r in together[d]] == [d] * len(questions)
+        assert [r.question for r in together[d]] == list(questions)
+    # Greedy answers do not depend on what else is in the pack.
+    for d, (doc, questions) in enumerate(jobs):
+        alone = api.ask(model, doc, questions, max_new_tokens=6, mode="independent")
+        assert [r.token_ids for r in alone] == [r.token_ids for r in together[d]]
+        assert [r.logprobs for r in alone] == [r.logprobs for r in together[d]]
+
+
+def test_stop_string_cuts_the_answer(model):
+    (full,) = api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=16, ignore_eos=True)
+    assert len(full.text) > 6
+    stop = full.text[3:5]
+    (cut,) = api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=16, ignore_eos=True, stop=[stop, "\0never"])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.find(stop)]
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+    assert stop in model.tokenizer.decode(cut.token_ids)
+    assert stop not in model.tokenizer.decode(cut.token_ids[:-1])
+
+
+def test_answer_text():
+    tok = tiny_tokenizer()
+    ids = tok.encode("the town of Elmford<|im_end|>")
+    assert api.answer_text(tok, ids, {2}) == "the town of Elmford"
+    assert api.answer_text(tok, ids, set()) == "the town of Elmford<|im_end|>"  # ignore_eos: kept, spelled
+    assert api.answer_text(tok, ids, {2}, stop=["of", "town"]) == "the "
+
+
+def test_bad_options_raise_value_error(model):
+    for bad in [{"max_new_tokens": -1}, {"temperature": float("nan")}, {"temperature": -0.5},
+                {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -3}, {"stop": [""]}, {"mode": "fast"}]:
+        with pytest.raises(ValueError):
+            api.ask(model, DOC, QUESTIONS[:1], **bad)
+
+
+def test_prompt_longer_than_the_context_raises():
+    small = tiny_loaded(max_pos=128)
+    with pytest.raises(api.PromptTooLong, match="question 2: the prompt has .* context is 128"):
+        api.ask_many(small, [("short", ["q"]), ("x", ["a", DOC + DOC])], max_new_tokens=2)
+
+
+def test_questions_must_be_a_list(model):
+    with pytest.raises(TypeError):
+        api.ask(model, DOC, "Who built the bridge?")
+
+
+def test_unpacks_as_model_and_tokenizer(model):
+    llama, tok = model
+    assert llama is model.llama and tok is model.tokenizer
+    assert model.context_length == 2048

@@ -1,0 +1,314 @@
+"""`python -m minillama.generate` end to end, on a tiny HF checkpoint written by the test, and on the
+default model (marked slow; still runs in CI).
+
+Every bad input exits with status 2, one line on stderr and nothing on stdout. Parallel and independent
+runs of the CLI print the same token ids and log-probs, greedy and sampled.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minillama import api, cli
+from minillama.weights import load_model, save_hf_dir
+from test_api import DOC, QUESTIONS, tiny_tokenizer
+from tiny import tiny_config, tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXT = 512
+DOC2 = "Tay is the longest river in Scotland. It flows into the North Sea at Dundee."
+QUESTIONS2 = ["Which is the longest river in Scotland?", "Where does the Tay meet the sea?"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A tiny HF directory (config.json, model.safetensors, tokenizer.json with a ChatML template)."""
+    tok = tiny_tokenizer()
+    config = tiny_config(vocab=tok.vocab_size, max_pos=CONTEXT, tied=True)
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return save_hf_dir(config, tiny_model(config, seed=1).state_dict(), tok, out)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("in")
+    (d / "doc.txt").write_text(DOC + "\n")
+    (d / "questions.txt").write_text("\n  " + "\n\n".join(f"{q}  " for q in QUESTIONS) + "\n\n")
+    jobs = [{"doc": DOC, "questions": QUESTIONS[:3]}, {"doc": DOC2, "questions": QUESTIONS2},
+            {"doc": DOC, "questions": QUESTIONS[3:]}]
+    (d / "jobs.jsonl").write_text("".join(json.dumps(j) + "\n" for j in jobs) + "\n")
+    return {"doc": d / "doc.txt", "questions": d / "questions.txt", "jsonl": d / "jobs.jsonl", "dir": d}
+
+
+def run_cli(*args, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "minillama.generate", *map(str, args)], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def json_lines(p: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line) for line in p.stdout.splitlines()]
+
+
+def summary(p: subprocess.CompletedProcess) -> dict:
+    return json.loads(p.stderr.strip().splitlines()[-1])
+
+
+# --- end to end on the tiny checkpoint ------------------------------------------------------------
+
+
+def test_text_output(ckpt, files):
+    p = run_cli("--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "-n", "6")
+    blocks = p.stdout.strip().split("\n\n")
+    assert len(blocks) == len(QUESTIONS)
+    for block, q in zip(blocks, QUESTIONS):
+        assert block.startswith(f"Q: {q}\nA:")
+    assert "4 questions, mode parallel" in p.stderr.strip().splitlines()[-1]
+
+
+def test_json_output(ckpt, files):
+    p = run_cli("--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "--json",
+                "--logprobs", "--max-new-tokens", "7", "--system", "Be brief.")
+    rows = json_lines(p)
+    _, tok = load_model(ckpt)
+    assert [r["question"] for r in rows] == QUESTIONS  # trimmed, blank lines skipped, input order
+    for i, r in enumerate(rows):
+        assert set(r) == {"question", "answer", "token_ids", "finish_reason", "prompt_token_ids", "doc_index",
+                          "question_index", "logprobs"}
+        assert (r["doc_index"], r["question_index"]) == (0, i)
+        assert r["prompt_token_ids"] == api.prompt_ids(tok, DOC + "\n", QUESTIONS[i], system="Be brief.")
+        assert r["finish_reason"] in ("stop", "length")
+        assert 1 <= len(r["token_ids"]) == len(r["logprobs"]) <= 7
+        assert r["answer"] == api.answer_text(tok, r["token_ids"], set(tok.eos_ids))
+    s = summary(p)
+    for key in ("load_s", "generate_s", "prompt_tokens", "generated_tokens", "tokens_per_s", "peak_memory_mb"):
+        assert isinstance(s[key], (int, float)), key
+    assert s["generated_tokens"] == sum(len(r["token_ids"]) for r in rows)
+    assert 0 < s["prompt_tokens"] < sum(len(r["prompt_token_ids"]) for r in rows)  # the document once
+    assert s["peak_memory_mb"] > 10
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95",
+                                           "--seed", "11"]])
+def test_parallel_equals_independent_several_documents(ckpt, files, sampling):
+    common = ["--model", ckpt, "--input", files["jsonl"], "--json", "--logprobs", "-n", "6", *sampling]
+    par = json_lines(run_cli(*common, "--parallel-size", "2", "--batch-docs", "2"))
+    ind = json_lines(run_cli(*common, "--mode", "independent"))
+    assert par == ind  # token ids, log-probs (exact floats), answers, finish reasons, prompts
+    assert [(r["doc_index"], r["question_index"]) for r in par] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                                      (2, 0)]
+    assert [r["question"] for r in par] == QUESTIONS[:3] + QUESTIONS2 + QUESTIONS[3:]
+    # Documents 0 and 2 are the same text: the same question gets the same prompt wherever it sits.
+    assert par[0]["prompt_token_ids"] == api.prompt_ids(load_model(ckpt)[1], DOC, QUESTIONS[0])
+
+
+def main_json(capsys, *args) -> list[dict]:
+    """The CLI in this process (no interpreter start-up): its JSON Lines."""
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_stop_string_and_seqbatch(ckpt, files, capsys):
+    base = ["--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "--json", "-n", "12",
+            "--ignore-eos"]
+    full = main_json(capsys, *base)
+    stop = full[0]["answer"][4:6]
+    cut = main_json(capsys, *base, "--stop", stop, "--stop", "\u2603never")
+    assert cut[0]["answer"] == full[0]["answer"][:full[0]["answer"].find(stop)]
+    assert cut[0]["finish_reason"] == "stop"
+    assert cut[0]["token_ids"] == full[0]["token_ids"][:len(cut[0]["token_ids"])]
+    assert len(main_json(capsys, *base, "--mode", "seqbatch")) == len(QUESTIONS)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs(ckpt, files, capsys, dtype):
+    rows = main_json(capsys, "--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "-n", "3",
+                     "--dtype", dtype, "--json", "--logprobs")
+    assert len(rows) == len(QUESTIONS)
+    assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in rows)
+
+
+# --- bad input: exit 2, one line, nothing on stdout -------------------------------------------------
+
+
+def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
+    d = files["dir"]
+    (d / "binary.txt").write_bytes(b"\x7fELF\x00\x01\x02 text")
+    (d / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (d / "blank.txt").write_text("\n   \n\t\n")
+    (d / "long.txt").write_text("word " * CONTEXT * 2)
+    (d / "bad.jsonl").write_text('{"doc": "x", "questions": ["q"]}\n{"doc": "x", "questions": [}\n')
+    (d / "nokey.jsonl").write_text('{"doc": "x"}\n')
+    (d / "extra.jsonl").write_text('{"doc": "x", "questions": ["q"], "id": 3}\n')
+    (d / "emptyq.jsonl").write_text('{"doc": "x", "questions": ["q", "  "]}\n')
+    corrupt = d / "corrupt"
+    if not corrupt.exists():
+        corrupt.mkdir()
+        for f in ckpt.iterdir():
+            (corrupt / f.name).write_bytes(f.read_bytes())
+        data = (corrupt / "model.safetensors").read_bytes()
+        (corrupt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    doc, qs = ["--doc", files["doc"]], ["--questions", files["questions"]]
+    m = ["--model", ckpt]
+    return {
+        "missing doc": [*m, "--doc", d / "nope.txt", *qs],
+        "doc is a directory": [*m, "--doc", d, *qs],
+        "binary doc": [*m, "--doc", d / "binary.txt", *qs],
+        "doc not utf-8": [*m, "--doc", d / "latin1.txt", *qs],
+        "empty doc": [*m, "--doc", d / "blank.txt", *qs],
+        "missing questions": [*m, *doc, "--questions", d / "nope.txt"],
+        "binary questions": [*m, *doc, "--questions", d / "binary.txt"],
+        "no questions": [*m, *doc, "--questions", d / "blank.txt"],
+        "no input": [*m],
+        "doc without questions": [*m, *doc],
+        "doc and input": [*m, *doc, "--input", files["jsonl"]],
+        "jsonl not json": [*m, "--input", d / "bad.jsonl"],
+        "jsonl missing key": [*m, "--input", d / "nokey.jsonl"],
+        "jsonl unknown key": [*m, "--input", d / "extra.jsonl"],
+        "jsonl blank question": [*m, "--input", d / "emptyq.jsonl"],
+        "jsonl empty": [*m, "--input", d / "blank.txt"],
+        "prompt too long": [*m, "--doc", d / "long.txt", *qs],
+        "missing model": ["--model", d / "no-model", *doc, *qs],
+        "model not a checkpoint": ["--model", files["doc"], *doc, *qs],
+        "corrupt model": ["--model", corrupt, *doc, *qs],
+        "negative max-new-tokens": [*m, *doc, *qs, "--max-new-tokens", "-1"],
+        "max-new-tokens not int": [*m, *doc, *qs, "--max-new-tokens", "ten"],
+        "nan temperature": [*m, *doc, *qs, "--temperature", "nan"],
+        "negative temperature": [*m, *doc, *qs, "--temperature", "-1"],
+        "infinite temperature": [*m, *doc, *qs, "--temperature", "inf"],
+        "top-p zero": [*m, *doc, *qs, "--top-p", "0"],
+        "top-p above one": [*m, *doc, *qs, "--top-p", "1.5"],
+        "negative top-k": [*m, *doc, *qs, "--top-k", "-2"],
+        "unknown mode": [*m, *doc, *qs, "--mode", "turbo"],
+        "unknown dtype": [*m, *doc, *qs, "--dtype", "int8"],
+        "unknown device": [*m, *doc, *qs, "--device", "tpu9"],
+        "parallel-size zero": [*m, *doc, *qs, "--parallel-size", "0"],
+        "batch-docs negative": [*m, *doc, *qs, "--batch-docs", "-3"],
+        "empty stop": [*m, *doc, *qs, "--stop", ""],
+        "unknown option": [*m, *doc, *qs, "--temp", "0.5"],
+    }
+
+
+CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "empty doc", "missing questions",
+         "binary questions", "no questions", "no input", "doc without questions", "doc and input",
+         "jsonl not json", "jsonl missing key", "jsonl unknown key", "jsonl blank question", "jsonl empty",
+         "prompt too long", "missing model", "model not a checkpoint", "corrupt model",
+         "negative max-new-tokens", "max-new-tokens not int", "nan temperature", "negative temperature",
+         "infinite temperature", "top-p zero", "top-p above one", "negative top-k", "unknown mode",
+         "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
+         "unknown option"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_line(ckpt, files, case, capsys):
+    code = cli.main([str(a) for a in bad_cases(ckpt, files)[case]])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert "Traceback" not in err
+
+
+def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
+    expect = {"missing doc": "nope.txt: no such file", "binary doc": "binary file", "doc not utf-8": "not UTF-8",
+              "no questions": "no questions", "prompt too long": f"context is {CONTEXT}",
+              "corrupt model": "corrupt", "nan temperature": "--temperature", "top-p zero": "--top-p",
+              "negative max-new-tokens": "--max-new-tokens", "unknown mode": "turbo",
+              "jsonl not json": "line 2", "jsonl unknown key": "'id'", "missing model": "no-model"}
+    cases = bad_cases(ckpt, files)
+    for case, words in expect.items():
+        cli.main([str(a) for a in cases[case]])
+        out, err = capsys.readouterr()
+        assert words in err, (case, err)
+
+
+@pytest.mark.parametrize("case", ["missing doc", "corrupt model"])
+def test_bad_input_from_the_command_line(ckpt, files, case):
+    p = run_cli(*bad_cases(ckpt, files)[case], check=False)
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+
+
+class FakeTTY:
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, s):
+        self.text += s
+
+    def flush(self):
+        pass
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    tty = FakeTTY()
+    bar = cli.Progress(100, tty, width=10)
+    bar.update(50)
+    assert "[#####.....] 50 tokens" in tty.text
+    bar.close()
+    assert tty.text.endswith("\r\033[K")
+
+    class Pipe(FakeTTY):
+        def isatty(self):
+            return False
+
+    pipe = Pipe()
+    quiet = cli.Progress(100, pipe)
+    quiet.update(50)
+    quiet.close()
+    assert pipe.text == ""
+
+
+def test_help_lists_the_contract_options():
+    text = cli.build_parser().format_help()
+    for opt in ("--doc", "--questions", "--input", "--model", "--device", "--dtype", "--mode", "--max-new-tokens",
+                "--temperature", "--top-k", "--top-p", "--seed", "--ignore-eos", "--stop", "--system",
+                "--no-chat-template", "--parallel-size", "--batch-docs", "--json", "--logprobs"):
+        assert opt in text
+
+
+# --- the default model -------------------------------------------------------------------------------
+
+
+# The default model's greedy answers to examples/ (a weak 135M model: short, direct questions).
+EXPECTED = {"In which city is the Eiffel Tower?": "Paris", "Who designed the tower?": "Gustave Eiffel",
+            "When was the tower built?": "1887 and 1889", "How tall is the tower?": "330",
+            "What material is the tower made of?": "iron"}
+
+
+EXAMPLE = ["--doc", ROOT / "examples" / "doc.txt", "--questions", ROOT / "examples" / "questions.txt", "--json",
+           "--logprobs", "--max-new-tokens", "24"]
+
+
+@pytest.fixture(scope="module")
+def example_parallel() -> list[dict]:
+    return json_lines(run_cli(*EXAMPLE))
+
+
+@pytest.mark.slow
+def test_default_model_answers_the_shipped_example(example_parallel):
+    assert [r["question"] for r in example_parallel] == list(EXPECTED)
+    for r in example_parallel:
+        assert EXPECTED[r["question"]] in r["answer"], (r["question"], r["answer"])
+        assert r["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+def test_default_model_parallel_equals_independent(example_parallel):
+    assert example_parallel == json_lines(run_cli(*EXAMPLE, "--mode", "independent"))
