@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "together in one packed pass (parallel prompting), each answer bit-identical to "
                             "asking it alone.")
     src = p.add_argument_group("input (--doc and --questions, or --input)")
-    src.add_argument("--doc", metavar="DOC", help="the document: a UTF-8 text file")
+    src.add_argument("--doc", metavar="DOC", help="the document: a UTF-8 text file (surrounding whitespace "
+                     "trimmed); '-' reads standard input")
     src.add_argument("--questions", metavar="QUESTIONS",
                      help="one question per line (surrounding whitespace trimmed, blank lines skipped); "
                           "'-' reads standard input")
