@@ -277,7 +277,8 @@ def write_text(out: TextIO, replies: list[list[api.Reply]], logprobs: bool) -> N
 
 def summary_line(s: dict[str, Any]) -> str:
     docs = f"{s['documents']} document{'s' * (s['documents'] != 1)}"
-    return (f"{docs}, {s['questions']} questions, mode {s['mode']}: {s['prompt_tokens']} prompt tokens, "
+    questions = f"{s['questions']} question{'s' * (s['questions'] != 1)}"
+    return (f"{docs}, {questions}, mode {s['mode']}: {s['prompt_tokens']} prompt tokens, "
             f"{s['generated_tokens']} generated in {s['generate_s']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); "
             f"load {s['load_s']:.2f} s; peak memory {s['peak_memory_mb']:.0f} MB")
 
