@@ -2,9 +2,10 @@
 
 A BLAS picks its kernel, blocking and thread split from the matrix shape, so row i of `X @ W.T` can change
 in the last bits when X gains or loses rows (measured in NOTES.md: 28 of 49 fp32 cases differ). We pad the
-rows to a multiple of ROW_TILE and run one `bmm` whose every batch entry has the same (ROW_TILE, K) x (K, N)
-shape: the kernel, and so every row's reduction order, is then fixed whatever the number of rows.
-(`torch.matmul` on a 3-D input folds it back into one 2-D product, so it must be `bmm`.)
+rows to a multiple of ROW_TILE and multiply one tile at a time, every call the same (ROW_TILE, K) x (K, N)
+product: the kernel, its thread split, and so every row's reduction order, are then fixed whatever the
+number of rows. (One `bmm` over all tiles is not enough: with 2 threads, MKL splits a lone tile's K = 1536
+product differently from a batch of two or more, and the bits move.)
 
 Row-wise ops (RMSNorm, softmax, log-softmax, elementwise) are invariant as they are.
 
@@ -33,7 +34,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = True) -> tor
     pad = (-m) % ROW_TILE
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, k)])
-    tiles = rows.view(-1, ROW_TILE, k)  # (M_pad / T, T, K)
-    w = weight.t().unsqueeze(0).expand(tiles.shape[0], k, n)  # a view: the weight is not copied
-    out = torch.bmm(tiles, w).view(-1, n)[:m]  # (M, N)
-    return out.reshape(*lead, n)
+    out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
+    w = weight.t()
+    for i in range(0, rows.shape[0], ROW_TILE):
+        torch.mm(rows[i:i + ROW_TILE], w, out=out[i:i + ROW_TILE])
+    return out[:m].reshape(*lead, n)

@@ -25,3 +25,14 @@ def test_keeps_leading_shape():
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
     assert linear(x, w).shape == (2, 3, 5)
     assert torch.equal(linear(x, w, invariant=False), x @ w.T)
+
+
+def test_a_lone_tile_equals_a_tile_among_many():
+    """With 2 threads MKL splits one (64, 1536) x (1536, 576) product differently from a batch of them."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(576, 1536, generator=g)
+    x = torch.randn(5 * ROW_TILE, 1536, generator=g)
+    full = linear(x, w)
+    for lo in (0, ROW_TILE, 3 * ROW_TILE):
+        assert torch.equal(linear(x[lo:lo + ROW_TILE], w), full[lo:lo + ROW_TILE])
+        assert torch.equal(linear(x[lo:lo + 1], w), full[lo:lo + 1])
