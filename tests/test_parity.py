@@ -120,3 +120,29 @@ def test_negative_control_plain_ops_break_parity():
     assert mismatches() > 0, "plain ops happened to be batch-invariant: the control shows nothing"
     model.invariant = True
     assert mismatches() == 0
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=os.environ.get("CI") == "true")
+@given(seed=st.integers(0, 1000), work=workloads())
+def test_parity_at_real_model_shapes(seed, work):
+    """SmolLM2's layer shapes (K up to 1536, where the BLAS splits work across threads), two layers."""
+    prompts, docs, params, eos, layout = work
+    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
+    config.intermediate_size = 1536
+    model = tiny_model(config, seed)
+    alone = generate(model, prompts, params, mode="independent", eos_ids=eos)
+    packed = generate(model, prompts, params, mode="parallel", docs=docs, eos_ids=eos, **layout)
+    assert_same_answers(alone, packed)
+
+
+def test_lone_tile_rows_match_rows_of_a_longer_pass():
+    """Questions prefilled in one 64-row tile, their stand-alone prompts in four: the same bits."""
+    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
+    config.intermediate_size = 1536
+    model = tiny_model(config, 1)
+    g = torch.Generator().manual_seed(3)
+    doc = torch.randint(3, VOCAB, (200,), generator=g).tolist()
+    prompts = [doc + torch.randint(3, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    assert_same_answers(generate(model, prompts, params, mode="independent"), generate(model, prompts, params))
