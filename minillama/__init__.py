@@ -1,0 +1,19 @@
+"""minillama: a pure-PyTorch Llama reference whose parallel prompting is bit-identical to independent runs.
+
+    import minillama
+    model = minillama.load()                                  # the default model, or load("path")
+    replies = minillama.ask(model, doc, ["Who built it?"])    # .text .token_ids .logprobs .finish_reason
+
+The API lives in `minillama.api`; it is imported lazily so that `python -m minillama.generate` starts clean.
+"""
+
+_API = ("api", "load", "ask", "ask_many", "prompt_ids", "Reply", "LoadedModel")
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        api = importlib.import_module(".api", __name__)
+        return api if name == "api" else getattr(api, name)
+    raise AttributeError(f"module 'minillama' has no attribute {name!r}")
