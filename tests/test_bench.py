@@ -1,0 +1,95 @@
+"""The benchmark harness on a tiny random model: the task, the cost model, the records and files it
+writes, and that parallel (and batched) answers are the independent ones. Timings are never asserted."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from minillama.bench import (TINY_SHAPE, Case, CostModel, TaskConfig, WordTokenizer, make_task, plain_prompt_ids,
+                             run, setup, write_outputs)
+
+TASK = TaskConfig(doc_tokens=40, n_docs=2, questions_per_doc=3, question_tokens=8, new_tokens=3)
+MINILLAMA = ("independent", "independent_plain", "batched", "seqbatch", "parallel")
+
+
+@pytest.fixture
+def one_thread():
+    # The tiny model's ops are microseconds long: a second thread only adds synchronisation.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_task_asks_about_facts_in_its_document():
+    tok = WordTokenizer(TINY_SHAPE.vocab_size)
+    task = make_task(tok, TaskConfig(doc_tokens=200, n_docs=2, questions_per_doc=10), plain_prompt_ids(tok))
+    assert task.n == 20 and task.docs == [0] * 10 + [1] * 10
+    assert len(set(map(tuple, task.prompts))) == 20  # repeated facts are asked in distinct words
+    for q, d, color in zip(task.questions, task.docs, task.colors):
+        part, animal, name = q.split("What color is the ")[1].rstrip("?").replace(" of the ", "|") \
+            .replace(" named ", "|").split("|")
+        assert f"The {animal} named {name} has {part} that" in task.doc_texts[d]
+        assert f"{part} that is {color}." in task.doc_texts[d] or f"{part} that are {color}." in task.doc_texts[d]
+    assert all(len(p) > 200 for p in task.prompts)
+
+
+def test_cost_model_counts_the_document_once_in_parallel():
+    cost = CostModel(TINY_SHAPE)
+    doc, g = list(range(50)), 4
+    prompts = [doc + [7, 8, 9], doc + [5, 6]]
+    par = cost.parallel(prompts, [0, 0], g)
+    assert par["total"] == pytest.approx(par["prefill"] + par["decode"])
+    assert par["total"] < cost.independent(prompts, g)
+    one = cost.parallel(prompts[:1], [0], g)["total"]  # a lone prompt: no sharing, the same work
+    assert one == pytest.approx(cost.independent(prompts[:1], g))
+    assert cost.span(0, 3) == pytest.approx(cost.layers * (3 * cost.linear + 6 * cost.attn_per_key))
+
+
+def test_harness_records_files_and_parity(tmp_path, one_thread):
+    ctx = setup(None, TINY_SHAPE, hf=False, workdir=tmp_path)
+    cases = [Case("headline", TASK, MINILLAMA, label="tiny"),
+             Case("grid", TASK, ("parallel",), parallel_size=2, batch_docs=1, label="batch=1 parallel=2")]
+    records, gemm = run(cases, ctx, repeats=1, log=lambda s: None)
+    assert gemm and all(x > 0 for x in gemm)
+    by = {(r["sweep"], r["method"]): r for r in records}
+    assert set(by) == {("headline", m) for m in MINILLAMA} | {("grid", "parallel")}
+    for r in records:
+        assert r["questions"] == 6 and r["generated_tokens"] == 6 * TASK.new_tokens
+        assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
+        assert r["kv_bytes"] > 0 and r["flops_useful"] > 0 and 0 <= r["accuracy"] <= 1
+        assert r["checked_against_independent"] == 6
+    # The claim: every parallel answer is the independent one, token for token, whatever the grouping;
+    # so are the batched ones (each prompt alone in its own segment).
+    for key in (("headline", "parallel"), ("grid", "parallel"), ("headline", "batched")):
+        assert by[key]["identical_to_independent"] == 6, key
+    par, bat = by[("headline", "parallel")], by[("headline", "batched")]
+    assert par["kv_bytes"] < bat["kv_bytes"]  # the document stored once, not once per question
+    assert par["flops_executed"] == pytest.approx(par["flops_useful"])
+    assert par["decode_steps"] == TASK.new_tokens - 1 and by[("grid", "parallel")]["decode_steps"] == 4 * 2
+    assert "prefill_frac_of_gemm" in par and par["decode_flops_per_step"] > 0
+
+    paths = write_outputs(tmp_path, records, {"preset": "test", "model": "tiny", "gemm_gflops": gemm[0],
+                                              "threads": 1})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["records"]) == len(records) and "parallel_speedup_vs_independent_plain" in data["findings"]
+    with open(tmp_path / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(records)
+    assert "| parallel |" in (tmp_path / "summary.md").read_text()
+    assert {p.name for p in paths} >= {"headline.png", "grid.png"} and all(p.stat().st_size > 0 for p in paths)
+
+
+def test_hf_methods_run_on_the_same_prompts(tmp_path, one_thread):
+    pytest.importorskip("transformers")
+    ctx = setup(None, TINY_SHAPE, hf=True, workdir=tmp_path)
+    task = TaskConfig(doc_tokens=30, n_docs=1, questions_per_doc=3, question_tokens=8, new_tokens=3)
+    records, _ = run([Case("headline", task, ("independent", "hf_batched", "hf_prefix"))], ctx, repeats=1,
+                     log=lambda s: None)
+    for r in records:
+        assert r["checked_against_independent"] == 3 and r["kv_bytes"] > 0 and r["wall_s"] > 0
+        # Another implementation: the same tokens are expected on this tiny model, not its bits.
+        assert r["identical_to_independent"] >= 2, r["method"]
