@@ -34,22 +34,45 @@ import torch.nn.functional as F
 from .cache import PAD_SLOT, KVCache
 
 KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
-# T: query rows per matrix product. A query sees every key of the blocks before its own ("full" blocks,
-# shared by many queries: big tiles) and some keys of the block holding its position ("partial": small
-# tiles, as often only one token's G heads need it). Which kind a (query, block) pair is depends only on
-# the query's position, never on the batch, so each pair always meets the same kernel shape.
+# T: query rows per matrix product. A query sees every key of the blocks before its own ("whole" blocks,
+# shared by many queries: big tiles, one Run) and some keys of the block holding its position ("partial":
+# small tiles, as often only one token's G heads need it). Which kind a (query, block) pair is depends only
+# on the query's position, never on the batch, so each pair always meets the same kernel shape.
 FULL_TILE = 64
 PARTIAL_TILE = 8
+# A run of fewer (tile, block) pairs than this goes into per-block item batches instead: 64 questions that
+# have each filled a block of their own make 64 one-pair runs, better done as one batched product.
+SMALL_RUN = 8
 
 
 @dataclass
-class WorkItems:
-    """Work item w multiplies query rows q_rows[w] by the keys in k_slots[w] (one fixed tile shape)."""
+class Run:
+    """Query rows that all see the same whole key blocks a .. a + nb - 1: one Hydragen product.
+
+    Every (row tile, block) pair is a (FULL_TILE, D) x (D, KEY_BLOCK) product. The query tiles are gathered
+    once for all the blocks, and the keys once for all the tiles (not at all when they sit in consecutive
+    cache slots, as a document's do): a document's keys are read once per step for all its questions.
+    """
+
+    rows: torch.Tensor  # (nt * T,) query rows, padded with the dummy row R
+    first_block: int  # a
+    n_blocks: int  # nb
+    k_slots: torch.Tensor  # (nb * B,) cache slots of the keys, block after block
+    k_start: int | None  # first slot when k_slots are consecutive: read the cache in place
+
+
+@dataclass
+class Items:
+    """Item w multiplies query rows q_rows[w] by the keys of one block: a batch of single (tile, block) pairs.
+
+    Used for a query's own block (masked, PARTIAL_TILE rows) and for runs too small to be worth their own
+    products (one FULL_TILE tile against a block or two: a question that has filled a block of its own).
+    """
 
     q_rows: torch.Tensor  # (W, T) row index into the R query rows; R is the dummy (padding) row
     k_slots: torch.Tensor  # (W, B) cache slots, PAD_SLOT where the block has no key
-    mask: torch.Tensor | None  # (W, T, B) visible(query row, key); None: all visible (full blocks)
-    block: torch.Tensor  # (W,) block index b of the work item's keys
+    mask: torch.Tensor | None  # (W, T, B) visible(query row, key); None: whole blocks, all visible
+    block: torch.Tensor  # (W,) block index b of the item's keys
 
 
 @dataclass
@@ -59,8 +82,10 @@ class AttentionPlan:
     slots: torch.Tensor  # (N,) cache slot of each new token
     positions: torch.Tensor  # (N,)
     group_size: int  # G
-    items: list[WorkItems]  # one list per tile shape
-    n_blocks: int  # NB: the most blocks any row has
+    # Whole blocks, sorted by first block (a row's works cover disjoint block ranges, so each row meets its
+    # blocks in increasing order); item batches here hold one block index each.
+    work: list[Run | Items]
+    partial: Items | None  # a row's own, masked block: its last; at most one item per row
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
 
@@ -70,84 +95,105 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     """Allocate cache slots for the new tokens and lay out the blocked attention work.
 
     `n_rows` >= N is the padded token count the model runs (model.py says why); the query row of padded
-    token n_rows is the dummy row that fills the last tile of each group.
+    token n_rows is the dummy row that fills the last tile of a run or item.
     """
     device = cache.k.device
     slots = cache.append(segments, positions)
     seg_list = segments.tolist()
     pos_list = positions.tolist()
-    n = len(seg_list)
     B, G = KEY_BLOCK, group_size
+    dummy = n_rows * G
 
     # New tokens of each segment, in position order (append checked they are consecutive).
     by_seg: dict[int, list[int]] = {}
     for i, sid in enumerate(seg_list):
         by_seg.setdefault(sid, []).append(i)
 
-    # Group (owner segment, block b) -> token indices. For a query at position p and a block b <= p // B,
-    # the block's keys are the chain's tokens at positions [bB, bB + B) up to p. Every query whose chain
-    # holds the same tokens there shares the group; the owner is the chain segment holding position
-    # min(bB + B - 1, p), the deepest segment reaching into the block.
-    groups: dict[tuple[int, int], list[torch.Tensor]] = {}
-    chains: dict[int, list[tuple[int, int, int]]] = {}
+    # A query at position p sees f = (p + 1) // B whole blocks, 0 .. f - 1, and, unless p ends a block, part
+    # of block f. Whole block b belongs to the chain segment holding its last position bB + B - 1 (its
+    # "owner"): the queries of all segments under that owner see the same keys there. So the whole blocks
+    # of a query split into one range per chain segment, (owner, a, e); the queries with the same range
+    # form one Run. The range depends on the query's position and chain, never on the batch.
+    runs: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # (owner, a, e) -> tokens
+    partial: dict[tuple[int, int], torch.Tensor] = {}  # (segment, block) -> tokens that see part of it
     for sid, idx in by_seg.items():
-        chain = [(c, cache.segments[c].start, cache.segments[c].end) for c in cache.chain(sid)]
-        chains[sid] = chain
-        first = pos_list[idx[0]]  # positions are first .. first + len(idx) - 1
+        chain = cache.chain(sid)
+        first, last = pos_list[idx[0]], pos_list[idx[-1]]  # positions are first .. last, consecutive
         idx_t = torch.tensor(idx, dtype=torch.long)
-        c_i = 0
-        for b in range(pos_list[idx[-1]] // B + 1):
-            lo, hi = b * B, b * B + B - 1
-            if hi < first:  # every new query of sid is past this block: owner holds position hi
-                while chain[c_i][2] <= hi:
-                    c_i += 1
-                owner, members = chain[c_i][0], idx_t
-            else:  # the block reaches this call's new tokens: owner is sid itself
-                owner, members = sid, idx_t[max(0, lo - first):]
-            groups.setdefault((owner, b), []).append(members)
-
-    # Lay each group out as work items of T query rows against one block of B keys.
-    pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
-    pos_t[:n] = positions
-    chain_slot_cache: dict[int, torch.Tensor] = {}
-    tiles = {FULL_TILE: ([], [], [], []), PARTIAL_TILE: ([], [], [], [])}  # T -> rows, keys, key pos, block
-    for (owner, b), members in groups.items():
-        tokens = torch.cat(members)
-        if owner not in chain_slot_cache:
-            chain_slot_cache[owner] = torch.tensor(cache.chain_slots(owner), dtype=torch.long)
-        keys = chain_slot_cache[owner][b * B:(b + 1) * B]
-        keys = torch.cat([keys, torch.full((B - keys.numel(),), PAD_SLOT, dtype=torch.long)])
-        kp = torch.arange(b * B, b * B + B)
-        kp[(keys == PAD_SLOT)] = torch.iinfo(torch.long).max  # padding is never visible
-        full = pos_t[tokens] >= b * B + B - 1
-        for tile, part in ((FULL_TILE, tokens[full]), (PARTIAL_TILE, tokens[~full])):
-            if not part.numel():
+        owned = []  # (owner, first block, end block) from the root down; sid owns every later block
+        for c in chain:
+            seg = cache.segments[c]
+            if seg.start is None:  # no tokens: owns nothing
                 continue
-            rows = (part[:, None] * G + torch.arange(G)).reshape(-1)  # (r,) query rows of these tokens
-            pad = (-rows.numel()) % tile
-            rows = torch.cat([rows, torch.full((pad,), n_rows * G, dtype=torch.long)]).view(-1, tile)
-            acc = tiles[tile]
-            acc[0].append(rows)
-            acc[1].append(keys.expand(rows.shape[0], B))
-            acc[2].append(kp.expand(rows.shape[0], B))
-            acc[3].append(torch.full((rows.shape[0],), b, dtype=torch.long))
-    items = []
-    for tile, (rows, keys, kpos, blocks) in tiles.items():
-        if not rows:
+            owned.append((c, seg.start // B, seg.end // B if c != sid else 1 << 62))
+        for f in range((first + 1) // B, (last + 1) // B + 1):
+            lo, hi = max(first, f * B - 1), min(last, f * B + B - 2)  # positions with (p + 1) // B == f
+            if lo > hi:
+                continue
+            tokens = idx_t[lo - first:hi - first + 1]
+            for c, a, e in owned:
+                if a < min(e, f):
+                    runs.setdefault((c, a, min(e, f)), []).append(tokens)
+            part = tokens[1:] if lo == f * B - 1 else tokens  # the query at fB - 1 saw block f - 1 whole
+            if part.numel():
+                partial[(sid, f)] = part
+
+    chain_slots: dict[int, torch.Tensor] = {}
+
+    def keys_of(owner: int, a: int, e: int) -> torch.Tensor:
+        if owner not in chain_slots:
+            chain_slots[owner] = torch.tensor(cache.chain_slots(owner), dtype=torch.long)
+        return chain_slots[owner][a * B:e * B]
+
+    def tiles(tokens: torch.Tensor, tile: int) -> torch.Tensor:
+        rows = (tokens[:, None] * G + torch.arange(G)).reshape(-1)  # query rows of these tokens
+        return torch.cat([rows, torch.full(((-rows.numel()) % tile,), dummy, dtype=torch.long)])
+
+    work: list[tuple[int, Run | Items]] = []
+    small: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # block -> tiles, keys
+    for (owner, a, e), members in runs.items():
+        rows = tiles(torch.cat(members), FULL_TILE)
+        k = keys_of(owner, a, e)
+        if len(rows) // FULL_TILE * (e - a) < SMALL_RUN:  # into per-block item batches
+            for j in range(e - a):
+                acc = small.setdefault(a + j, ([], []))
+                acc[0].append(rows.view(-1, FULL_TILE))
+                acc[1].append(k[j * B:(j + 1) * B].expand(len(rows) // FULL_TILE, B))
             continue
+        consecutive = bool((k[1:] - k[:-1] == 1).all()) and int(k[0]) > PAD_SLOT
+        work.append((a, Run(rows.to(device), a, e - a, k.to(device), int(k[0]) if consecutive else None)))
+    for b, (rows, keys) in small.items():
+        rows_t = torch.cat(rows)
+        work.append((b, Items(rows_t.to(device), torch.cat(keys).to(device), None,
+                              torch.full((rows_t.shape[0],), b, dtype=torch.long))))
+    work.sort(key=lambda bw: bw[0])
+
+    part = None
+    if partial:
+        pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
+        pos_t[:len(pos_list)] = positions
+        rows, keys, kpos, blocks = [], [], [], []
+        for (sid, b), tokens in partial.items():
+            k = keys_of(sid, b, b + 1)
+            k = torch.cat([k, torch.full((B - k.numel(),), PAD_SLOT, dtype=torch.long)])
+            kp = torch.arange(b * B, b * B + B)
+            kp[k == PAD_SLOT] = torch.iinfo(torch.long).max  # padding is never visible
+            r = tiles(tokens, PARTIAL_TILE).view(-1, PARTIAL_TILE)
+            rows.append(r)
+            keys.append(k.expand(r.shape[0], B))
+            kpos.append(kp.expand(r.shape[0], B))
+            blocks.append(torch.full((r.shape[0],), b, dtype=torch.long))
         rows_t, kpos_t = torch.cat(rows), torch.cat(kpos)
-        mask = None
-        if tile == PARTIAL_TILE:  # full blocks are wholly visible; their dummy rows are zeros, harmless
-            row_pos = pos_t[torch.div(rows_t, G, rounding_mode="floor")]  # (W, T)
-            mask = (kpos_t[:, None, :] <= row_pos[:, :, None]).to(device)  # (W, T, B)
-        items.append(WorkItems(rows_t.to(device), torch.cat(keys).to(device), mask, torch.cat(blocks).to(device)))
-    n_blocks = max(pos_list) // B + 1
+        row_pos = pos_t[torch.div(rows_t, G, rounding_mode="floor")]  # (W, T)
+        mask = kpos_t[:, None, :] <= row_pos[:, :, None]  # (W, T, B)
+        part = Items(rows_t.to(device), torch.cat(keys).to(device), mask.to(device), torch.cat(blocks))
 
     visible = None
     if dense:
+        chains = {sid: [(c, 0, 0) for c in cache.chain(sid)] for sid in by_seg}
         visible = _dense_visibility(cache, chains, seg_list, positions.cpu())
 
-    return AttentionPlan(slots=slots, positions=positions, group_size=G, items=items, n_blocks=n_blocks,
+    return AttentionPlan(slots=slots, positions=positions, group_size=G, work=[w for _, w in work], partial=part,
                          visible=None if visible is None else visible.to(device))
 
 
@@ -167,57 +213,154 @@ def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int
     return rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
 
 
+def _run_keys(cache: torch.Tensor, run: Run, dtype: torch.dtype) -> torch.Tensor:
+    """(Hkv, nb, B, D): the run's keys (or values), in place when their slots are consecutive."""
+    hkv, _, d = cache.shape
+    if run.k_start is not None:
+        k = cache[:, run.k_start:run.k_start + run.n_blocks * KEY_BLOCK]
+    else:
+        k = cache[:, run.k_slots]
+    return k.to(dtype).view(hkv, run.n_blocks, KEY_BLOCK, d)
+
+
+def _pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out[h, t, j] = a[h, t] @ b[h, j]: every row tile t against every block j. Returns (H, nt, nb, T, N).
+
+    a is (H, nt, T, K), one matrix per tile (queries), or (H, nt, nb, T, K), one per pair (probabilities);
+    b is (H, nb, K, N). Every product is one (T, K) x (K, N) matrix product, whatever nt and nb: batched
+    over the longer axis, a tile's queries or a block's keys repeated there by a stride-0 view (no copy),
+    in a loop over the shorter axis.
+    """
+    h, nt, nb, t, n = a.shape[0], a.shape[1], b.shape[1], a.shape[-2], b.shape[3]
+    k = a.shape[-1]
+    per_pair = a.dim() == 5
+    if nt <= nb:
+        out = a.new_empty(h, nt, nb, t, n)
+        for i in range(h):
+            for j in range(nt):
+                torch.bmm(a[i, j] if per_pair else a[i, j].expand(nb, t, k), b[i], out=out[i, j])
+        return out
+    out = a.new_empty(h, nb, nt, t, n)
+    for i in range(h):
+        for j in range(nb):
+            torch.bmm(a[i, :, j] if per_pair else a[i], b[i, j].expand(nt, k, n), out=out[i, j])
+    return out.transpose(1, 2)
+
+
+# (tile, block) pairs per chunk, over all KV heads: a chunk's scores (CHUNK_PAIRS x 64 x 64 floats, 2 MiB)
+# stay in the CPU's cache through exp, sum and the second product. Chunking never changes a bit: maxima
+# are exact in any order, and each row's blocks are still added one after another in block order.
+CHUNK_PAIRS = 128
+
+
+def _chunks(run: Run, hkv: int) -> list[tuple[slice, slice]]:
+    """(tiles, blocks) slices covering the run, blocks in order within each tile range."""
+    nt, nb = len(run.rows) // FULL_TILE, run.n_blocks
+    per = max(1, CHUNK_PAIRS // hkv)
+    cb = min(nb, per)
+    ct = max(1, min(nt, per // cb))
+    return [(slice(t, min(t + ct, nt)), slice(b, min(b + cb, nb))) for t in range(0, nt, ct) for b in range(0, nb, cb)]
+
+
+def _item_scores(q: torch.Tensor, k_cache: torch.Tensor, items: Items, dtype: torch.dtype) -> torch.Tensor:
+    """(Hkv, W, T, B) scores of a batch of items, -inf where masked."""
+    hkv, d = q.shape[0], q.shape[2]
+    W, T = items.q_rows.shape
+    qw = q[:, items.q_rows].view(hkv * W, T, d)
+    kw = k_cache[:, items.k_slots].to(dtype).view(hkv * W, KEY_BLOCK, d)
+    s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, KEY_BLOCK)
+    return s if items.mask is None else s.masked_fill_(~items.mask, float("-inf"))
+
+
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       plan: AttentionPlan) -> torch.Tensor:
-    """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32."""
+    """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32.
+
+    Per query row: pass 1 finds the exact maximum score over all its keys (a maximum is exact in any order);
+    pass 2 takes, block by block, exp(score - max), its sum and its weighted values, and adds the blocks up
+    one after another in block order onto zero: 0 + b0 + b1 + b2 + ...: the same additions, in the same
+    order, however the row's blocks were split into runs, items and chunks, and whatever else shares the
+    pass. Pass 2 computes a big run's scores again rather than keep them all: recomputing gives the same bits.
+    """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
-    NB = plan.n_blocks
-    # Row r is the dummy; the table gets a whole extra tile of rows so that its size stays a multiple of 64
-    # (no scalar tails in exp below; see model.py).
-    q = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1)
-    r_tab = r + 64
+    T, B = FULL_TILE, KEY_BLOCK
+    q = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1)  # row r: dummy
 
-    # Pass 1: scores of every (row, block) pair, and each row's maximum over all its blocks. A maximum
-    # is exact in any order, so scatter_reduce may combine the blocks however it likes.
-    scores = []
-    M = q.new_full((hkv, r_tab), float("-inf"))
-    for it in plan.items:
-        W, T = it.q_rows.shape
-        B = it.k_slots.shape[1]
-        qw = q[:, it.q_rows].view(hkv * W, T, d)  # (Hkv*W, T, D)
-        kw = k_cache[:, it.k_slots].to(acc).view(hkv * W, B, d)  # (Hkv*W, B, D)
-        s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, B)  # q k^T over one block: fixed shapes
-        if it.mask is not None:
-            s.masked_fill_(~it.mask, float("-inf"))
-        M.scatter_reduce_(1, it.q_rows.reshape(1, -1).expand(hkv, -1), s.amax(dim=-1).view(hkv, -1), "amax")
-        scores.append(s)
-
-    # Pass 2: per block, exp(s - row max), its sum and its weighted values, into a (rows, blocks) table.
-    # Blocks a row does not have stay zero.
-    L = q.new_zeros((hkv, r_tab * NB))
-    O = q.new_zeros((hkv, r_tab * NB, d))
+    # Pass 1: each row's maximum score over all its blocks.
+    M = q.new_full((hkv, r + 1), float("-inf"))
+    # Keys transposed to (D, B) blocks, the layout the products read fastest; runs reading the same
+    # consecutive slots (a document's, from its first block) share one copy.
+    in_place: dict[int, int] = {}
+    for w in plan.work:
+        if isinstance(w, Run) and w.k_start is not None:
+            in_place[w.k_start] = max(in_place.get(w.k_start, 0), w.n_blocks)
+    shared_kt = {start: k_cache[:, start:start + nb * B].to(acc).view(hkv, nb, B, d).transpose(-1, -2).contiguous()
+                 for start, nb in in_place.items()}
+    kept = []
+    for w in plan.work:
+        if isinstance(w, Items):
+            s = _item_scores(q, k_cache, w, acc)
+            M.scatter_reduce_(1, w.q_rows.reshape(1, -1).expand(hkv, -1), s.amax(dim=-1).view(hkv, -1), "amax")
+            kept.append(s)
+            continue
+        qt = q[:, w.rows].view(hkv, -1, T, d)  # (Hkv, nt, T, D)
+        if w.k_start is not None:
+            kt = shared_kt[w.k_start][:, :w.n_blocks]  # (Hkv, nb, D, B)
+        else:
+            kt = _run_keys(k_cache, w, acc).transpose(-1, -2).contiguous()
+        chunks = _chunks(w, hkv)
+        s = None
+        for ts, bs in chunks:
+            s = _pairs(qt[:, ts], kt[:, bs])  # (Hkv, ct, cb, T, B)
+            rows = w.rows.view(-1, T)[ts].reshape(-1)
+            M.scatter_reduce_(1, rows.expand(hkv, -1), s.amax(dim=-1).amax(dim=2).reshape(hkv, -1), "amax")
+        kept.append((qt, kt, chunks, s if len(chunks) == 1 else None))
+    p = plan.partial
+    if p is not None:
+        sp = _item_scores(q, k_cache, p, acc)
+        M.scatter_reduce_(1, p.q_rows.reshape(1, -1).expand(hkv, -1), sp.amax(dim=-1).view(hkv, -1), "amax")
     m_safe = _finite(M)
-    for it, s in zip(plan.items, scores):
-        W, T, B = s.shape[1], s.shape[2], s.shape[3]
-        e = s.sub_(m_safe[:, it.q_rows][..., None]).exp_()  # (Hkv, W, T, B); masked keys: exp(-inf) = 0
-        vw = v_cache[:, it.k_slots].to(acc).view(hkv * W, B, d)
-        flat = (it.q_rows * NB + it.block[:, None]).reshape(-1)  # (W*T,) table cells
-        L[:, flat] = e.sum(dim=-1).view(hkv, -1)
-        O[:, flat] = torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, -1, d)
-    L, O = L.view(hkv, r_tab, NB), O.view(hkv, r_tab, NB, d)
 
-    # Sum over blocks in a fixed binary tree over block index: (0,1), (2,3), ... then pairs of those; an
-    # odd one out passes up unchanged, as if added to a zero. Blocks past a row's last one are zeros too,
-    # and x + 0 = x, so a longer neighbour in the batch (a larger NB) cannot change a row's result.
-    while L.shape[-1] > 1:
-        half = L.shape[-1] // 2
-        odd_l, odd_o = L[..., 2 * half:], O[..., 2 * half:, :]  # empty when even
-        L = torch.cat([L[..., 0:2 * half:2] + L[..., 1:2 * half:2], odd_l], dim=-1)
-        O = torch.cat([O[..., 0:2 * half:2, :] + O[..., 1:2 * half:2, :], odd_o], dim=-2)
-    l_out = L[:, :r, 0, None]
+    # Pass 2: exp(s - row max) per block, its sum and its weighted values; blocks added in order.
+    O = q.new_zeros((hkv, r + 1, d))
+    L = q.new_zeros((hkv, r + 1))
+
+    def add_items(items: Items, s: torch.Tensor) -> None:
+        W, Tw = items.q_rows.shape
+        e = s.sub_(m_safe[:, items.q_rows][..., None]).exp_()  # masked keys: exp(-inf) = 0
+        vw = v_cache[:, items.k_slots].to(acc).view(hkv * W, B, d)
+        rows = items.q_rows.reshape(-1)
+        O[:, rows] = O[:, rows] + torch.bmm(e.view(hkv * W, Tw, B), vw).view(hkv, -1, d)
+        L[:, rows] = L[:, rows] + e.sum(dim=-1).view(hkv, -1)
+
+    for w, k in zip(plan.work, kept):
+        if isinstance(w, Items):
+            add_items(w, k)
+            continue
+        qt, kt, chunks, s_kept = k
+        v = _run_keys(v_cache, w, acc)  # (Hkv, nb, B, D)
+        tiles = w.rows.view(-1, T)
+        o = l = None
+        for ts, bs in chunks:
+            rows = tiles[ts].reshape(-1)
+            ct = rows.numel() // T
+            s = s_kept if s_kept is not None else _pairs(qt[:, ts], kt[:, bs])
+            e = s.sub_(m_safe[:, rows].view(hkv, ct, 1, T, 1)).exp_()
+            l_blk = e.sum(dim=-1)  # (Hkv, ct, cb, T)
+            o_blk = _pairs(e, v[:, bs])  # (Hkv, ct, cb, T, D)
+            if bs.start == 0:  # a new tile range: its rows' sums so far (zero before their first block)
+                o, l = O[:, rows].view(hkv, ct, T, d), L[:, rows].view(hkv, ct, T)
+            for j in range(o_blk.shape[2]):
+                o, l = o + o_blk[:, :, j], l + l_blk[:, :, j]
+            if bs.stop == w.n_blocks:
+                O[:, rows] = o.reshape(hkv, -1, d)
+                L[:, rows] = l.reshape(hkv, -1)
+    if p is not None:
+        add_items(p, sp)
+    l_out = L[:, :r, None]
     # Padded token rows saw nothing (l = 0): give them zeros rather than 0/0.
-    return torch.where(l_out > 0, O[:, :r, 0] / l_out, torch.zeros_like(O[:, :r, 0]))
+    return torch.where(l_out > 0, O[:, :r] / l_out, torch.zeros_like(O[:, :r]))
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:

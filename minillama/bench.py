@@ -539,11 +539,11 @@ def _flops(cost: CostModel, method: str, task: Task, idx: list[int]) -> float:
     return cost.hf_prefix(prompts, docs, g)
 
 
-def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, ...], list[int]],
+def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, tuple[int, ...]], list[int]],
              gemm: list[float], log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run every method of the case `repeats` times, round-robin; one record per method (medians).
 
-    `reference` maps a prompt (as a tuple) to its `independent` answer; it fills as independent runs
+    `reference` maps (new tokens, prompt) to the prompt's `independent` answer; it fills as independent runs
     and is what the identity column is checked against, across cases.
     """
     task = make_task(ctx.tokenizer, case.task, plain_prompt_ids(ctx.tokenizer))
@@ -552,20 +552,31 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     useful = cost.parallel(task.prompts, task.docs, g)
     per: dict[str, list[Measured]] = {m: [] for m in case.methods}
     idx_of = {m: (_sample(task, case.sample) if m in SAMPLED else list(range(task.n))) for m in case.methods}
+    # A long run-once method made of separate runs (each question alone) is cut into `repeats` slices, one
+    # per round, so that it meets the same machine weather as the repeated methods it is compared with.
+    sliced = {m: [idx_of[m][k::repeats] for k in range(repeats)] for m in case.once if m in ADDITIVE}
     for r in range(repeats):
         gemm.append(gemm_rate())
         for m in case.methods:
-            if m in case.once and r > 0:
+            if m in sliced:
+                idx = sliced[m][r]
+            elif m in case.once and r > 0:
+                continue
+            else:
+                idx = idx_of[m]
+            if not idx:
                 continue
             kw = {"parallel_size": case.parallel_size, "batch_docs": case.batch_docs} if m in (
                 "parallel", "hf_prefix") else {}
-            res = RUNNERS[m](ctx, task, idx_of[m], **kw)
+            res = RUNNERS[m](ctx, task, idx, **kw)
             per[m].append(res)
-            if m == "independent" and r == 0:
+            if m == "independent":
                 for i, a in res.answers.items():
-                    reference[tuple(task.prompts[i])] = a
-            log(f"  {case.sweep} {case.label} {m} repeat {r + 1}/{repeats}: "
-                f"{res.prefill_s + res.decode_s:.2f} s ({len(idx_of[m])} questions)")
+                    reference.setdefault((g, tuple(task.prompts[i])), a)
+            log(f"  {case.sweep} {case.label} {m} {'slice' if m in sliced else 'repeat'} {r + 1}/{repeats}: "
+                f"{res.prefill_s + res.decode_s:.2f} s ({len(idx)} questions)")
+    for m in sliced:
+        per[m] = [_combine(per[m])]
     rate = statistics.median(gemm[-repeats:]) * 1e9
     records = []
     for m in case.methods:
@@ -575,7 +586,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
         prefill, decode = med(lambda x: x.prefill_s) * scale, med(lambda x: x.decode_s) * scale
         wall = med(lambda x: x.prefill_s + x.decode_s) * scale
         answers = runs[0].answers
-        ref = {i: reference.get(tuple(task.prompts[i])) for i in idx}
+        ref = {i: reference.get((g, tuple(task.prompts[i]))) for i in idx}
         checked = [i for i in idx if ref[i] is not None]
         eos = ctx.model.config.eos_token_ids
         correct = sum(task.colors[i] in _answer_text(ctx.tokenizer, answers[i], eos).lower() for i in idx)
@@ -625,6 +636,16 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     return records
 
 
+def _combine(parts: list[Measured]) -> Measured:
+    """Slices of one method run one after another: times add up, peaks are the largest slice's."""
+    answers: dict[int, list[int]] = {}
+    for p in parts:
+        answers.update(p.answers)
+    return Measured(answers, sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
+                    sum(p.cpu_s for p in parts), max(p.kv_bytes for p in parts), max(p.rss_bytes for p in parts),
+                    sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts))
+
+
 def _mean_shared(task: Task) -> float:
     out = []
     for d in dict.fromkeys(task.docs):
@@ -646,6 +667,7 @@ def _answer_text(tokenizer: Any, ids: list[int], eos: Sequence[int] = ()) -> str
 ALL = METHODS
 SWEEP = ("independent", "independent_plain", "parallel")  # independent: the identity check; plain: the baseline
 ONCE = ("independent",)  # in sweeps the reference run is only needed once
+ADDITIVE = ("independent", "independent_plain")  # one run per question: a sum of slices is the whole run
 
 
 def preset(name: str, hf: bool) -> tuple[list[Case], int]:
@@ -717,14 +739,14 @@ def headline_table(records: list[dict[str, Any]]) -> str:
         return ""
     base = next((r for r in rows if r["method"] == "independent_plain"), rows[0])
     hf = next((r for r in rows if r["method"] == "hf_batched"), None)
-    head = ("| method | wall s | prefill s | decode s | tok/s | speedup vs independent (plain) | vs HF batched "
+    head = ("| method | wall s | prefill s | decode s | CPU s | tok/s | speedup vs independent (plain) | vs HF batched "
             "| KV MiB | peak RSS MiB | exact match | identical to independent | useful FLOP/s % of GEMM |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["method"] + (f" (x{r['questions'] / r['measured_questions']:.0f} from {r['measured_questions']} q)"
                            if r["extrapolated"] else ""),
-            _fmt(r["wall_s"]), _fmt(r["prefill_s"]), _fmt(r["decode_s"]), _fmt(r["tokens_per_s"], 1),
+            _fmt(r["wall_s"]), _fmt(r["prefill_s"]), _fmt(r["decode_s"]), _fmt(r["cpu_s"]), _fmt(r["tokens_per_s"], 1),
             _fmt(base["wall_s"] / r["wall_s"], 1), _fmt(hf["wall_s"] / r["wall_s"], 1) if hf else "-",
             _fmt(r["kv_bytes"] / 2**20, 1), _fmt(r["peak_rss_bytes"] / 2**20, 0),
             f"{r['accuracy'] * 100:.0f}%",
@@ -739,9 +761,15 @@ def findings(records: list[dict[str, Any]]) -> dict[str, Any]:
     h = {r["method"]: r for r in records if r["sweep"] == "headline"}
     if "parallel" in h:
         p = h["parallel"]
-        for m in ("independent_plain", "independent", "hf_batched", "hf_prefix", "batched", "seqbatch"):
+        for m in ("independent_plain", "independent", "hf_batched", "hf_prefix", "batched", "seqbatch",
+                  "parallel_plain"):
             if m in h:
                 out[f"parallel_speedup_vs_{m}"] = h[m]["wall_s"] / p["wall_s"]
+        # The same ratios in process CPU time: with one thread, time lost to other processes on a shared
+        # machine is not counted, so these move less from run to run than the wall-clock ones.
+        for m in ("independent_plain", "hf_batched"):
+            if m in h:
+                out[f"parallel_speedup_vs_{m}_cpu_time"] = h[m]["cpu_s"] / p["cpu_s"]
         if "batched" in h:
             out["kv_parallel_over_batched"] = p["kv_bytes"] / h["batched"]["kv_bytes"]
         if "hf_batched" in h:
@@ -798,13 +826,14 @@ def write_outputs(out: Path, records: list[dict[str, Any]], meta: dict[str, Any]
     md += [f"| {t} | {v} | {m} |" for t, v, m in target_rows(found)]
     md += ["", "## Findings", "", "| quantity | value |", "|---|---|"]
     md += [f"| {k} | {_fmt(v, 3)} |" for k, v in found.items()]
-    for sweep in ("docs", "doclen", "grid", "questions"):
+    for sweep in ("answer16", "docs", "doclen", "grid", "questions"):
         rows = [r for r in records if r["sweep"] == sweep]
         if rows:
             md += ["", f"## {sweep}", "", "| point | method | wall s | prefill s | decode s | speedup vs indep. plain |"
-                   " identical |", "|---|---|---|---|---|---|---|"]
+                   " KV MiB | exact match | identical |", "|---|---|---|---|---|---|---|---|---|"]
             md += [f"| {r['label']} | {r['method']} | {_fmt(r['wall_s'])} | {_fmt(r['prefill_s'])} | "
                    f"{_fmt(r['decode_s'])} | {_fmt(r.get('speedup_vs_independent_plain'), 1)} | "
+                   f"{_fmt(r['kv_bytes'] / 2**20, 1)} | {r['accuracy'] * 100:.0f}% | "
                    f"{r['identical_to_independent']}/{r['checked_against_independent']} |" for r in rows]
     (out / "summary.md").write_text("\n".join(md) + "\n")
     return plot(out, records)
@@ -832,12 +861,16 @@ def plot(out: Path, records: list[dict[str, Any]]) -> list[Path]:
         ax.barh(names, [r["prefill_s"] for r in rows], color="C0", label="prefill")
         ax.barh(names, [r["decode_s"] for r in rows], left=[r["prefill_s"] for r in rows], color="C1",
                 label="decode")
-        ax.set_xscale("log")
-        ax.set_xlabel("generation time, s (log)")
+        base = next((r["wall_s"] for r in rows if r["method"] == "independent_plain"), None)
+        for i, r in enumerate(rows):
+            note = f" {r['wall_s']:.1f} s" + (f"  ({base / r['wall_s']:.1f}x)" if base else "")
+            ax.text(r["wall_s"], i, note, va="center", fontsize=8)
+        ax.set_xlim(0, 1.25 * max(r["wall_s"] for r in rows))
+        ax.set_xlabel("generation time, s" + ("  (speedup vs independent_plain)" if base else ""))
         c = rows[0]
         ax.set_title(f"{c['questions']} questions, doc {c['doc_tokens']} tokens, {c['new_tokens']} new tokens")
         ax.invert_yaxis()
-        ax.legend()
+        ax.legend(loc="lower right")
         save(fig, "headline.png")
 
     def lines(sweep: str, x: str, name: str, xlabel: str, logx: bool = False) -> None:
@@ -1050,7 +1083,7 @@ def setup(model_path: str | None, random_shape: LlamaConfig | None, hf: bool, wo
 
 
 def run(cases: list[Case], ctx: Context, repeats: int, log: Callable[[str], None] = print) -> tuple[list, list]:
-    reference: dict[tuple[int, ...], list[int]] = {}
+    reference: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     gemm: list[float] = []
     records = []
     # Independent first in each case, so that every later method is checked against it.
@@ -1077,7 +1110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(--doc-tokens to change the document) and write profile.md")
     ap.add_argument("--doc-tokens", type=int, default=512, help="document length for --profile")
     ap.add_argument("--out", default="bench_results", help="output directory")
+    ap.add_argument("--from-json", metavar="RESULTS", help="rewrite tables and plots from a results.json, run nothing")
     a = ap.parse_args(argv)
+    if a.from_json:
+        data = json.loads(Path(a.from_json).read_text())
+        paths = write_outputs(Path(a.out), data["records"], data["meta"])
+        print(headline_table(data["records"]) + "\n")
+        print("\n".join(f"{t}: {v} ({m})" for t, v, m in target_rows(findings(data["records"]))))
+        print("wrote", ", ".join(str(p) for p in paths))
+        return 0
 
     name = "quick" if a.quick else "full" if a.full else "default"
     # The tiny model's ops last microseconds: a second thread only adds synchronisation (10x slower on a
@@ -1129,14 +1170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _commit() -> str:
-    """The checked-out commit, with "+dirty" when minillama/ has uncommitted changes (results name it)."""
+    """The checked-out commit, with "+dirty" when minillama/ (this file aside) has uncommitted changes."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "minillama"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "minillama",
+                                ":!minillama/bench.py"], cwd=root,
                                capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

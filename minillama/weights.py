@@ -614,7 +614,7 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
+    return model.column_major_().eval()
 
 
 @contextlib.contextmanager

@@ -4,8 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import FULL_TILE, KEY_BLOCK, PARTIAL_TILE, blocked_attention, masked_attention, plan_attention
-from minillama.cache import KVCache
+from minillama.attention import (FULL_TILE, KEY_BLOCK, PARTIAL_TILE, Run, blocked_attention, masked_attention,
+                                 plan_attention)
+from minillama.cache import PAD_SLOT, KVCache
 from tiny import tiny_config
 
 
@@ -53,7 +54,7 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed):
 
 
 def test_decode_reads_each_document_block_once_for_all_questions():
-    """Hydragen: in a decode step of 40 questions, a document block is one group of 40 queries."""
+    """Hydragen: in a decode step of 40 questions, the document's blocks are one run of 40 queries."""
     config = tiny_config(heads=3, kv_heads=1, head_dim=8)
     cache = KVCache(config)
     doc_len = 5 * KEY_BLOCK
@@ -63,15 +64,56 @@ def test_decode_reads_each_document_block_once_for_all_questions():
     for q in qs:
         cache.append(torch.tensor([q] * 4), torch.arange(doc_len, doc_len + 4))
     plan = plan_attention(cache, torch.tensor(qs), torch.full((40,), doc_len + 4), 3, n_rows=64)
-    doc_slots = set(cache.segments[doc].slots)
-    full, partial = plan.items
-    assert full.q_rows.shape[1] == FULL_TILE and partial.q_rows.shape[1] == PARTIAL_TILE
-    for b in range(5):
-        items = full.block == b
-        rows = full.q_rows[items]
-        # All 40 questions' 3 query heads, in ceil(120 / 64) = 2 tiles against the same key block.
-        assert rows.shape[0] == 2 and set(rows[rows < 64 * 3].tolist()) == set(range(120))
-        assert len({tuple(k.tolist()) for k in full.k_slots[items]}) == 1
-        assert set(full.k_slots[items][0].tolist()) <= doc_slots
+    (run,) = plan.work
+    # All 40 questions' 3 query heads, in ceil(120 / 64) = 2 tiles, against the 5 document blocks, whose
+    # keys sit in consecutive slots: read in place, no gather.
+    assert run.first_block == 0 and run.n_blocks == 5 and len(run.rows) == 2 * FULL_TILE
+    assert set(run.rows[run.rows < 64 * 3].tolist()) == set(range(120))
+    assert run.k_slots.tolist() == cache.segments[doc].slots and run.k_start == cache.segments[doc].slots[0]
     # The block holding each question's own tokens is that question's alone, in a small tile.
-    assert (full.block < 5).all() and (partial.block == 5).all() and partial.q_rows.shape[0] == 40
+    p = plan.partial
+    assert p.q_rows.shape == (40, PARTIAL_TILE) and (p.k_slots[:, 5:] == PAD_SLOT).all() and (p.block == 5).all()
+    for w in range(40):
+        assert set(p.k_slots[w].tolist()) - {PAD_SLOT} == set(cache.segments[qs[w]].slots)
+
+
+def pairs_of(plan):
+    """(row, block, key slots) of every whole-block pair in the plan, in the order the kernel adds them."""
+    out = []
+    for w in plan.work:
+        if isinstance(w, Run):
+            for t in w.rows.view(-1, FULL_TILE):
+                for j in range(w.n_blocks):
+                    out += [(int(r), w.first_block + j, tuple(w.k_slots[j * KEY_BLOCK:(j + 1) * KEY_BLOCK].tolist()))
+                            for r in t]
+        else:
+            out += [(int(r), int(w.block[i]), tuple(w.k_slots[i].tolist()))
+                    for i in range(len(w.q_rows)) for r in w.q_rows[i]]
+    return out
+
+
+def test_blocks_split_at_owners_and_keep_block_order():
+    """A question longer than a block owns that block: its rows see the document's blocks, then their own."""
+    config = tiny_config(heads=2, kv_heads=1, head_dim=8)
+    cache = KVCache(config)
+    doc = cache.new_segment()
+    cache.append(torch.tensor([doc] * 130), torch.arange(130))  # blocks 0, 1 whole; block 2 partly
+    long_q, short_q = cache.new_segment(doc), cache.new_segment(doc)
+    cache.append(torch.tensor([short_q] * 3), torch.arange(130, 133))
+    cache.append(torch.tensor([long_q] * 80), torch.arange(130, 210))  # reaches block 3 (192..255)
+    plan = plan_attention(cache, torch.tensor([long_q, short_q]), torch.tensor([210, 133]), 2, n_rows=2, dense=True)
+    doc_slots, long_slots = cache.segments[doc].slots, cache.segments[long_q].slots
+    blocks: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    for r, b, keys in pairs_of(plan):
+        if r < 4:  # row 4 is the padding row
+            blocks.setdefault(r, []).append((b, keys))
+    for r in (0, 1, 2, 3):  # every row: document blocks 0 and 1, in order, keys read from the document
+        assert [(b, list(k)) for b, k in blocks[r][:2]] == [(0, doc_slots[:64]), (1, doc_slots[64:128])]
+    # The long question's rows (token 0) also have block 2 whole: the document's last two slots, then its own.
+    assert [b for b, _ in blocks[0]] == [0, 1, 2] and list(blocks[0][2][1]) == doc_slots[128:] + long_slots[:62]
+    assert [b for b, _ in blocks[2]] == [0, 1]
+    assert plan.partial.q_rows.shape == (2, PARTIAL_TILE) and plan.partial.block.tolist() == [3, 2]
+    q = torch.randn(1, 4, 8)
+    cache.k.normal_(), cache.v.normal_()
+    torch.testing.assert_close(blocked_attention(q, cache.k[0], cache.v[0], plan),
+                               masked_attention(q, cache.k[0], cache.v[0], plan))

@@ -4,6 +4,7 @@ writes, and that parallel (and batched) answers are the independent ones. Timing
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -52,20 +53,26 @@ def test_cost_model_counts_the_document_once_in_parallel():
 
 def test_harness_records_files_and_parity(tmp_path, one_thread):
     ctx = setup(None, TINY_SHAPE, hf=False, workdir=tmp_path)
-    cases = [Case("headline", TASK, MINILLAMA, label="tiny"),
-             Case("grid", TASK, ("parallel",), parallel_size=2, batch_docs=1, label="batch=1 parallel=2")]
-    records, gemm = run(cases, ctx, repeats=1, log=lambda s: None)
+    # independent runs once, in two slices of questions; batched once, whole; the others twice.
+    cases = [Case("headline", TASK, MINILLAMA, once=("independent", "batched"), label="tiny"),
+             Case("grid", TASK, ("parallel",), parallel_size=2, batch_docs=1, label="batch=1 parallel=2"),
+             # The same prompts, longer answers: checked against their own independent run, not the above.
+             Case("answer", dataclasses.replace(TASK, new_tokens=5), ("independent", "parallel"), label="5 tokens")]
+    records, gemm = run(cases, ctx, repeats=2, log=lambda s: None)
     assert gemm and all(x > 0 for x in gemm)
     by = {(r["sweep"], r["method"]): r for r in records}
-    assert set(by) == {("headline", m) for m in MINILLAMA} | {("grid", "parallel")}
+    assert set(by) == ({("headline", m) for m in MINILLAMA} | {("grid", "parallel")}
+                       | {("answer", "independent"), ("answer", "parallel")})
+    assert [by[("headline", m)]["repeats"] for m in MINILLAMA] == [1, 2, 1, 2, 2]
     for r in records:
-        assert r["questions"] == 6 and r["generated_tokens"] == 6 * TASK.new_tokens
+        assert r["questions"] == 6 and r["generated_tokens"] == 6 * r["new_tokens"]
         assert r["wall_s"] == pytest.approx(r["prefill_s"] + r["decode_s"])
         assert r["kv_bytes"] > 0 and r["flops_useful"] > 0 and 0 <= r["accuracy"] <= 1
         assert r["checked_against_independent"] == 6
     # The claim: every parallel answer is the independent one, token for token, whatever the grouping;
     # so are the batched ones (each prompt alone in its own segment).
-    for key in (("headline", "parallel"), ("grid", "parallel"), ("headline", "batched")):
+    for key in (("headline", "parallel"), ("grid", "parallel"), ("headline", "batched"), ("answer", "independent"),
+                ("answer", "parallel")):
         assert by[key]["identical_to_independent"] == 6, key
     par, bat = by[("headline", "parallel")], by[("headline", "batched")]
     assert par["kv_bytes"] < bat["kv_bytes"]  # the document stored once, not once per question
