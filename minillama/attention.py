@@ -247,10 +247,10 @@ def _pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
-# (tile, block) pairs per chunk, over all KV heads: a chunk's scores (CHUNK_PAIRS x 64 x 64 floats, 2 MiB)
+# (tile, block) pairs per chunk, over all KV heads: a chunk's scores (CHUNK_PAIRS x 64 x 64 floats, 16 MiB)
 # stay in the CPU's cache through exp, sum and the second product. Chunking never changes a bit: maxima
 # are exact in any order, and each row's blocks are still added one after another in block order.
-CHUNK_PAIRS = 128
+CHUNK_PAIRS = 1024
 
 
 def _chunks(run: Run, hkv: int) -> list[tuple[slice, slice]]:
