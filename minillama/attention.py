@@ -2,7 +2,7 @@
 
 Notation for tensor shapes: N new tokens in this forward pass, H query heads, Hkv key/value heads,
 G = H / Hkv query heads per KV head, D head dim, S cache slots, R = N * G query rows per KV head,
-B keys per block, T query rows per tile, W work items, NB blocks per row (a power of two).
+B keys per block, T query rows per tile, nt tiles and nb blocks of a run, W items of a batch.
 
 The segment rule (cache.py has the segments). A query token q sees key token k when
 
@@ -14,13 +14,15 @@ a document never sees its questions; unrelated prompts (separate roots) never se
 Why not one masked softmax over the packed sequence: a reduction over a longer row with -inf holes uses
 another summation order than the reduction over the question's own prompt, and the last bits differ
 (NOTES.md). Instead each query's keys are taken in *logical* order (its chain, by position) and cut into
-blocks at positions 0, B, 2B, ...; each block is reduced with fixed-shape kernels against the row's exact
-maximum, and the blocks' sums are added in a fixed binary tree over block index. All of this depends only on the query's own
-logical sequence, so a question gets the same bits packed with a thousand others as alone.
+blocks at positions 0, B, 2B, ...; each block is reduced with fixed-shape products against the row's
+exact maximum, and the blocks' sums are added one after another in block order. All of this depends only
+on the query's own logical sequence, so a question gets the same bits packed with a thousand others as
+alone.
 
-Sharing (Hydragen): all queries that see block b of the same owner segment (say, the 64 questions of a
-document, each decoding one token) are gathered into one group and multiply that block's keys in one
-matrix-matrix product: the document's keys are read once per step, not once per question.
+Sharing (Hydragen): all queries that see the same whole blocks of one segment (say, the 64 questions of a
+document, each decoding one token) form one run, and every tile of their query rows meets every block of
+the document's keys in matrix-matrix products: the document's keys are read once per step, in place, not
+once per question.
 """
 
 from __future__ import annotations
