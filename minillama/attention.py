@@ -28,7 +28,7 @@ once per question.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ PARTIAL_TILE = 8
 # A run of fewer (tile, block) pairs than this goes into per-block item batches instead: 64 questions that
 # have each filled a block of their own make 64 one-pair runs, better done as one batched product.
 SMALL_RUN = 8
+# Masked items of one segment's block whose keys are gathered once for all of them, from this many on.
+SHARED_ITEMS = 4
 
 
 @dataclass
@@ -88,6 +90,9 @@ class AttentionPlan:
     # blocks in increasing order); item batches here hold one block index each.
     work: list[Run | Items]
     partial: Items | None  # a row's own, masked block: its last; at most one item per row
+    # The same for the tokens of one segment in one block when they are many (a prefill): one Items per
+    # block, whose items all read that block's keys, gathered once (k_slots is (1, B)).
+    partial_groups: list[Items] = field(default_factory=list)
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
 
@@ -170,25 +175,33 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
                               torch.full((rows_t.shape[0],), b, dtype=torch.long))))
     work.sort(key=lambda bw: bw[0])
 
-    part = None
-    if partial:
-        pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
-        pos_t[:len(pos_list)] = positions
+    pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
+    pos_t[:len(pos_list)] = positions
+
+    def masked_items(groups: list[tuple[int, torch.Tensor, torch.Tensor]], shared: bool) -> Items:
+        """Items of (block b, keys, tokens) groups; `shared`: one group whose keys all its items use."""
         rows, keys, kpos, blocks = [], [], [], []
-        for (sid, b), tokens in partial.items():
-            k = keys_of(sid, b, b + 1)
-            k = torch.cat([k, torch.full((B - k.numel(),), PAD_SLOT, dtype=torch.long)])
+        for b, k, tokens in groups:
             kp = torch.arange(b * B, b * B + B)
             kp[k == PAD_SLOT] = torch.iinfo(torch.long).max  # padding is never visible
             r = tiles(tokens, PARTIAL_TILE).view(-1, PARTIAL_TILE)
             rows.append(r)
-            keys.append(k.expand(r.shape[0], B))
+            keys.append(k[None] if shared else k.expand(r.shape[0], B))
             kpos.append(kp.expand(r.shape[0], B))
             blocks.append(torch.full((r.shape[0],), b, dtype=torch.long))
         rows_t, kpos_t = torch.cat(rows), torch.cat(kpos)
         row_pos = pos_t[torch.div(rows_t, G, rounding_mode="floor")]  # (W, T)
         mask = kpos_t[:, None, :] <= row_pos[:, :, None]  # (W, T, B)
-        part = Items(rows_t.to(device), torch.cat(keys).to(device), mask.to(device), torch.cat(blocks))
+        return Items(rows_t.to(device), torch.cat(keys).to(device), mask.to(device), torch.cat(blocks))
+
+    lone, shared_groups = [], []
+    for (sid, b), tokens in partial.items():
+        k = keys_of(sid, b, b + 1)
+        k = torch.cat([k, torch.full((B - k.numel(),), PAD_SLOT, dtype=torch.long)])
+        many = tokens.numel() * G >= SHARED_ITEMS * PARTIAL_TILE  # a prefill's block: its keys read once
+        (shared_groups if many else lone).append((b, k, tokens))
+    part = masked_items(lone, shared=False) if lone else None
+    part_groups = [masked_items([g], shared=True) for g in shared_groups]
 
     visible = None
     if dense:
@@ -196,7 +209,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
         visible = _dense_visibility(cache, chains, seg_list, positions.cpu())
 
     return AttentionPlan(slots=slots, positions=positions, group_size=G, work=[w for _, w in work], partial=part,
-                         visible=None if visible is None else visible.to(device))
+                         partial_groups=part_groups, visible=None if visible is None else visible.to(device))
 
 
 def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int]]], seg_list: list[int],
@@ -268,10 +281,31 @@ def _item_scores(q: torch.Tensor, k_cache: torch.Tensor, items: Items, dtype: to
     """(Hkv, W, T, B) scores of a batch of items, -inf where masked."""
     hkv, d = q.shape[0], q.shape[2]
     W, T = items.q_rows.shape
-    qw = q[:, items.q_rows].view(hkv * W, T, d)
-    kw = k_cache[:, items.k_slots].to(dtype).view(hkv * W, KEY_BLOCK, d)
-    s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, KEY_BLOCK)
+    if items.k_slots.shape[0] == 1:  # one block's keys for every item: a stride-0 view, per KV head
+        qw = q[:, items.q_rows]  # (Hkv, W, T, D)
+        kt = k_cache[:, items.k_slots[0]].to(dtype).transpose(1, 2).contiguous()  # (Hkv, D, B)
+        s = qw.new_empty(hkv, W, T, KEY_BLOCK)
+        for h in range(hkv):
+            torch.bmm(qw[h], kt[h].expand(W, d, KEY_BLOCK), out=s[h])
+    else:
+        qw = q[:, items.q_rows].view(hkv * W, T, d)
+        kw = k_cache[:, items.k_slots].to(dtype).view(hkv * W, KEY_BLOCK, d)
+        s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, KEY_BLOCK)
     return s if items.mask is None else s.masked_fill_(~items.mask, float("-inf"))
+
+
+def _item_values(e: torch.Tensor, v_cache: torch.Tensor, items: Items, dtype: torch.dtype) -> torch.Tensor:
+    """(Hkv, W, T, D): each item's probabilities e (Hkv, W, T, B) times its block's values."""
+    hkv, W, T, B = e.shape
+    d = v_cache.shape[-1]
+    if items.k_slots.shape[0] == 1:
+        vb = v_cache[:, items.k_slots[0]].to(dtype)  # (Hkv, B, D)
+        out = e.new_empty(hkv, W, T, d)
+        for h in range(hkv):
+            torch.bmm(e[h], vb[h].expand(W, B, d), out=out[h])
+        return out
+    vw = v_cache[:, items.k_slots].to(dtype).view(hkv * W, B, d)
+    return torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, W, T, d)
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -318,10 +352,12 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             rows = w.rows.view(-1, T)[ts].reshape(-1)
             M.scatter_reduce_(1, rows.expand(hkv, -1), s.amax(dim=-1).amax(dim=2).reshape(hkv, -1), "amax")
         kept.append((qt, kt, chunks, s if len(chunks) == 1 else None))
-    p = plan.partial
-    if p is not None:
+    masked = ([plan.partial] if plan.partial is not None else []) + plan.partial_groups
+    masked_scores = []
+    for p in masked:
         sp = _item_scores(q, k_cache, p, acc)
         M.scatter_reduce_(1, p.q_rows.reshape(1, -1).expand(hkv, -1), sp.amax(dim=-1).view(hkv, -1), "amax")
+        masked_scores.append(sp)
     m_safe = _finite(M)
 
     # Pass 2: exp(s - row max) per block, its sum and its weighted values; blocks added in order.
@@ -329,11 +365,9 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     L = q.new_zeros((hkv, r + 1))
 
     def add_items(items: Items, s: torch.Tensor) -> None:
-        W, Tw = items.q_rows.shape
         e = s.sub_(m_safe[:, items.q_rows][..., None]).exp_()  # masked keys: exp(-inf) = 0
-        vw = v_cache[:, items.k_slots].to(acc).view(hkv * W, B, d)
         rows = items.q_rows.reshape(-1)
-        O[:, rows] = O[:, rows] + torch.bmm(e.view(hkv * W, Tw, B), vw).view(hkv, -1, d)
+        O[:, rows] = O[:, rows] + _item_values(e, v_cache, items, acc).view(hkv, -1, d)
         L[:, rows] = L[:, rows] + e.sum(dim=-1).view(hkv, -1)
 
     for w, k in zip(plan.work, kept):
@@ -358,7 +392,7 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             if bs.stop == w.n_blocks:
                 O[:, rows] = o.reshape(hkv, -1, d)
                 L[:, rows] = l.reshape(hkv, -1)
-    if p is not None:
+    for p, sp in zip(masked, masked_scores):  # a row's own block: its last; one item per row at most
         add_items(p, sp)
     l_out = L[:, :r, None]
     # Padded token rows saw nothing (l = 0): give them zeros rather than 0/0.

@@ -117,3 +117,30 @@ def test_blocks_split_at_owners_and_keep_block_order():
     cache.k.normal_(), cache.v.normal_()
     torch.testing.assert_close(blocked_attention(q, cache.k[0], cache.v[0], plan),
                                masked_attention(q, cache.k[0], cache.v[0], plan))
+
+
+def test_masked_block_bits_do_not_depend_on_how_its_items_are_batched(monkeypatch):
+    """A prefill's own block reads its keys once for all its items; a decode step's are gathered per item.
+    Both are the same (8 rows) x (64 keys) products: the bits agree."""
+    import minillama.attention as attention
+
+    config = tiny_config(heads=6, kv_heads=2, head_dim=16)
+
+    def run(shared_from):
+        monkeypatch.setattr(attention, "SHARED_ITEMS", shared_from)
+        cache = KVCache(config)
+        doc = cache.new_segment()
+        cache.append(torch.tensor([doc] * 100), torch.arange(100))
+        q = cache.new_segment(doc)
+        plan = plan_attention(cache, torch.tensor([q] * 40), torch.arange(100, 140), 3, n_rows=64)
+        gen = torch.Generator().manual_seed(0)
+        cache.k[0] = torch.randn(cache.k[0].shape, generator=gen)
+        cache.v[0] = torch.randn(cache.v[0].shape, generator=gen)
+        queries = torch.randn(2, 64 * 3, 16, generator=gen)
+        return plan, blocked_attention(queries, cache.k[0], cache.v[0], plan)
+
+    shared_plan, shared = run(4)
+    lone_plan, lone = run(10**9)
+    assert shared_plan.partial_groups and shared_plan.partial is None
+    assert lone_plan.partial is not None and not lone_plan.partial_groups
+    assert torch.equal(shared[:, :120], lone[:, :120])
