@@ -1166,6 +1166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(headline_table(records))
     print()
+    if a.quick:
+        print("(a tiny random model: the targets are about the default model; these lines only show the harness works)")
     for t, v, m in target_rows(findings(records)):
         print(f"{t}: {v} ({m})")
     print(f"\nwrote {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.md'}, "
