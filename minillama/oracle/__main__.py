@@ -14,10 +14,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from ..cli import BadInput, _Parser  # the one-line usage errors of `python -m minillama.generate`
 from ..generate import MODES
 from ..tokenizer import TokenizerError
 from ..weights import WeightsError, build_model, fetch_default, load_state_dict, load_tokenizer
@@ -30,15 +31,6 @@ EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Q
                "Lindell works, 40 kilometres up the river.")
 EXAMPLE_QUESTIONS = ["Who designed the Harbour Bridge?", "When did the bridge open?", "How long is the bridge?"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class BadInput(Exception):
-    """Reported in one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise BadInput(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
