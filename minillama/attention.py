@@ -205,14 +205,14 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
 
     visible = None
     if dense:
-        chains = {sid: [(c, 0, 0) for c in cache.chain(sid)] for sid in by_seg}
+        chains = {sid: cache.chain(sid) for sid in by_seg}
         visible = _dense_visibility(cache, chains, seg_list, positions.cpu())
 
     return AttentionPlan(slots=slots, positions=positions, group_size=G, work=[w for _, w in work], partial=part,
                          partial_groups=part_groups, visible=None if visible is None else visible.to(device))
 
 
-def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int]]], seg_list: list[int],
+def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], seg_list: list[int],
                       positions: torch.Tensor) -> torch.Tensor:
     """(N, S) bool: the segment rule written out over every cache slot."""
     s = cache.k.shape[2]
@@ -223,7 +223,7 @@ def _dense_visibility(cache: KVCache, chains: dict[int, list[tuple[int, int, int
             idx = torch.tensor(seg.slots, dtype=torch.long)
             slot_seg[idx] = sid
             slot_pos[idx] = torch.arange(seg.start, seg.end)
-    in_chain = {sid: torch.isin(slot_seg, torch.tensor([c for c, _, _ in ch])) for sid, ch in chains.items()}
+    in_chain = {sid: torch.isin(slot_seg, torch.tensor(ch)) for sid, ch in chains.items()}
     rows = torch.stack([in_chain[sid] for sid in seg_list])  # (N, S)
     return rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
 
