@@ -99,8 +99,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 class _Question:
     """One question in flight: its segment, the answer so far, and its random stream."""
 
-    def __init__(self, index: int, params: SamplingParams, eos: set[int]):
+    def __init__(self, index: int, params: SamplingParams, eos: set[int],
+                 on_answer: Callable[[int, Answer], None] | None = None):
         self.index = index
+        self.on_answer = on_answer
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
         self.answer = Answer(logits=[] if params.keep_logits else None)
@@ -121,6 +123,8 @@ class _Question:
             a.finish_reason, self.done = "stop", True
         elif len(a.token_ids) >= self.params.max_new_tokens or self.next_pos >= max_positions:
             a.finish_reason, self.done = "length", True
+        if self.done and self.on_answer is not None:
+            self.on_answer(self.index, a)
 
 
 def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int]]], chunk: int,
@@ -184,12 +188,15 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
 def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
              mode: str = "parallel", docs: Sequence[int] | None = None, parallel_size: int | None = None,
              batch_docs: int | None = None, eos_ids: Sequence[int] | None = None, prefill_chunk: int = 512,
-             on_token: Callable[[int], None] | None = None, stats: Stats | None = None) -> list[Answer]:
+             on_token: Callable[[int], None] | None = None, stats: Stats | None = None,
+             on_answer: Callable[[int, Answer], None] | None = None) -> list[Answer]:
     """Answer every prompt (token ids); returns one Answer per prompt, in order.
 
     docs[i] names the document prompt i belongs to (default: all one document); prompts of one document
     share their common prefix in parallel mode. parallel_size caps the questions decoded together per
     document, batch_docs the documents per forward pass (the paper's parallel size and batch size).
+    on_answer(i, answer) is called as soon as prompt i's answer is finished (in finishing order), so a
+    caller can stream answers out; a question with max_new_tokens = 0 is reported before any forward pass.
     """
     params = params or SamplingParams()
     stats = stats if stats is not None else Stats()
@@ -205,7 +212,11 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
             raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_pos}")
     docs = list(docs) if docs is not None else [0] * len(prompts)
     eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
-    questions = [_Question(i, params, eos) for i in range(len(prompts))]
+    questions = [_Question(i, params, eos, on_answer) for i in range(len(prompts))]
+    if on_answer is not None:
+        for q in questions:
+            if q.done:  # max_new_tokens == 0: finished before it starts
+                on_answer(q.index, q.answer)
 
     if mode == "independent":
         for q, p in zip(questions, prompts):

@@ -99,3 +99,17 @@ def test_bad_requests(model):
         generate(model, [[1, 2], []])
     with pytest.raises(ValueError, match="context is 2048"):
         generate(model, [[3] * 2048])
+
+
+@pytest.mark.parametrize("mode", ["parallel", "independent", "seqbatch"])
+def test_on_answer_reports_each_answer_once_when_it_finishes(model, mode):
+    prompts = _prompts()
+    seen: list[tuple[int, int]] = []  # (index, tokens the answer had when reported)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop=lambda ids: len(ids) == 1 + ids[0] % 8)
+    answers = generate(model, prompts, params, mode=mode,
+                       on_answer=lambda i, a: seen.append((i, len(a.token_ids))))
+    assert sorted(i for i, _ in seen) == list(range(len(prompts)))
+    assert all(n == len(answers[i].token_ids) for i, n in seen)
+    zero = []
+    generate(model, prompts, SamplingParams(max_new_tokens=0), mode=mode, on_answer=lambda i, a: zero.append(i))
+    assert sorted(zero) == list(range(len(prompts)))
