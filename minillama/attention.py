@@ -1,8 +1,8 @@
-"""Who sees whom, and the batch-invariant attention kernel.
+"""Who sees whom, and the batch-invariant attention kernel (a readable reference and the fast version).
 
 Notation for tensor shapes: N new tokens in this forward pass, H query heads, Hkv key/value heads,
 G = H / Hkv query heads per KV head, D head dim, S cache slots, R = N * G query rows per KV head,
-B keys per block, T query rows per tile, nt tiles and nb blocks of a run, W items of a batch.
+B keys per block, T query rows per tile, I (tile, block) items.
 
 The segment rule (cache.py has the segments). A query token q sees key token k when
 
@@ -13,203 +13,220 @@ a document never sees its questions; unrelated prompts (separate roots) never se
 
 Why not one masked softmax over the packed sequence: a reduction over a longer row with -inf holes uses
 another summation order than the reduction over the question's own prompt, and the last bits differ
-(NOTES.md). Instead each query's keys are taken in *logical* order (its chain, by position) and cut into
-blocks at positions 0, B, 2B, ...; each block is reduced with fixed-shape products against the row's
-exact maximum, and the blocks' sums are added one after another in block order. All of this depends only
-on the query's own logical sequence, so a question gets the same bits packed with a thousand others as
-alone.
+(docs/design.md). Instead each query row's keys are taken in *logical* order (its chain, by position) and
+cut into blocks at positions 0, B, 2B, ...:
 
-Sharing (Hydragen): all queries that see the same whole blocks of one segment (say, the 64 questions of a
-document, each decoding one token) form one run, and every tile of their query rows meets every block of
-the document's keys in matrix-matrix products: the document's keys are read once per step, in place, not
-once per question.
+1. every (row, block) pair is one row of a fixed-shape product: a tile of T query rows against the B keys
+   of one block. Blocks the row sees whole use tiles of `Tiles.full` rows; the block holding the row's own
+   position, masked, tiles of `Tiles.part` rows. Which kind a pair is depends on the row's position only.
+2. the row's maximum score over all its keys is exact (a maximum does not depend on order);
+3. each block gives exp(score - max), its sum and its weighted values; the blocks are added onto zero one
+   after another in block order.
+
+All of this depends only on the row's own logical sequence, so a question gets the same bits packed with a
+thousand others as alone. `reference_attention` does exactly this, one row and one block at a time;
+`blocked_attention` does the same products for the whole pass in a few batched calls, and a test checks
+that the two agree to the bit.
+
+Sharing (Hydragen): all rows that see the same whole block (the 64 questions of a document, each decoding
+one token) are tiled together, so each tile of 64 query rows meets a document block in one product: the
+document's keys are read once per tile, not once per question.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .cache import PAD_SLOT, KVCache
+from .invariant import Tiles
 
 KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
-# T: query rows per matrix product. A query sees every key of the blocks before its own ("whole" blocks,
-# shared by many queries: big tiles, one Run) and some keys of the block holding its position ("partial":
-# small tiles, as often only one token's G heads need it). Which kind a (query, block) pair is depends only
-# on the query's position, never on the batch, so each pair always meets the same kernel shape.
-FULL_TILE = 64
-PARTIAL_TILE = 8
-# A run of fewer (tile, block) pairs than this goes into per-block item batches instead: 64 questions that
-# have each filled a block of their own make 64 one-pair runs, better done as one batched product.
-SMALL_RUN = 8
-# Masked items of one segment's block whose keys are gathered once for all of them, from this many on.
-SHARED_ITEMS = 4
+NEVER = torch.iinfo(torch.long).max  # the position of a padding key: never visible
 
 
-@dataclass
-class Run:
-    """Query rows that all see the same whole key blocks a .. a + nb - 1: one Hydragen product.
+# --- the fixed-shape products, shared by the reference and the fast kernel ------------------------------
 
-    Every (row tile, block) pair is a (FULL_TILE, D) x (D, KEY_BLOCK) product. The query tiles are gathered
-    once for all the blocks, and the keys once for all the tiles (not at all when they sit in consecutive
-    cache slots, as a document's do): a document's keys are read once per step for all its questions.
+def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
+    """out[i] = a[i] @ b[i] for I items, issued as `bmm` calls of exactly `batch` items each.
+
+    a: (I, T, K), b: (I, K, N), I a multiple of `batch` (the plan pads with dummy items). Returns (I, T, N).
+    The batch count is part of a product's signature: a backend may pick another kernel for another count
+    (cuBLAS does for a batch of one), so it never follows the size of the pass.
     """
+    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+    for i in range(0, a.shape[0], batch):
+        torch.bmm(a[i:i + batch], b[i:i + batch], out=out[i:i + batch])
+    return out
 
-    rows: torch.Tensor  # (nt * T,) query rows, padded with the dummy row R
-    first_block: int  # a
-    n_blocks: int  # nb
-    k_slots: torch.Tensor  # (nb * B,) cache slots of the keys, block after block
-    k_start: int | None  # first slot when k_slots are consecutive: read the cache in place
 
+def _block_scores(q: torch.Tensor, k: torch.Tensor, batch: int, hidden: torch.Tensor | None) -> torch.Tensor:
+    """(I, T, B) scores of query tiles q (I, T, D) against key blocks k (I, B, D); -inf where `hidden`."""
+    s = batched_products(q, k.transpose(1, 2), batch)
+    return s if hidden is None else s.masked_fill_(hidden, float("-inf"))
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """Maxima of rows that see nothing (-inf) become 0, so that exp(-inf - 0) = 0 rather than NaN."""
+    return m.nan_to_num(neginf=0.0)
+
+
+# --- the reference: one query row at a time ------------------------------------------------------------
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
+                        key_slots: list[list[int]], tiles: Tiles) -> torch.Tensor:
+    """The blocked rule written for a reader: each query row alone, its logical blocks in order.
+
+    q: (Hkv, N * G, D) query rows (row n * G + i is query head i of token n); k_cache, v_cache: (Hkv, S, D);
+    positions[n] and key_slots[n] (the cache slots of positions 0 .. positions[n] of token n's chain).
+    Returns (Hkv, N * G, D). The row is placed in a tile of zeros, and the tile in a batch of dummy items,
+    so that every product has the shape the fast kernel gives it: the bits are the same.
+    """
+    hkv, r, d = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    B, g = KEY_BLOCK, r // max(len(positions), 1)
+    out = q.new_zeros(hkv, r, d, dtype=acc)
+    for h in range(hkv):
+        for row in range(r):
+            n = row // g
+            p, slots = positions[n], key_slots[n]
+            n_blocks = p // B + 1
+            scores, values = [], []
+            for b in range(n_blocks):
+                whole = b * B + B - 1 <= p  # the row sees every key of block b
+                t, batch = (tiles.full, tiles.full_batch) if whole else (tiles.part, tiles.part_batch)
+                blk = torch.tensor(slots[b * B:b * B + B] + [PAD_SLOT] * max(0, b * B + B - len(slots)))
+                qt = q.new_zeros(batch, t, d, dtype=acc)
+                qt[0, 0] = q[h, row].to(acc) * (1.0 / math.sqrt(d))
+                kb = k_cache.new_zeros(batch, B, d, dtype=acc)
+                kb[0] = k_cache[h, blk].to(acc)
+                vb = kb.clone()
+                vb[0] = v_cache[h, blk].to(acc)
+                hidden = None if whole else (torch.arange(b * B, b * B + B) > p).expand(batch, t, B)
+                scores.append(_block_scores(qt, kb, batch, hidden))
+                values.append(vb)
+            m = _finite(torch.stack([s[0, 0].max() for s in scores]).max())  # the row's exact maximum
+            o, l_sum = q.new_zeros(d, dtype=acc), q.new_zeros((), dtype=acc)
+            for s, vb in zip(scores, values):
+                e = (s - m).exp()  # (batch, t, B), the row in [0, 0]
+                o = o + batched_products(e, vb, vb.shape[0])[0, 0]
+                l_sum = l_sum + e.sum(dim=-1)[0, 0]
+            out[h, row] = o / l_sum
+    return out
+
+
+# --- the fast kernel: the same products for the whole pass ----------------------------------------------
 
 @dataclass
 class Items:
-    """Item w multiplies query rows q_rows[w] by the keys of one block: a batch of single (tile, block) pairs.
+    """(query tile, key block) items of one kind, padded to whole batches, sorted by block.
 
-    Used for a query's own block (masked, PARTIAL_TILE rows) and for runs too small to be worth their own
-    products (one FULL_TILE tile against a block or two: a question that has filled a block of its own).
+    Rows and keys are flat indices, so one gather fetches the tiles of every KV head: query row r of KV
+    head h is `h * (R + 1) + r`, the spare row `R` of head 0 pads tiles; key slot s of head h is `h * S + s`.
     """
 
-    q_rows: torch.Tensor  # (W, T) row index into the R query rows; R is the dummy (padding) row
-    k_slots: torch.Tensor  # (W, B) cache slots, PAD_SLOT where the block has no key
-    mask: torch.Tensor | None  # (W, T, B) visible(query row, key); None: whole blocks, all visible
-    block: torch.Tensor  # (W,) block index b of the item's keys
+    rows: torch.Tensor  # (I, T) flat query rows
+    keys: torch.Tensor  # (I, B) flat key slots; PAD_SLOT (always zeros) pads a block
+    hidden: torch.Tensor | None  # (I, T, B) True where the key is not visible; None: whole blocks
+    bounds: list[int]  # items of the k-th distinct block are bounds[k] .. bounds[k + 1]
+
+    @property
+    def count(self) -> int:
+        return self.rows.shape[0]
 
 
 @dataclass
 class AttentionPlan:
     """What attention needs for one forward pass, shared by all layers."""
 
-    slots: torch.Tensor  # (N,) cache slot of each new token
     positions: torch.Tensor  # (N,)
     group_size: int  # G
-    # Whole blocks, sorted by first block (a row's works cover disjoint block ranges, so each row meets its
-    # blocks in increasing order); item batches here hold one block index each.
-    work: list[Run | Items]
-    partial: Items | None  # a row's own, masked block: its last; at most one item per row
-    # The same for the tokens of one segment in one block when they are many (a prefill): one Items per
-    # block, whose items all read that block's keys, gathered once (k_slots is (1, B)).
-    partial_groups: list[Items] = field(default_factory=list)
+    whole: Items  # blocks the rows see whole: Tiles.full rows per tile
+    partial: Items  # each row's own, masked block (its last): Tiles.part rows per tile
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
 
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
-                   n_rows: int, dense: bool = False) -> AttentionPlan:
-    """Allocate cache slots for the new tokens and lay out the blocked attention work.
+                   n_rows: int, tiles: Tiles, dense: bool = False) -> AttentionPlan:
+    """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
 
-    `n_rows` >= N is the padded token count the model runs (model.py says why); the query row of padded
-    token n_rows is the dummy row that fills the last tile of a run or item.
+    `n_rows` >= N is the padded token count the model runs (model.py says why).
     """
     device = cache.k.device
-    slots = cache.append(segments, positions)
-    seg_list = segments.tolist()
-    pos_list = positions.tolist()
+    seg_list, pos_list = segments.tolist(), positions.tolist()
     B, G = KEY_BLOCK, group_size
-    dummy = n_rows * G
+    hkv, s = cache.k.shape[1], cache.k.shape[2]
+    stride = n_rows * G + 1  # query rows per KV head, the spare row included
+    spare = n_rows * G
 
-    # New tokens of each segment, in position order (append checked they are consecutive).
-    by_seg: dict[int, list[int]] = {}
+    by_seg: dict[int, list[int]] = {}  # new tokens of each segment, in position order
     for i, sid in enumerate(seg_list):
         by_seg.setdefault(sid, []).append(i)
 
     # A query at position p sees f = (p + 1) // B whole blocks, 0 .. f - 1, and, unless p ends a block, part
     # of block f. Whole block b belongs to the chain segment holding its last position bB + B - 1 (its
-    # "owner"): the queries of all segments under that owner see the same keys there. So the whole blocks
-    # of a query split into one range per chain segment, (owner, a, e); the queries with the same range
-    # form one Run. The range depends on the query's position and chain, never on the batch.
-    runs: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # (owner, a, e) -> tokens
-    partial: dict[tuple[int, int], torch.Tensor] = {}  # (segment, block) -> tokens that see part of it
+    # "owner"): the queries of all segments under that owner see the same keys there, so they share tiles.
+    whole: dict[tuple[int, int], list[int]] = {}  # (owner, block) -> tokens that see it whole
+    partial: dict[tuple[int, int], list[int]] = {}  # (segment, block) -> tokens that see part of it
     for sid, idx in by_seg.items():
-        chain = cache.chain(sid)
-        first, last = pos_list[idx[0]], pos_list[idx[-1]]  # positions are first .. last, consecutive
-        idx_t = torch.tensor(idx, dtype=torch.long)
-        owned = []  # (owner, first block, end block) from the root down; sid owns every later block
-        for c in chain:
+        owners = []  # (segment, first block, end block), root first; sid owns every later block
+        for c in cache.chain(sid):
             seg = cache.segments[c]
-            if seg.start is None:  # no tokens: owns nothing
-                continue
-            owned.append((c, seg.start // B, seg.end // B if c != sid else 1 << 62))
-        for f in range((first + 1) // B, (last + 1) // B + 1):
-            lo, hi = max(first, f * B - 1), min(last, f * B + B - 2)  # positions with (p + 1) // B == f
-            if lo > hi:
-                continue
-            tokens = idx_t[lo - first:hi - first + 1]
-            for c, a, e in owned:
-                if a < min(e, f):
-                    runs.setdefault((c, a, min(e, f)), []).append(tokens)
-            part = tokens[1:] if lo == f * B - 1 else tokens  # the query at fB - 1 saw block f - 1 whole
-            if part.numel():
-                partial[(sid, f)] = part
+            if seg.start is not None:
+                owners.append((c, seg.start // B, seg.end // B if c != sid else 1 << 62))
+        for i in idx:
+            p = pos_list[i]
+            f = (p + 1) // B
+            for c, a, e in owners:
+                for b in range(a, min(e, f)):
+                    whole.setdefault((c, b), []).append(i)
+            if (p + 1) % B:
+                partial.setdefault((sid, p // B), []).append(i)
 
-    chain_slots: dict[int, torch.Tensor] = {}
+    chain_slots: dict[int, list[int]] = {}
 
-    def keys_of(owner: int, a: int, e: int) -> torch.Tensor:
-        if owner not in chain_slots:
-            chain_slots[owner] = torch.tensor(cache.chain_slots(owner), dtype=torch.long)
-        return chain_slots[owner][a * B:e * B]
+    def keys_of(sid: int, b: int) -> list[int]:
+        if sid not in chain_slots:
+            chain_slots[sid] = cache.chain_slots(sid)
+        k = chain_slots[sid][b * B:b * B + B]
+        return k + [PAD_SLOT] * (B - len(k))
 
-    def tiles(tokens: torch.Tensor, tile: int) -> torch.Tensor:
-        rows = (tokens[:, None] * G + torch.arange(G)).reshape(-1)  # query rows of these tokens
-        return torch.cat([rows, torch.full(((-rows.numel()) % tile,), dummy, dtype=torch.long)])
+    def items(groups: dict[tuple[int, int], list[int]], t: int, batch: int, masked: bool) -> Items:
+        rows, keys, key_pos, blocks = [], [], [], []
+        heads = torch.arange(hkv)[:, None, None]
+        for (sid, b), tokens in sorted(groups.items(), key=lambda kv: kv[0][1]):  # by block
+            tok = torch.tensor(tokens, dtype=torch.long)
+            r = (tok[:, None] * G + torch.arange(G)).reshape(-1)  # query rows of these tokens
+            r = torch.cat([r, torch.full(((-r.numel()) % t,), spare, dtype=torch.long)]).view(-1, t)  # (nt, T)
+            k = torch.tensor(keys_of(sid, b), dtype=torch.long)  # (B,)
+            rows.append((r[None] + heads * stride).reshape(-1, t))  # (Hkv * nt, T)
+            keys.append((k[None, None] + heads * s).expand(hkv, r.shape[0], B).reshape(-1, B))
+            key_pos.append(torch.arange(b * B, b * B + B).masked_fill(k == PAD_SLOT, NEVER).expand(hkv * r.shape[0], B))
+            blocks += [b] * (hkv * r.shape[0])
+        pad = (-len(blocks)) % batch  # dummy items: the spare row against the padding slot
+        rows_t = torch.cat(rows + [torch.full((pad, t), spare, dtype=torch.long)])
+        keys_t = torch.cat(keys + [torch.full((pad, B), PAD_SLOT, dtype=torch.long)])
+        blocks += [blocks[-1] if blocks else 0] * pad
+        bounds = [0] + [i for i in range(1, len(blocks)) if blocks[i] != blocks[i - 1]] + [len(blocks)]
+        hidden = None
+        if masked:
+            row_pos = torch.full((hkv, stride), -1, dtype=torch.long)  # spare and padded rows: position -1
+            row_pos[:, :len(pos_list) * G] = positions.repeat_interleave(G)
+            kp = torch.cat(key_pos + [torch.full((pad, B), NEVER, dtype=torch.long)])
+            hidden = (kp[:, None, :] > row_pos.view(-1)[rows_t][:, :, None]).to(device)  # (I, T, B)
+        return Items(rows_t.to(device), keys_t.to(device), hidden, bounds)
 
-    work: list[tuple[int, Run | Items]] = []
-    small: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # block -> tiles, keys
-    for (owner, a, e), members in runs.items():
-        rows = tiles(torch.cat(members), FULL_TILE)
-        k = keys_of(owner, a, e)
-        if len(rows) // FULL_TILE * (e - a) < SMALL_RUN:  # into per-block item batches
-            for j in range(e - a):
-                acc = small.setdefault(a + j, ([], []))
-                acc[0].append(rows.view(-1, FULL_TILE))
-                acc[1].append(k[j * B:(j + 1) * B].expand(len(rows) // FULL_TILE, B))
-            continue
-        consecutive = bool((k[1:] - k[:-1] == 1).all()) and int(k[0]) > PAD_SLOT
-        work.append((a, Run(rows.to(device), a, e - a, k.to(device), int(k[0]) if consecutive else None)))
-    for b, (rows, keys) in small.items():
-        rows_t = torch.cat(rows)
-        work.append((b, Items(rows_t.to(device), torch.cat(keys).to(device), None,
-                              torch.full((rows_t.shape[0],), b, dtype=torch.long))))
-    work.sort(key=lambda bw: bw[0])
-
-    pos_t = torch.full((n_rows + 1,), -1, dtype=torch.long)  # padded and dummy tokens: position -1
-    pos_t[:len(pos_list)] = positions
-
-    def masked_items(groups: list[tuple[int, torch.Tensor, torch.Tensor]], shared: bool) -> Items:
-        """Items of (block b, keys, tokens) groups; `shared`: one group whose keys all its items use."""
-        rows, keys, kpos, blocks = [], [], [], []
-        for b, k, tokens in groups:
-            kp = torch.arange(b * B, b * B + B)
-            kp[k == PAD_SLOT] = torch.iinfo(torch.long).max  # padding is never visible
-            r = tiles(tokens, PARTIAL_TILE).view(-1, PARTIAL_TILE)
-            rows.append(r)
-            keys.append(k[None] if shared else k.expand(r.shape[0], B))
-            kpos.append(kp.expand(r.shape[0], B))
-            blocks.append(torch.full((r.shape[0],), b, dtype=torch.long))
-        rows_t, kpos_t = torch.cat(rows), torch.cat(kpos)
-        row_pos = pos_t[torch.div(rows_t, G, rounding_mode="floor")]  # (W, T)
-        mask = kpos_t[:, None, :] <= row_pos[:, :, None]  # (W, T, B)
-        return Items(rows_t.to(device), torch.cat(keys).to(device), mask.to(device), torch.cat(blocks))
-
-    lone, shared_groups = [], []
-    for (sid, b), tokens in partial.items():
-        k = keys_of(sid, b, b + 1)
-        k = torch.cat([k, torch.full((B - k.numel(),), PAD_SLOT, dtype=torch.long)])
-        many = tokens.numel() * G >= SHARED_ITEMS * PARTIAL_TILE  # a prefill's block: its keys read once
-        (shared_groups if many else lone).append((b, k, tokens))
-    part = masked_items(lone, shared=False) if lone else None
-    part_groups = [masked_items([g], shared=True) for g in shared_groups]
-
-    visible = None
+    plan = AttentionPlan(positions=positions, group_size=G,
+                         whole=items(whole, tiles.full, tiles.full_batch, masked=False),
+                         partial=items(partial, tiles.part, tiles.part_batch, masked=True))
     if dense:
         chains = {sid: cache.chain(sid) for sid in by_seg}
-        visible = _dense_visibility(cache, chains, seg_list, positions.cpu())
-
-    return AttentionPlan(slots=slots, positions=positions, group_size=G, work=[w for _, w in work], partial=part,
-                         partial_groups=part_groups, visible=None if visible is None else visible.to(device))
+        plan.visible = _dense_visibility(cache, chains, seg_list, positions.cpu()).to(device)
+    return plan
 
 
 def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], seg_list: list[int],
@@ -228,180 +245,52 @@ def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], seg_list: li
     return rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
 
 
-def _run_keys(cache: torch.Tensor, run: Run, dtype: torch.dtype) -> torch.Tensor:
-    """(Hkv, nb, B, D): the run's keys (or values), in place when their slots are consecutive."""
-    hkv, _, d = cache.shape
-    if run.k_start is not None:
-        k = cache[:, run.k_start:run.k_start + run.n_blocks * KEY_BLOCK]
-    else:
-        k = cache[:, run.k_slots]
-    return k.to(dtype).view(hkv, run.n_blocks, KEY_BLOCK, d)
-
-
-def _pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """out[h, t, j] = a[h, t] @ b[h, j]: every row tile t against every block j. Returns (H, nt, nb, T, N).
-
-    a is (H, nt, T, K), one matrix per tile (queries), or (H, nt, nb, T, K), one per pair (probabilities);
-    b is (H, nb, K, N). Every product is one (T, K) x (K, N) matrix product, whatever nt and nb: batched
-    over the longer axis, a tile's queries or a block's keys repeated there by a stride-0 view (no copy),
-    in a loop over the shorter axis.
-    """
-    h, nt, nb, t, n = a.shape[0], a.shape[1], b.shape[1], a.shape[-2], b.shape[3]
-    k = a.shape[-1]
-    per_pair = a.dim() == 5
-    if nt <= nb:
-        out = a.new_empty(h, nt, nb, t, n)
-        for i in range(h):
-            for j in range(nt):
-                torch.bmm(a[i, j] if per_pair else a[i, j].expand(nb, t, k), b[i], out=out[i, j])
-        return out
-    out = a.new_empty(h, nb, nt, t, n)
-    for i in range(h):
-        for j in range(nb):
-            torch.bmm(a[i, :, j] if per_pair else a[i], b[i, j].expand(nt, k, n), out=out[i, j])
-    return out.transpose(1, 2)
-
-
-# (tile, block) pairs per chunk, over all KV heads: a chunk's scores (CHUNK_PAIRS x 64 x 64 floats, 16 MiB)
-# stay in the CPU's cache through exp, sum and the second product. Chunking never changes a bit: maxima
-# are exact in any order, and each row's blocks are still added one after another in block order.
-CHUNK_PAIRS = 1024
-
-
-def _chunks(run: Run, hkv: int) -> list[tuple[slice, slice]]:
-    """(tiles, blocks) slices covering the run, blocks in order within each tile range."""
-    nt, nb = len(run.rows) // FULL_TILE, run.n_blocks
-    per = max(1, CHUNK_PAIRS // hkv)
-    cb = min(nb, per)
-    ct = max(1, min(nt, per // cb))
-    return [(slice(t, min(t + ct, nt)), slice(b, min(b + cb, nb))) for t in range(0, nt, ct) for b in range(0, nb, cb)]
-
-
-def _item_scores(q: torch.Tensor, k_cache: torch.Tensor, items: Items, dtype: torch.dtype) -> torch.Tensor:
-    """(Hkv, W, T, B) scores of a batch of items, -inf where masked."""
-    hkv, d = q.shape[0], q.shape[2]
-    W, T = items.q_rows.shape
-    if items.k_slots.shape[0] == 1:  # one block's keys for every item: a stride-0 view, per KV head
-        qw = q[:, items.q_rows]  # (Hkv, W, T, D)
-        kt = k_cache[:, items.k_slots[0]].to(dtype).transpose(1, 2).contiguous()  # (Hkv, D, B)
-        s = qw.new_empty(hkv, W, T, KEY_BLOCK)
-        for h in range(hkv):
-            torch.bmm(qw[h], kt[h].expand(W, d, KEY_BLOCK), out=s[h])
-    else:
-        qw = q[:, items.q_rows].view(hkv * W, T, d)
-        kw = k_cache[:, items.k_slots].to(dtype).view(hkv * W, KEY_BLOCK, d)
-        s = torch.bmm(qw, kw.transpose(1, 2)).view(hkv, W, T, KEY_BLOCK)
-    return s if items.mask is None else s.masked_fill_(~items.mask, float("-inf"))
-
-
-def _item_values(e: torch.Tensor, v_cache: torch.Tensor, items: Items, dtype: torch.dtype) -> torch.Tensor:
-    """(Hkv, W, T, D): each item's probabilities e (Hkv, W, T, B) times its block's values."""
-    hkv, W, T, B = e.shape
-    d = v_cache.shape[-1]
-    if items.k_slots.shape[0] == 1:
-        vb = v_cache[:, items.k_slots[0]].to(dtype)  # (Hkv, B, D)
-        out = e.new_empty(hkv, W, T, d)
-        for h in range(hkv):
-            torch.bmm(e[h], vb[h].expand(W, B, d), out=out[h])
-        return out
-    vw = v_cache[:, items.k_slots].to(dtype).view(hkv * W, B, d)
-    return torch.bmm(e.view(hkv * W, T, B), vw).view(hkv, W, T, d)
-
-
-def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      plan: AttentionPlan) -> torch.Tensor:
+def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
+                      tiles: Tiles) -> torch.Tensor:
     """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32.
 
-    Per query row: pass 1 finds the exact maximum score over all its keys (a maximum is exact in any order);
-    pass 2 takes, block by block, exp(score - max), its sum and its weighted values, and adds the blocks up
-    one after another in block order onto zero: 0 + b0 + b1 + b2 + ...: the same additions, in the same
-    order, however the row's blocks were split into runs, items and chunks, and whatever else shares the
-    pass. Pass 2 computes a big run's scores again rather than keep them all: recomputing gives the same bits.
+    Pass 1 finds each row's exact maximum over all its items; pass 2 takes exp(score - max), its sum and its
+    weighted values per item, and adds each row's blocks onto zero in block order (`index_add_` per block:
+    a row meets each block once, so every call adds one term to it). Items are processed in chunks of at
+    most `Tiles.*_chunk`; with more than one chunk, pass 2 computes the scores again (the same products,
+    the same bits) rather than hold them all.
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
-    T, B = FULL_TILE, KEY_BLOCK
-    q = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1)  # row r: dummy
+    qf = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1).view(-1, d)
+    kf, vf = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
+    kinds = [(plan.whole, tiles.full_batch, tiles.full_chunk), (plan.partial, tiles.part_batch, tiles.part_chunk)]
 
-    # Pass 1: each row's maximum score over all its blocks.
-    M = q.new_full((hkv, r + 1), float("-inf"))
-    # Keys transposed to (D, B) blocks, the layout the products read fastest; runs reading the same
-    # consecutive slots (a document's, from its first block) share one copy.
-    in_place: dict[int, int] = {}
-    for w in plan.work:
-        if isinstance(w, Run) and w.k_start is not None:
-            in_place[w.k_start] = max(in_place.get(w.k_start, 0), w.n_blocks)
-    shared_kt = {start: k_cache[:, start:start + nb * B].to(acc).view(hkv, nb, B, d).transpose(-1, -2).contiguous()
-                 for start, nb in in_place.items()}
+    def scores(items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
+        hidden = None if items.hidden is None else items.hidden[lo:hi]
+        return _block_scores(qf[items.rows[lo:hi]], kf[items.keys[lo:hi]].to(acc), batch, hidden)
+
+    M = qf.new_full((qf.shape[0],), float("-inf"))  # pass 1: each row's maximum
     kept = []
-    for w in plan.work:
-        if isinstance(w, Items):
-            s = _item_scores(q, k_cache, w, acc)
-            M.scatter_reduce_(1, w.q_rows.reshape(1, -1).expand(hkv, -1), s.amax(dim=-1).view(hkv, -1), "amax")
-            kept.append(s)
-            continue
-        qt = q[:, w.rows].view(hkv, -1, T, d)  # (Hkv, nt, T, D)
-        if w.k_start is not None:
-            kt = shared_kt[w.k_start][:, :w.n_blocks]  # (Hkv, nb, D, B)
-        else:
-            kt = _run_keys(k_cache, w, acc).transpose(-1, -2).contiguous()
-        chunks = _chunks(w, hkv)
+    for items, batch, chunk in kinds:
         s = None
-        for ts, bs in chunks:
-            s = _pairs(qt[:, ts], kt[:, bs])  # (Hkv, ct, cb, T, B)
-            rows = w.rows.view(-1, T)[ts].reshape(-1)
-            M.scatter_reduce_(1, rows.expand(hkv, -1), s.amax(dim=-1).amax(dim=2).reshape(hkv, -1), "amax")
-        kept.append((qt, kt, chunks, s if len(chunks) == 1 else None))
-    masked = ([plan.partial] if plan.partial is not None else []) + plan.partial_groups
-    masked_scores = []
-    for p in masked:
-        sp = _item_scores(q, k_cache, p, acc)
-        M.scatter_reduce_(1, p.q_rows.reshape(1, -1).expand(hkv, -1), sp.amax(dim=-1).view(hkv, -1), "amax")
-        masked_scores.append(sp)
-    m_safe = _finite(M)
+        for lo in range(0, items.count, chunk):
+            s = scores(items, lo, min(lo + chunk, items.count), batch)
+            M.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), s.amax(dim=-1).reshape(-1), "amax")
+        kept.append(s if items.count <= chunk else None)
+    m = _finite(M)
 
-    # Pass 2: exp(s - row max) per block, its sum and its weighted values; blocks added in order.
-    O = q.new_zeros((hkv, r + 1, d))
-    L = q.new_zeros((hkv, r + 1))
-
-    def add_items(items: Items, s: torch.Tensor) -> None:
-        e = s.sub_(m_safe[:, items.q_rows][..., None]).exp_()  # masked keys: exp(-inf) = 0
-        rows = items.q_rows.reshape(-1)
-        O[:, rows] = O[:, rows] + _item_values(e, v_cache, items, acc).view(hkv, -1, d)
-        L[:, rows] = L[:, rows] + e.sum(dim=-1).view(hkv, -1)
-
-    for w, k in zip(plan.work, kept):
-        if isinstance(w, Items):
-            add_items(w, k)
-            continue
-        qt, kt, chunks, s_kept = k
-        v = _run_keys(v_cache, w, acc)  # (Hkv, nb, B, D)
-        tiles = w.rows.view(-1, T)
-        o = l = None
-        for ts, bs in chunks:
-            rows = tiles[ts].reshape(-1)
-            ct = rows.numel() // T
-            s = s_kept if s_kept is not None else _pairs(qt[:, ts], kt[:, bs])
-            e = s.sub_(m_safe[:, rows].view(hkv, ct, 1, T, 1)).exp_()
-            l_blk = e.sum(dim=-1)  # (Hkv, ct, cb, T)
-            o_blk = _pairs(e, v[:, bs])  # (Hkv, ct, cb, T, D)
-            if bs.start == 0:  # a new tile range: its rows' sums so far (zero before their first block)
-                o, l = O[:, rows].view(hkv, ct, T, d), L[:, rows].view(hkv, ct, T)
-            for j in range(o_blk.shape[2]):
-                o, l = o + o_blk[:, :, j], l + l_blk[:, :, j]
-            if bs.stop == w.n_blocks:
-                O[:, rows] = o.reshape(hkv, -1, d)
-                L[:, rows] = l.reshape(hkv, -1)
-    for p, sp in zip(masked, masked_scores):  # a row's own block: its last; one item per row at most
-        add_items(p, sp)
-    l_out = L[:, :r, None]
-    # Padded token rows saw nothing (l = 0): give them zeros rather than 0/0.
-    return torch.where(l_out > 0, O[:, :r] / l_out, torch.zeros_like(O[:, :r]))
-
-
-def _finite(m: torch.Tensor) -> torch.Tensor:
-    """Replace -inf maxima (nothing visible) by 0, so that exp(-inf - 0) = 0 rather than NaN."""
-    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    O = qf.new_zeros(qf.shape[0], d + 1)  # pass 2: weighted values and, in column D, the softmax sum
+    for (items, batch, chunk), s_kept in zip(kinds, kept):
+        for lo in range(0, items.count, chunk):
+            hi = min(lo + chunk, items.count)
+            s = s_kept if s_kept is not None else scores(items, lo, hi, batch)
+            rows = items.rows[lo:hi]
+            e = s.sub_(m[rows][..., None]).exp_()  # (I, T, B); hidden keys: exp(-inf) = 0
+            o = torch.cat([batched_products(e, vf[items.keys[lo:hi]].to(acc), batch), e.sum(dim=-1, keepdim=True)],
+                          dim=-1)  # (I, T, D + 1)
+            for a, b in zip(items.bounds, items.bounds[1:]):  # one block after another
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    O.index_add_(0, rows[a - lo:b - lo].reshape(-1), o[a - lo:b - lo].view(-1, d + 1))
+    O = O.view(hkv, r + 1, d + 1)[:, :r]
+    # Padded token rows saw nothing (sum 0): the floor keeps them 0 rather than 0/0.
+    return O[..., :d] / O[..., d:].clamp_min(torch.finfo(acc).tiny)
 
 
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -110,24 +110,49 @@ class KVCache:
 
         Per segment, the new tokens' positions must continue that segment exactly (in call order), and a
         segment whose children already hold tokens cannot grow: its children's positions would overlap.
+        The whole call is checked before anything changes: a bad token leaves the cache as it was.
         """
         seg_list = segments.tolist()
         pos_list = positions.tolist()
+        # Dry run on the touched segments' (start, length) and live-children counts.
+        start: dict[int, int | None] = {}
+        length: dict[int, int] = {}
+        kids: dict[int, int] = {}
+
+        def end(sid: int) -> int:  # the next position of sid, tokens of this call included
+            if sid not in start:
+                seg = self.segments[sid]
+                start[sid], length[sid], kids[sid] = seg.start, len(seg.slots), seg.children
+            if start[sid] is None:
+                parent = self.segments[sid].parent
+                return end(parent) if parent is not None else 0
+            return start[sid] + length[sid]
+
+        for i, (sid, pos) in enumerate(zip(seg_list, pos_list)):
+            if sid not in self.segments:
+                raise KeyError(f"token {i}: segment {sid} does not exist")
+            expected = end(sid)
+            if kids[sid]:
+                raise ValueError(f"token {i}: segment {sid} cannot grow after its children got tokens")
+            if pos != expected:
+                raise ValueError(f"token {i}: segment {sid} expects position {expected}, got {pos}")
+            if start[sid] is None:
+                start[sid] = expected
+                parent = self.segments[sid].parent
+                if parent is not None:
+                    end(parent)
+                    kids[parent] += 1
+            length[sid] += 1
+
         if len(self._free) < len(seg_list):
             self._grow(len(seg_list) - len(self._free))
         slots = [0] * len(seg_list)
-        for i, (sid, pos) in enumerate(zip(seg_list, pos_list)):
-            seg = self.segments.get(sid)
-            if seg is None:
-                raise KeyError(f"token {i}: segment {sid} does not exist")
-            if seg.children:
-                raise ValueError(f"token {i}: segment {sid} cannot grow after its children got tokens")
+        for i, sid in enumerate(seg_list):
+            seg = self.segments[sid]
             if seg.start is None:
-                seg.start = self.length(sid)
+                seg.start = start[sid]
                 if seg.parent is not None:
                     self.segments[seg.parent].children += 1
-            if pos != seg.end:
-                raise ValueError(f"token {i}: segment {sid} expects position {seg.end}, got {pos}")
             slot = self._free.pop()
             seg.slots.append(slot)
             slots[i] = slot

@@ -9,7 +9,7 @@
 
 Prompts are token ids. Prompts of one document share their longest common token prefix: that prefix is
 the document segment and the rest of each prompt is its question segment (tokenizing the document alone
-could merge tokens differently at the boundary; NOTES.md). Sampling uses one random stream per question,
+could merge tokens differently at the boundary; docs/design.md). Sampling uses one random stream per question,
 seeded from (seed, question index), so sampled answers also agree across modes.
 """
 
@@ -111,14 +111,13 @@ class _Question:
         self.next_pos = 0
         self.done = params.max_new_tokens == 0
 
-    def take(self, logits: torch.Tensor, max_positions: int) -> None:
-        """Sample from this step's logits row and record the token."""
-        tok = sample(logits, self.params, self.generator)
+    def record(self, tok: int, logprob: float, logits: torch.Tensor | None, max_positions: int) -> None:
+        """Record this step's token and decide whether the question is done."""
         a = self.answer
         a.token_ids.append(tok)
-        a.logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[tok]))
+        a.logprobs.append(logprob)
         if a.logits is not None:
-            a.logits.append(logits.detach().cpu().clone())
+            a.logits.append(logits)
         if tok in self.stop_ids or (self.params.stop is not None and self.params.stop(a.token_ids)):
             a.finish_reason, self.done = "stop", True
         elif len(a.token_ids) >= self.params.max_new_tokens or self.next_pos >= max_positions:
@@ -127,11 +126,32 @@ class _Question:
             self.on_answer(self.index, a)
 
 
+def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) -> None:
+    """Pick every question's next token from its row of this step's logits (Q, vocab), all at once.
+
+    One log-softmax and one argmax over all rows on the model's device, then one copy to the host (both
+    are row-wise, so a row's bits do not depend on the others). Sampled questions draw from their own
+    random streams on the host, so sampling gives the same tokens in every mode too.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (Q, vocab)
+    greedy = torch.argmax(logits, dim=-1)  # (Q,) first maximal index
+    # Token ids and their log-probs in one float64 tensor (both exact there): one copy to the host.
+    toks, picked = torch.stack([greedy.double(), logp.gather(1, greedy[:, None])[:, 0].double()]).cpu().tolist()
+    sampled = [i for i, q in enumerate(questions) if q.params.temperature != 0]
+    keep = any(q.answer.logits is not None for q in questions)
+    host = logits.detach().cpu() if sampled or keep else None  # (Q, vocab): the rows, copied once
+    for i in sampled:  # on the host, with the question's own random stream
+        toks[i] = sample(host[i], questions[i].params, questions[i].generator)
+        picked[i] = float(torch.log_softmax(host[i].float(), dim=-1)[int(toks[i])])
+    for i, q in enumerate(questions):
+        q.record(int(toks[i]), picked[i], None if q.answer.logits is None else host[i].clone(), max_positions)
+
+
 def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int]]], chunk: int,
-         stats: Stats) -> list[torch.Tensor]:
+         stats: Stats) -> torch.Tensor:
     """Run pieces (segment, first position, token ids) through the model, `chunk` tokens per pass at most.
 
-    Returns the logits row of each piece's last token.
+    Returns the logits rows of each piece's last token, (pieces, vocab).
     """
     toks, segs, poss, last = [], [], [], []
     for sid, start, ids in pieces:
@@ -139,18 +159,20 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
         segs.extend([sid] * len(ids))
         poss.extend(range(start, start + len(ids)))
         last.append(len(toks) - 1)
-    out: dict[int, torch.Tensor] = {}
+    out = []  # the wanted rows of each pass, in order (the last tokens are in increasing order)
     chunk = max(chunk, 1)
     for lo in range(0, len(toks), chunk):
         hi = min(lo + chunk, len(toks))
-        want = [i for i in last if lo <= i < hi]
+        want = [i - lo for i in last if lo <= i < hi]
         logits = model(torch.tensor(toks[lo:hi]), torch.tensor(poss[lo:hi]), torch.tensor(segs[lo:hi]),
-                       cache, logits_rows=torch.tensor([i - lo for i in want], dtype=torch.long))
+                       cache, logits_rows=torch.tensor(want, dtype=torch.long))
         stats.forward_passes += 1
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.used_bytes())
-        for i, row in zip(want, logits):
-            out[i] = row
-    return [out[i] for i in last]
+        if want:
+            out.append(logits)
+    if not out:  # nothing to run (a document with no tokens of its own)
+        return torch.empty(0, model.config.vocab_size)
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
@@ -162,11 +184,12 @@ def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
         if not live:
             return
         t0 = time.perf_counter()
-        rows = _run(model, cache, [(q.segment, q.next_pos, [q.answer.token_ids[-1]]) for q in live],
-                    len(live), stats)
-        for q, row in zip(live, rows):
+        logits = _run(model, cache, [(q.segment, q.next_pos, [q.answer.token_ids[-1]]) for q in live],
+                      len(live), stats)
+        for q in live:
             q.next_pos += 1
-            q.take(row, max_pos)
+        _take(live, logits, max_pos)
+        for q in live:
             if q.done:
                 cache.release(q.segment)
         stats.decode_s += time.perf_counter() - t0
@@ -246,11 +269,12 @@ def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int],
         q.next_pos = start + len(ids)
     t0 = time.perf_counter()
     live = [(q, piece) for q, piece in zip((w[0] for w in work), pieces) if not q.done]
-    rows = _run(model, cache, [piece for _, piece in live], chunk, stats) if live else []
+    if live:
+        _take([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats),
+              model.config.max_position_embeddings)
     stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
-    for (q, _), row in zip(live, rows):
-        q.take(row, model.config.max_position_embeddings)
-        stats.generated_tokens += 1
+    stats.generated_tokens += len(live)
+    for q, _ in live:
         if q.done:
             cache.release(q.segment)
     stats.prefill_s += time.perf_counter() - t0
@@ -297,20 +321,20 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
         t0 = time.perf_counter()
         if q.done:  # max_new_tokens == 0: nothing to generate, the question still joins the stream
             continue
-        (row,) = _run(model, cache, [(seg, cache.length(seg), pending)], chunk, stats)
+        logits = _run(model, cache, [(seg, cache.length(seg), pending)], chunk, stats)
         stats.prompt_tokens += len(pending)
         stats.prefill_s += time.perf_counter() - t0
         q.next_pos = cache.length(seg)
-        q.take(row, max_pos)
+        _take([q], logits, max_pos)
         stats.generated_tokens += 1
         if on_token:
             on_token(1)
         q.segment = seg
         while not q.done:
             t0 = time.perf_counter()
-            (row,) = _run(model, cache, [(seg, q.next_pos, [q.answer.token_ids[-1]])], 1, stats)
+            logits = _run(model, cache, [(seg, q.next_pos, [q.answer.token_ids[-1]])], 1, stats)
             q.next_pos += 1
-            q.take(row, max_pos)
+            _take([q], logits, max_pos)
             stats.decode_s += time.perf_counter() - t0
             stats.generated_tokens += 1
             if on_token:

@@ -7,13 +7,16 @@ call can prefill a document and all its questions, or advance every unfinished q
 
     logits = model(tokens, positions, segments, cache)      # tokens, positions, segments: (N,)
 
-Every matrix product goes through `invariant.linear` and attention through the blocked kernel, so each
-token's logits are bit-identical to those of its stand-alone run. One more rule keeps elementwise ops
-honest: CPU kernels compute exp, silu, sin and cos with vector code but finish a tensor's last few elements
-with scalar code, whose results can differ in the last bit. So the N tokens run padded to a multiple of
-ROW_TILE rows (every elementwise tensor then has a multiple of 64 elements and no scalar tail), and RoPE's
-cos and sin come from one table computed once per model. `model.invariant = False` swaps in
-plain `F.linear` and a masked softmax: same mathematics, batch-dependent bits (the negative control).
+Every projection is a `TiledLinear` (invariant.py) and attention runs the blocked kernel, so every matrix
+product has a fixed signature and each token's logits are bit-identical to those of its stand-alone run.
+One more rule keeps elementwise ops honest: CPU kernels compute exp, silu, sin and cos with vector code but
+finish a tensor's last few elements with scalar code, whose results can differ in the last bit. So the N
+tokens run padded to a multiple of `Tiles.rows` rows (every elementwise tensor then has a multiple of 64
+elements and no scalar tail), and RoPE's cos and sin come from one table computed once per model.
+
+`model.invariant = False` swaps in plain `F.linear` and a masked softmax: same mathematics, batch-dependent
+bits (the negative control). Every module reads that switch from the one `Kernels` object the model shares
+with them; nothing is threaded through `forward` signatures.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import torch.nn.functional as F
 from .attention import AttentionPlan, blocked_attention, masked_attention, plan_attention
 from .cache import KVCache
 from .config import LlamaConfig
-from .invariant import ROW_TILE, linear
-from .rope import apply_rope, inv_frequencies, rope_cos_sin
+from .invariant import Kernels, TiledLinear, Tiles
+from .rope import apply_rope_folded, inv_frequencies, rope_cos_sin, signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -45,77 +48,82 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, kernels: Kernels):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels)
+        self.up_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels)
+        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, kernels)
 
-    def forward(self, x: torch.Tensor, invariant: bool) -> torch.Tensor:
-        gate = linear(x, self.gate_proj.weight, invariant)
-        up = linear(x, self.up_proj.weight, invariant)
-        return linear(F.silu(gate) * up, self.down_proj.weight, invariant)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (N, hidden) -> (N, hidden)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
     """Grouped-query attention: H query heads share Hkv key/value heads, G = H / Hkv each."""
 
-    def __init__(self, config: LlamaConfig, layer: int):
+    def __init__(self, config: LlamaConfig, layer: int, kernels: Kernels):
         super().__init__()
         self.layer = layer
+        self.kernels = kernels
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = TiledLinear(config.hidden_size, self.n_heads * self.head_dim, kernels)
+        self.k_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels)
+        self.v_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels)
+        self.o_proj = TiledLinear(self.n_heads * self.head_dim, config.hidden_size, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                plan: AttentionPlan, invariant: bool) -> torch.Tensor:
+                slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """x: (N, hidden); cos, sin: (N, D), sin signed (rope.signed_sin); slots: (n,) cache slots of the n <= N
+        real tokens. Returns (N, hidden)."""
         n, hkv, d = x.shape[0], self.n_kv, self.head_dim
         g = self.n_heads // hkv
-        q = linear(x, self.q_proj.weight, invariant).view(n, self.n_heads, d)
-        k = linear(x, self.k_proj.weight, invariant).view(n, hkv, d)
-        v = linear(x, self.v_proj.weight, invariant).view(n, hkv, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(self.layer, plan.slots, k[:plan.slots.shape[0]], v[:plan.slots.shape[0]])
+        q = self.q_proj(x).view(n, self.n_heads, d)
+        k = self.k_proj(x).view(n, hkv, d)
+        v = self.v_proj(x).view(n, hkv, d)
+        q, k = apply_rope_folded(q, cos, sin), apply_rope_folded(k, cos, sin)
+        cache.write(self.layer, slots, k[:slots.shape[0]], v[:slots.shape[0]])
         # Query head h = j * G + i uses KV head j (HF's repeat_kv); row n * G + i of KV head j is token n.
         rows = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, R, D)
-        attend = blocked_attention if invariant else masked_attention
-        out = attend(rows, cache.k[self.layer], cache.v[self.layer], plan)  # (Hkv, R, D)
-        out = out.to(x.dtype).view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, self.n_heads * d)
-        return linear(out, self.o_proj.weight, invariant)
+        if self.kernels.invariant:
+            out = blocked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan,
+                                    self.kernels.tiles_for(x.device))  # (Hkv, R, D)
+        else:
+            out = masked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan)
+        out = out.to(x.dtype).view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, self.n_heads * d)  # (N, H * D)
+        return self.o_proj(out)
 
 
 class Block(nn.Module):
-    def __init__(self, config: LlamaConfig, layer: int):
+    def __init__(self, config: LlamaConfig, layer: int, kernels: Kernels):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, kernels)
 
-    def forward(self, x, cos, sin, cache, plan, invariant):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, plan, invariant)
-        return x + self.mlp(self.post_attention_layernorm(x), invariant)
+    def forward(self, x, cos, sin, cache, slots, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     """The decoder stack, named `model` inside `Llama` as in HF checkpoints."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, kernels: Kernels):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(config, i, kernels) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig, invariant: bool = True):
+    def __init__(self, config: LlamaConfig, invariant: bool = True, tiles: Tiles | None = None):
         super().__init__()
         self.config = config
-        self.invariant = invariant
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.kernels = Kernels(invariant, tiles)  # shared by every module: the one switch they read
+        self.model = LlamaModel(config, self.kernels)
+        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, self.kernels)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.column_major_()
@@ -135,6 +143,20 @@ class Llama(nn.Module):
                 if w.dim() == 2 and w.stride() != (1, w.shape[0]):
                     w.data = w.data.t().contiguous().t()
         return self
+
+    @property
+    def invariant(self) -> bool:
+        """True: fixed-signature products, bit-identical across layouts. False: plain ops (the control)."""
+        return self.kernels.invariant
+
+    @invariant.setter
+    def invariant(self, on: bool) -> None:
+        self.kernels.invariant = bool(on)
+
+    @property
+    def tiles(self) -> Tiles:
+        """The tile sizes in use on the model's device (`model.kernels.tiles` overrides the default)."""
+        return self.kernels.tiles_for(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -173,9 +195,11 @@ class Llama(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
 
-        rows = -(-max(n, 1) // ROW_TILE) * ROW_TILE if self.invariant else n  # padded token count
+        tiles = self.tiles
+        rows = -(-max(n, 1) // tiles.rows) * tiles.rows if self.invariant else n  # padded token count
         g = self.config.num_attention_heads // self.config.num_key_value_heads
-        plan = plan_attention(cache, segments.cpu(), positions.cpu(), g, rows, dense=not self.invariant)
+        slots = cache.append(segments.cpu(), positions.cpu())  # (n,) a slot for each new token
+        plan = plan_attention(cache, segments.cpu(), positions.cpu(), g, rows, tiles, dense=not self.invariant)
         pad = rows - n
         tokens = F.pad(tokens.to(self.device), (0, pad))
         positions = F.pad(positions.to(self.device), (0, pad))
@@ -184,14 +208,15 @@ class Llama(nn.Module):
         cos, sin = self._rope_table(x.dtype)
         cos, sin = cos[positions], sin[positions]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, plan, self.invariant)
+            x = layer(x, cos, sin, cache, slots, plan)
         x = x[:n] if logits_rows is None else x[logits_rows.to(self.device)]
-        return linear(self.model.norm(x), self.lm_head.weight, self.invariant)
+        return self.lm_head(self.model.norm(x))
 
     def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for every position up to the context length, computed once per device."""
+        """cos and signed sin (rope.signed_sin) for every position up to the context length, once per device."""
         key = (self.device, dtype)
         if getattr(self, "_rope", (None,))[0] != key:
             positions = torch.arange(self.config.max_position_embeddings, device=self.device)
-            self._rope = (key, rope_cos_sin(positions, inv_frequencies(self.config), dtype))
+            cos, sin = rope_cos_sin(positions, inv_frequencies(self.config), dtype)
+            self._rope = (key, (cos, signed_sin(sin)))
         return self._rope[1]

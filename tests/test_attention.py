@@ -1,22 +1,29 @@
-"""The blocked kernel computes the segment rule's attention, and shares document blocks across questions."""
+"""The blocked kernel: the segment rule's attention, equal to the bit to the one-row reference, and shared.
+
+Every test builds a cache with a document, questions under it and unrelated roots, gives the new tokens
+slots (`KVCache.append`), plans the pass and fills the cache with random keys and values.
+"""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import (FULL_TILE, KEY_BLOCK, PARTIAL_TILE, Run, blocked_attention, masked_attention,
-                                 plan_attention)
+from minillama.attention import (KEY_BLOCK, blocked_attention, masked_attention, plan_attention,
+                                 reference_attention)
 from minillama.cache import PAD_SLOT, KVCache
-from tiny import tiny_config
+from minillama.invariant import CPU_TILES, Tiles
+from tiny import DEVICE, SMALL_TILES, tiny_config
+
+TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, full=8, part=8, full_batch=2, part_batch=2,
+                                                       full_chunk=2, part_chunk=4)])
 
 
-@settings(max_examples=40, deadline=None)
-@given(doc=st.integers(0, 200), qs=st.lists(st.integers(1, 70), min_size=1, max_size=6),
-       others=st.lists(st.integers(1, 90), max_size=2), g=st.sampled_from([1, 3]), seed=st.integers(0, 99))
-def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed):
-    config = tiny_config(heads=2 * g, kv_heads=2, head_dim=8)
-    cache = KVCache(config, dtype=torch.float64)
-    # Document root, questions as its children, unrelated roots.
+def layout(config, doc, qs, others, dtype=torch.float32, decode=False):
+    """A cache holding a document (root), questions (its children) and unrelated roots.
+
+    Returns (cache, segments, positions) of the pass: every token, or with `decode` one more token each.
+    """
+    cache = KVCache(config, device=DEVICE, dtype=dtype)
     pieces = ([(None, doc)] if doc else []) + [(0 if doc else None, n) for n in qs] + [(None, n) for n in others]
     sids, segs, poss = [], [], []
     for parent, length in pieces:
@@ -26,24 +33,40 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed):
         segs += [sid] * length
         poss += range(start, start + length)
     segs, poss = torch.tensor(segs), torch.tensor(poss)
-    n = len(segs)
-    plan = plan_attention(cache, segs, poss, g, n_rows=n, dense=True)
+    if decode:  # everything so far is in the cache; the pass is one more token of each question
+        cache.append(segs, poss)
+        q_sids = sids[1:] if doc else sids
+        segs = torch.tensor(q_sids)
+        poss = torch.tensor([cache.length(s) for s in q_sids])
+    cache.append(segs, poss)
+    return cache, segs, poss
+
+
+def fill(cache, n_rows, g, seed, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    cache.k[0] = torch.randn(cache.k[0].shape, generator=gen, dtype=torch.float64)
-    cache.v[0] = torch.randn(cache.v[0].shape, generator=gen, dtype=torch.float64)
-    cache.k[0][:, 0] = cache.v[0][:, 0] = 0  # the padding slot
-    q = torch.randn(2, n * g, 8, generator=gen, dtype=torch.float64)
-    got = blocked_attention(q, cache.k[0], cache.v[0], plan)
+    hkv, d = cache.k.shape[1], cache.k.shape[3]
+    cache.k[0] = torch.randn(cache.k[0].shape, generator=gen).to(DEVICE, dtype)
+    cache.v[0] = torch.randn(cache.v[0].shape, generator=gen).to(DEVICE, dtype)
+    cache.k[0][:, PAD_SLOT] = cache.v[0][:, PAD_SLOT] = 0
+    return torch.randn(hkv, n_rows * g, d, generator=gen).to(DEVICE, dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(doc=st.integers(0, 200), qs=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+       others=st.lists(st.integers(1, 90), max_size=2), g=st.sampled_from([1, 3]), seed=st.integers(0, 99),
+       tiles=TILES)
+def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles):
+    config = tiny_config(heads=2 * g, kv_heads=2, head_dim=8)
+    cache, segs, poss = layout(config, doc, qs, others, torch.float64)
+    n = len(segs)
+    plan = plan_attention(cache, segs, poss, g, n_rows=n, tiles=tiles, dense=True)
+    q = fill(cache, n, g, seed, torch.float64)
+    got = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
 
     # Reference: per query, softmax over exactly the keys the segment rule allows, in float64.
-    slot_of = {}
-    for sid in sids:
-        seg = cache.segments[sid]
-        for i, slot in enumerate(seg.slots):
-            slot_of[(sid, seg.start + i)] = slot
     for t in range(n):
         sid, p = int(segs[t]), int(poss[t])
-        keys = [slot_of[(c, kp)] for c in cache.chain(sid) for kp in range(p + 1) if (c, kp) in slot_of]
+        keys = cache.chain_slots(sid)[:p + 1]
         assert plan.visible[t].nonzero().flatten().tolist() == sorted(keys)
         k, v = cache.k[0][:, keys], cache.v[0][:, keys]  # (Hkv, K, D)
         for j in range(g):
@@ -53,43 +76,61 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed):
     torch.testing.assert_close(masked_attention(q, cache.k[0], cache.v[0], plan), got, atol=1e-12, rtol=1e-12)
 
 
-def test_decode_reads_each_document_block_once_for_all_questions():
-    """Hydragen: in a decode step of 40 questions, the document's blocks are one run of 40 queries."""
+@settings(max_examples=30, deadline=None)
+@given(doc=st.integers(0, 140), qs=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       others=st.lists(st.integers(1, 70), max_size=1), g=st.sampled_from([1, 2]), seed=st.integers(0, 99),
+       tiles=TILES, decode=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_fast_kernel_equals_the_one_row_reference_to_the_bit(doc, qs, others, g, seed, tiles, decode, dtype):
+    """`blocked_attention` batches what `reference_attention` does one row and one block at a time."""
+    config = tiny_config(heads=2 * g, kv_heads=2, head_dim=8)
+    cache, segs, poss = layout(config, doc, qs, others, dtype, decode)
+    n = len(segs)
+    rows = -(-n // tiles.rows) * tiles.rows  # padded as the model pads
+    plan = plan_attention(cache, segs, poss, g, n_rows=rows, tiles=tiles)
+    q = fill(cache, rows, g, seed, dtype)
+    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)[:, :n * g]
+    slow = reference_attention(q[:, :n * g], cache.k[0], cache.v[0], poss.tolist(),
+                               [cache.chain_slots(int(s))[:int(p) + 1] for s, p in zip(segs, poss)], tiles)
+    assert torch.equal(fast, slow)
+
+
+def test_a_chunked_pass_gives_the_same_bits_as_one_chunk():
+    """Past `Tiles.*_chunk` items, scores are computed twice instead of held: not a bit changes."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=16)
+    cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
+    big = Tiles(full_chunk=1 << 20, part_chunk=1 << 20)
+    small = Tiles(full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch)
+    rows = -(-len(segs) // 64) * 64
+    plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=big)
+    assert plan.whole.count > small.full_chunk and plan.partial.count > small.part_chunk  # really chunked
+    q = fill(cache, rows, 3, 0)
+    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, big),
+                       blocked_attention(q, cache.k[0], cache.v[0], plan, small))
+
+
+def test_decode_reads_each_document_block_once_per_tile_of_questions():
+    """Hydragen: in a decode step of 40 questions, each document block meets tiles of many questions."""
     config = tiny_config(heads=3, kv_heads=1, head_dim=8)
-    cache = KVCache(config)
-    doc_len = 5 * KEY_BLOCK
-    doc = cache.new_segment()
-    cache.append(torch.tensor([doc] * doc_len), torch.arange(doc_len))
-    qs = [cache.new_segment(doc) for _ in range(40)]
-    for q in qs:
-        cache.append(torch.tensor([q] * 4), torch.arange(doc_len, doc_len + 4))
-    plan = plan_attention(cache, torch.tensor(qs), torch.full((40,), doc_len + 4), 3, n_rows=64)
-    (run,) = plan.work
-    # All 40 questions' 3 query heads, in ceil(120 / 64) = 2 tiles, against the 5 document blocks, whose
-    # keys sit in consecutive slots: read in place, no gather.
-    assert run.first_block == 0 and run.n_blocks == 5 and len(run.rows) == 2 * FULL_TILE
-    assert set(run.rows[run.rows < 64 * 3].tolist()) == set(range(120))
-    assert run.k_slots.tolist() == cache.segments[doc].slots and run.k_start == cache.segments[doc].slots[0]
+    cache, segs, poss = layout(config, 5 * KEY_BLOCK, [4] * 40, [], decode=True)
+    tiles = CPU_TILES
+    plan = plan_attention(cache, segs, poss, 3, n_rows=64, tiles=tiles)
+    doc_slots = cache.segments[0].slots
+    whole = plan.whole
+    # 40 questions x 3 heads = 120 rows: 2 tiles of 64 rows against each of the 5 blocks, padded to a batch.
+    assert whole.count == tiles.full_batch and whole.bounds == [0, 2, 4, 6, 8, 32]  # padding joins the last
+    for b in range(5):
+        for i in range(2 * b, 2 * b + 2):
+            assert whole.keys[i].tolist() == doc_slots[b * KEY_BLOCK:(b + 1) * KEY_BLOCK]
+        rows = whole.rows[2 * b:2 * b + 2].reshape(-1)
+        assert set(rows[rows < 120].tolist()) == set(range(120))
     # The block holding each question's own tokens is that question's alone, in a small tile.
-    p = plan.partial
-    assert p.q_rows.shape == (40, PARTIAL_TILE) and (p.k_slots[:, 5:] == PAD_SLOT).all() and (p.block == 5).all()
+    part = plan.partial
+    assert part.count == tiles.part_batch and part.bounds == [0, 256]
     for w in range(40):
-        assert set(p.k_slots[w].tolist()) - {PAD_SLOT} == set(cache.segments[qs[w]].slots)
-
-
-def pairs_of(plan):
-    """(row, block, key slots) of every whole-block pair in the plan, in the order the kernel adds them."""
-    out = []
-    for w in plan.work:
-        if isinstance(w, Run):
-            for t in w.rows.view(-1, FULL_TILE):
-                for j in range(w.n_blocks):
-                    out += [(int(r), w.first_block + j, tuple(w.k_slots[j * KEY_BLOCK:(j + 1) * KEY_BLOCK].tolist()))
-                            for r in t]
-        else:
-            out += [(int(r), int(w.block[i]), tuple(w.k_slots[i].tolist()))
-                    for i in range(len(w.q_rows)) for r in w.q_rows[i]]
-    return out
+        keys = part.keys[w].tolist()
+        assert keys[:5] == cache.segments[w + 1].slots and set(keys[5:]) == {PAD_SLOT}
+        assert part.rows[w].tolist()[:3] == [3 * w, 3 * w + 1, 3 * w + 2]
+    assert not part.hidden[:40, :3, :5].any() and part.hidden[:40, :3, 5:].all()  # keys 0..4 of block 5 visible
 
 
 def test_blocks_split_at_owners_and_keep_block_order():
@@ -101,46 +142,50 @@ def test_blocks_split_at_owners_and_keep_block_order():
     long_q, short_q = cache.new_segment(doc), cache.new_segment(doc)
     cache.append(torch.tensor([short_q] * 3), torch.arange(130, 133))
     cache.append(torch.tensor([long_q] * 80), torch.arange(130, 210))  # reaches block 3 (192..255)
-    plan = plan_attention(cache, torch.tensor([long_q, short_q]), torch.tensor([210, 133]), 2, n_rows=2, dense=True)
+    segs, poss = torch.tensor([long_q, short_q]), torch.tensor([210, 133])
+    cache.append(segs, poss)
+    plan = plan_attention(cache, segs, poss, 2, n_rows=2, tiles=CPU_TILES, dense=True)
     doc_slots, long_slots = cache.segments[doc].slots, cache.segments[long_q].slots
-    blocks: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
-    for r, b, keys in pairs_of(plan):
-        if r < 4:  # row 4 is the padding row
-            blocks.setdefault(r, []).append((b, keys))
+    whole = plan.whole
+    seen: dict[int, list[tuple[int, list[int]]]] = {}  # row -> (block, keys) in the order they are added
+    for k, (a, b) in enumerate(zip(whole.bounds, whole.bounds[1:])):
+        for i in range(a, b):
+            for r in whole.rows[i].tolist():
+                if r < 4:  # row 4 is the spare row
+                    seen.setdefault(r, []).append((i, whole.keys[i].tolist()))
     for r in (0, 1, 2, 3):  # every row: document blocks 0 and 1, in order, keys read from the document
-        assert [(b, list(k)) for b, k in blocks[r][:2]] == [(0, doc_slots[:64]), (1, doc_slots[64:128])]
-    # The long question's rows (token 0) also have block 2 whole: the document's last two slots, then its own.
-    assert [b for b, _ in blocks[0]] == [0, 1, 2] and list(blocks[0][2][1]) == doc_slots[128:] + long_slots[:62]
-    assert [b for b, _ in blocks[2]] == [0, 1]
-    assert plan.partial.q_rows.shape == (2, PARTIAL_TILE) and plan.partial.block.tolist() == [3, 2]
+        assert [keys for _, keys in seen[r][:2]] == [doc_slots[:64], doc_slots[64:128]]
+    # The long question's rows (token 0) also see block 2 whole: the document's last two slots, then its own.
+    assert len(seen[0]) == 3 and seen[0][2][1] == doc_slots[128:] + long_slots[:62]
+    assert len(seen[2]) == 2
     q = torch.randn(1, 4, 8)
     cache.k.normal_(), cache.v.normal_()
-    torch.testing.assert_close(blocked_attention(q, cache.k[0], cache.v[0], plan),
+    cache.k[:, :, PAD_SLOT] = cache.v[:, :, PAD_SLOT] = 0
+    torch.testing.assert_close(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_TILES),
                                masked_attention(q, cache.k[0], cache.v[0], plan))
 
 
-def test_masked_block_bits_do_not_depend_on_how_its_items_are_batched(monkeypatch):
-    """A prefill's own block reads its keys once for all its items; a decode step's are gathered per item.
-    Both are the same (8 rows) x (64 keys) products: the bits agree."""
-    import minillama.attention as attention
+def test_padding_rows_get_zeros_not_nan():
+    config = tiny_config(heads=2, kv_heads=1, head_dim=8)
+    cache, segs, poss = layout(config, 0, [5], [])
+    plan = plan_attention(cache, segs, poss, 2, n_rows=16, tiles=SMALL_TILES)
+    q = fill(cache, 16, 2, 0)
+    out = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)
+    assert torch.isfinite(out).all() and (out[:, 10:] == 0).all()
 
-    config = tiny_config(heads=6, kv_heads=2, head_dim=16)
 
-    def run(shared_from):
-        monkeypatch.setattr(attention, "SHARED_ITEMS", shared_from)
-        cache = KVCache(config)
-        doc = cache.new_segment()
-        cache.append(torch.tensor([doc] * 100), torch.arange(100))
-        q = cache.new_segment(doc)
-        plan = plan_attention(cache, torch.tensor([q] * 40), torch.arange(100, 140), 3, n_rows=64)
-        gen = torch.Generator().manual_seed(0)
-        cache.k[0] = torch.randn(cache.k[0].shape, generator=gen)
-        cache.v[0] = torch.randn(cache.v[0].shape, generator=gen)
-        queries = torch.randn(2, 64 * 3, 16, generator=gen)
-        return plan, blocked_attention(queries, cache.k[0], cache.v[0], plan)
-
-    shared_plan, shared = run(4)
-    lone_plan, lone = run(10**9)
-    assert shared_plan.partial_groups and shared_plan.partial is None
-    assert lone_plan.partial is not None and not lone_plan.partial_groups
-    assert torch.equal(shared[:, :120], lone[:, :120])
+def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order():
+    """Negative control for the bit-equality property: the same terms summed in another order are caught."""
+    config = tiny_config(heads=2, kv_heads=2, head_dim=8)
+    cache, segs, poss = layout(config, 600, [30], [], decode=True)
+    plan = plan_attention(cache, segs, poss, 1, n_rows=16, tiles=SMALL_TILES)
+    q = fill(cache, 16, 1, 3)
+    slow = reference_attention(q[:, :1], cache.k[0], cache.v[0], poss.tolist(),
+                               [cache.chain_slots(int(segs[0]))[:int(poss[0]) + 1]], SMALL_TILES)
+    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)[:, :1], slow)
+    w, n = plan.whole, plan.whole.count
+    w.rows, w.keys = w.rows.flip(0), w.keys.flip(0)  # the last block first
+    w.bounds = [n - b for b in reversed(w.bounds)]
+    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)[:, :1]
+    assert not torch.equal(fast, slow)
+    torch.testing.assert_close(fast, slow)

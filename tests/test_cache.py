@@ -50,3 +50,21 @@ def test_document_is_stored_once():
         cache.append(torch.tensor([q] * 3), torch.arange(100, 103))
     per_token = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 2
     assert cache.used_bytes() == (100 + 10 * 3) * per_token
+
+
+def test_a_bad_token_late_in_a_call_leaves_the_cache_as_it_was():
+    cache = KVCache(tiny_config(), capacity=8)
+    doc = cache.new_segment()
+    q = cache.new_segment(doc)
+    cache.append(torch.tensor([doc] * 3), torch.arange(3))
+    free, before = list(cache._free), {s: (g.start, list(g.slots), g.children) for s, g in cache.segments.items()}
+    for segs, poss, err in [([doc, doc, q, 99], [3, 4, 5, 0], KeyError),  # unknown segment last
+                            ([doc, q, q, q], [3, 4, 5, 9], ValueError),  # a gap last
+                            ([q, q, doc], [3, 4, 3], ValueError)]:  # the parent grows after its child
+        with pytest.raises(err):
+            cache.append(torch.tensor(segs), torch.tensor(poss))
+        assert cache._free == free
+        assert {s: (g.start, g.slots, g.children) for s, g in cache.segments.items()} == before
+    # The same tokens without the bad one go in, starting where the failed calls would have.
+    assert cache.append(torch.tensor([doc, doc, q]), torch.tensor([3, 4, 5])).numel() == 3
+    assert cache.segments[q].start == 5 and cache.segments[doc].children == 1

@@ -14,9 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillama.generate import SamplingParams, generate
-from tiny import VOCAB, configs, ids, tiny_config, tiny_model
+from tiny import SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
 
 EXAMPLES = int(os.environ.get("MINILLAMA_EXAMPLES", "200"))
+# Tiles for the property: mostly the small test tiles (fast, and their tiny chunks take the chunked path),
+# sometimes the device's defaults, the ones users run.
+TILES = st.sampled_from([SMALL_TILES, SMALL_TILES, SMALL_TILES, None])
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                     derandomize=os.environ.get("CI") == "true")
 
@@ -58,21 +61,22 @@ def assert_same_answers(expected, got):
             assert torch.equal(x, y), f"question {i} step {step}: logits differ by {(x - y).abs().max()}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @SETTINGS
-@given(config=configs(), seed=st.integers(0, 1000), work=workloads())
-def test_parallel_equals_independent(config, seed, work):
+@given(config=configs(), seed=st.integers(0, 1000), work=workloads(), tiles=TILES)
+def test_parallel_equals_independent(dtype, config, seed, work, tiles):
     prompts, docs, params, eos, layout = work
-    model = tiny_model(config, seed)
+    model = tiny_model(config, seed, dtype, tiles)
     alone = generate(model, prompts, params, mode="independent", eos_ids=eos)
     packed = generate(model, prompts, params, mode="parallel", docs=docs, eos_ids=eos, **layout)
     assert_same_answers(alone, packed)
 
 
 @SETTINGS
-@given(config=configs(), seed=st.integers(0, 1000), data=st.data())
-def test_nested_and_unrelated_segments_in_one_pass(config, seed, data):
+@given(config=configs(), seed=st.integers(0, 1000), data=st.data(), tiles=TILES)
+def test_nested_and_unrelated_segments_in_one_pass(config, seed, data, tiles):
     """system -> document -> questions, next to unrelated prompts, all in one forward pass."""
-    model = tiny_model(config, seed)
+    model = tiny_model(config, seed, tiles=tiles)
     system, doc = ids(data.draw, 1, 40), ids(data.draw, 0, 150)
     questions = [ids(data.draw, 1, 30) for _ in range(data.draw(st.integers(1, 4)))]
     others = [ids(data.draw, 1, 80) for _ in range(data.draw(st.integers(0, 3)))]

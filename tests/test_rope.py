@@ -54,3 +54,11 @@ def test_config_reads_transformers5_rope_parameters():
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}})
     assert c.rope_theta == 5e5 and c.rope_scaling["rope_type"] == "llama3" and "rope_theta" not in c.rope_scaling
+
+
+def test_folded_sign_gives_the_same_bits():
+    from minillama.rope import apply_rope_folded, signed_sin
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 3, 16, generator=g)
+    cos, sin = rope_cos_sin(torch.arange(50), torch.rand(8, generator=g), torch.float32)
+    assert torch.equal(apply_rope_folded(x, cos, signed_sin(sin)), apply_rope(x, cos, sin))

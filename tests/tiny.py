@@ -1,14 +1,25 @@
-"""Tiny random Llama models and packed layouts for the tests."""
+"""Tiny random Llama models and packed layouts for the tests.
+
+Tests run on the device named by `MINILLAMA_TEST_DEVICE` (default `cpu`; `cuda` on a GPU machine): the
+factories here put models there, and the parity, attention and model tests run unchanged.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from hypothesis import strategies as st
 
 from minillama.config import LlamaConfig
+from minillama.invariant import Tiles
 from minillama.model import Llama
 
 VOCAB = 61
+DEVICE = torch.device(os.environ.get("MINILLAMA_TEST_DEVICE", "cpu"))
+# Small tiles for tiny models: the same code paths as the default tiles with a fraction of the padding, and
+# chunks of a few items, so that a short document already takes the chunked path (scores computed twice).
+SMALL_TILES = Tiles(rows=16, full=16, part=4, full_batch=4, part_batch=16, full_chunk=8, part_chunk=32)
 
 
 def tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, theta=10000.0, llama3=False, tied=False,
@@ -25,10 +36,13 @@ def tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, theta=10000.0, llama3
     )
 
 
-def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32) -> Llama:
-    """Random weights, norms included, scaled so that logits are spread out (argmax ties are rare)."""
+def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32, tiles: Tiles | None = SMALL_TILES) -> Llama:
+    """Random weights, norms included, scaled so that logits are spread out (argmax ties are rare).
+
+    On the test device; `tiles=None` takes the device's default tiles (the ones users run).
+    """
     g = torch.Generator().manual_seed(seed)
-    model = Llama(config)
+    model = Llama(config, tiles=tiles)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -37,7 +51,7 @@ def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32) -> Llama
                 p.copy_(0.25 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-    return model.to(dtype)
+    return model.to(DEVICE, dtype)
 
 
 @st.composite
