@@ -1,0 +1,75 @@
+"""Watch what a forward pass asks of the backend: the signature of every matrix product, and the launches.
+
+Two `TorchDispatchMode`s that see each aten op as the backend receives it, on any device (a CPU run tells
+what a GPU run would be asked for):
+
+- `ProductSignatures` records every matrix product's signature: op, and for each tensor argument its shape,
+  strides, dtype and alignment. The library that runs a product (MKL, oneDNN, cuBLAS) chooses its kernel from
+  exactly these, so a product issued with the same signature in every layout meets the same arithmetic.
+  Bit-parity on every device rests on this set being fixed: tests/test_signatures.py checks it.
+- `Launches` counts the ops that launch work (views and bare allocations excluded): on a GPU each is a
+  kernel launch, so this is the count that bounds a small pass's speed there.
+
+    with ProductSignatures() as seen:
+        model(tokens, positions, segments, cache)
+    seen.signatures  # {("aten.mm.out", (((64, 576), (576, 1), torch.float32, 0), ...)), ...}
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+# Every aten op that multiplies matrices (the decomposed forms of matmul, linear and einsum end here).
+PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "matmul", "linear",
+            "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+            "convolution", "_int_mm", "_weight_int4pack_mm", "_scaled_mm"}
+# Ops that launch nothing: they make a tensor header, or memory that nobody has written yet.
+NO_WORK = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh", "detach"}
+
+
+def _describe(t: torch.Tensor) -> tuple:
+    """(shape, strides, dtype, offset modulo 16 bytes): what a BLAS looks at to pick a kernel."""
+    return tuple(t.shape), tuple(t.stride()), t.dtype, (t.storage_offset() * t.element_size()) % 16
+
+
+class ProductSignatures(TorchDispatchMode):
+    """Records the signature of every matrix product run inside it; `signatures` is the set."""
+
+    def __init__(self):
+        super().__init__()
+        self.signatures: set[tuple] = set()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in PRODUCTS:
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            self.signatures.add((str(func), tuple(_describe(t) for t in tensors)))
+            self.calls += 1
+        return func(*args, **kwargs)
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten ops that launch work, by name (`counts`) and in all (`total`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        makes_tensor = any(isinstance(o, torch.Tensor) for o in tree_flatten(out)[0])
+        if not func.is_view and name not in NO_WORK and (makes_tensor or name == "_local_scalar_dense"):
+            self.counts[str(func)] += 1  # (_local_scalar_dense: .item(), a wait for the device)
+        return out
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

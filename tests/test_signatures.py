@@ -1,0 +1,128 @@
+"""Every matrix product has a signature fixed by the config and the tiles, whatever the layout of the pass.
+
+Same signature in, same kernel out: this is what makes the bits of a question's answer independent of the
+pass it shares, on any BLAS and any GPU. The audit records every product (op, shapes, strides, dtype,
+alignment) while answering many layouts, parallel and independent, and checks that they all come from one
+set: the set written out below from the config and the tiles alone. A layout that brought a new signature
+would be a place where some backend may pick another kernel and move the bits.
+
+Also here: the launches a pass issues per layer (each work-launching aten op is a kernel launch on a GPU).
+"""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minillama.audit import Launches, ProductSignatures
+from minillama.config import LlamaConfig
+from minillama.generate import SamplingParams, generate
+from minillama.invariant import CPU_TILES, Tiles
+from minillama.model import Llama
+from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
+
+
+def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
+    """The products a model may issue: one `mm` shape per weight, four `bmm` shapes for attention."""
+    c = model.config
+    dt = model.dtype
+    acc = torch.promote_types(dt, torch.float32)
+    t, d, b = tiles.rows, c.head_dim, 64
+    out = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            n, k = mod.weight.shape
+            w = mod.weight.t()
+            out.add(("aten.mm.out", (((t, k), (k, 1), dt, 0), ((k, n), w.stride(), dt, 0), ((t, n), (n, 1), dt, 0))))
+    for rows, batch in ((tiles.full, tiles.full_batch), (tiles.part, tiles.part_batch)):
+        out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
+                                  ((batch, d, b), (b * d, 1, d), acc, 0),
+                                  ((batch, rows, b), (rows * b, b, 1), acc, 0))))
+        out.add(("aten.bmm.out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # values = p v
+                                  ((batch, b, d), (b * d, d, 1), acc, 0),
+                                  ((batch, rows, d), (rows * d, d, 1), acc, 0))))
+    return out
+
+
+@st.composite
+def layouts(draw):
+    """Documents of 0 to 200 tokens, 1 to 12 questions, answers of 1 to 5 tokens, chunked prefill, waves."""
+    prompts, docs = [], []
+    for d in range(draw(st.integers(1, 2))):
+        doc = ids(draw, 0, 200)
+        for _ in range(draw(st.integers(1, 6))):
+            prompts.append(doc + ids(draw, 1, 40))
+            docs.append(d)
+    params = SamplingParams(max_new_tokens=draw(st.integers(1, 5)), ignore_eos=True)
+    layout = dict(prefill_chunk=draw(st.sampled_from([16, 100, 512])), parallel_size=draw(st.sampled_from([None, 2])))
+    return prompts, docs, params, layout
+
+
+def answer(model, prompts, docs, params, layout) -> set[tuple]:
+    with ProductSignatures() as seen:
+        generate(model, prompts, params, mode="independent")
+        generate(model, prompts, params, mode="parallel", docs=docs, **layout)
+    assert seen.calls > 0
+    return seen.signatures
+
+
+CONFIG = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True)
+MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0)}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(work=layouts(), which=st.sampled_from(sorted(MODELS)))
+def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which):
+    model = MODELS[which]
+    seen = answer(model, *work)
+    assert seen <= expected_signatures(model, model.tiles), sorted(seen - expected_signatures(model, model.tiles))
+
+
+def test_varied_layouts_bring_no_new_signature():
+    """The same check without the written-out set: what a few layouts use, every other layout uses too."""
+    model = MODELS["default tiles"]
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+    doc = rand(150)
+    first = answer(model, [doc + rand(5), doc + rand(70)], [0, 0], SamplingParams(max_new_tokens=3), {})
+    for n_doc, n_q, q_len in [(0, 1, 1), (500, 9, 30), (63, 3, 2), (64, 1, 64), (1000, 2, 200)]:
+        d = rand(n_doc)
+        later = answer(model, [d + rand(q_len) for _ in range(n_q)], [0] * n_q, SamplingParams(max_new_tokens=4), {})
+        assert later <= first, sorted(later - first)
+
+
+def smol(layers: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                       tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+
+
+def launches_per_layer(doc=512, n_q=64, q_len=12) -> tuple[int, int]:
+    """(decode step, prefill) work-launching ops per layer at SmolLM2's shape, on the CPU tiles.
+
+    A 2-layer model minus a 1-layer model: the per-pass planning and the LM head cancel out.
+    """
+    counts = []
+    for layers in (1, 2):
+        model = Llama(smol(layers), tiles=CPU_TILES)
+        g = torch.Generator().manual_seed(0)
+        cache = model.new_cache(2048)
+        d = cache.new_segment()
+        qs = [cache.new_segment(d) for _ in range(n_q)]
+        toks = torch.randint(3, 1000, (doc + n_q * q_len,), generator=g)
+        pos = torch.cat([torch.arange(doc), torch.arange(doc, doc + q_len).repeat(n_q)])
+        segs = torch.cat([torch.full((doc,), d), torch.tensor(qs).repeat_interleave(q_len)])
+        with Launches() as prefill:  # the document and all questions in one pass: 1,280 tokens
+            model(toks, pos, segs, cache, logits_rows=torch.tensor([len(toks) - 1]))
+        with Launches() as step:  # one token for each of the 64 questions
+            model(toks[:n_q], torch.full((n_q,), doc + q_len), torch.tensor(qs), cache)
+        counts.append((step.total, prefill.total))
+    return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+
+
+def test_a_layer_issues_few_launches():
+    step, prefill = launches_per_layer()
+    assert step <= 80, f"decode step: {step} launches per layer"
+    assert prefill <= 400, f"1,280-token prefill: {prefill} launches per layer"
