@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from minillama.bench import (TINY_SHAPE, Case, CostModel, TaskConfig, WordTokenizer, make_task, plain_prompt_ids,
-                             run, setup, write_outputs)
+from minillama.bench import (METHODS, TINY_SHAPE, Case, CostModel, TaskConfig, WordTokenizer, make_task,
+                             plain_prompt_ids, run, setup, write_outputs)
+from minillama.bench.runner import _flops
 
 TASK = TaskConfig(doc_tokens=40, n_docs=2, questions_per_doc=3, question_tokens=8, new_tokens=3)
 MINILLAMA = ("independent", "independent_plain", "batched", "seqbatch", "parallel")
@@ -49,6 +50,20 @@ def test_cost_model_counts_the_document_once_in_parallel():
     one = cost.parallel(prompts[:1], [0], g)["total"]  # a lone prompt: no sharing, the same work
     assert one == pytest.approx(cost.independent(prompts[:1], g))
     assert cost.span(0, 3) == pytest.approx(cost.layers * (3 * cost.linear + 6 * cost.attn_per_key))
+
+
+def test_each_method_is_charged_its_own_work():
+    tok = WordTokenizer(TINY_SHAPE.vocab_size)
+    task = make_task(tok, TaskConfig(doc_tokens=60, n_docs=2, questions_per_doc=4), plain_prompt_ids(tok))
+    cost, idx = CostModel(TINY_SHAPE), list(range(task.n))
+    flops = {m: _flops(cost, m, task, idx) for m in METHODS}
+    # Plain kernels do the same arithmetic as the invariant ones: the same FLOPs, not another method's.
+    assert flops["parallel_plain"] == flops["parallel"]
+    assert flops["independent_plain"] == flops["independent"]
+    # Parallel is the least work; the prefix-cache peer pads its questions, so it does more.
+    assert flops["parallel"] == min(flops.values()) and flops["hf_prefix"] > flops["parallel"]
+    with pytest.raises(ValueError, match="no cost model"):
+        _flops(cost, "telepathy", task, idx)
 
 
 def test_harness_records_files_and_parity(tmp_path, one_thread):
