@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from minillama.bench import (METHODS, TINY_SHAPE, Case, CostModel, TaskConfig, W
                              plain_prompt_ids, run, setup, write_outputs)
 from minillama.bench.runner import _flops
 
+ROOT = Path(__file__).resolve().parent.parent
 TASK = TaskConfig(doc_tokens=40, n_docs=2, questions_per_doc=3, question_tokens=8, new_tokens=3)
 MINILLAMA = ("independent", "independent_plain", "batched", "seqbatch", "parallel")
 
@@ -115,3 +117,26 @@ def test_hf_methods_run_on_the_same_prompts(tmp_path, one_thread):
         assert r["checked_against_independent"] == 3 and r["kv_bytes"] > 0 and r["wall_s"] > 0
         # Another implementation: the same tokens are expected on this tiny model, not its bits.
         assert r["identical_to_independent"] >= 2, r["method"]
+
+
+def test_readme_table_is_regenerated_between_its_markers(tmp_path):
+    from minillama.bench import main
+    from minillama.bench.report import README_END, README_START, readme_table
+
+    results = json.loads((ROOT / "docs" / "bench" / "results.json").read_text())
+    table = readme_table(results)
+    # What was scaled is said, row by row and in the caption; the identity column says tokens, the bits apart.
+    par = next(line for line in table.splitlines() if line.startswith("| **parallel**"))
+    assert "| 64 |" in par and "same bits" in par
+    for method in ("batched", "seqbatch", "hf_batched", "independent_plain"):
+        rec = next(r for r in results["records"] if r["sweep"] == "headline" and r["method"] == method)
+        assert rec["extrapolated"] and f"{method} ({rec['measured_questions']} of 64)" in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_START}\nstale table\n{README_END}\nrest\n")
+    assert main(["--from-json", str(ROOT / "docs/bench/results.json"), "--readme", str(readme),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert readme.read_text() == f"intro\n{README_START}\n{table}\n{README_END}\nrest\n"
+    readme.write_text("no markers here\n")
+    assert main(["--from-json", str(ROOT / "docs/bench/results.json"), "--readme", str(readme),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert readme.read_text() == "no markers here\n"  # nothing the user gave is lost

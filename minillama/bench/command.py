@@ -16,7 +16,7 @@ import torch
 from . import __doc__ as _package_doc
 from .presets import preset
 from .profile import _profile_main
-from .report import headline_table, findings, target_rows, write_outputs
+from .report import findings, headline_table, target_rows, update_readme, write_outputs
 from .runner import run, setup
 from .shapes import SMOLLM2_SHAPE, TINY_SHAPE
 
@@ -41,9 +41,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--doc-tokens", type=int, default=512, help="document length for --profile")
     ap.add_argument("--out", default="bench_results", help="output directory")
     ap.add_argument("--from-json", metavar="RESULTS", help="rewrite tables and plots from a results.json, run nothing")
+    ap.add_argument("--readme", metavar="README", help="with --from-json: regenerate the performance table between "
+                    "the README's bench-table markers")
     a = ap.parse_args(argv)
+    if a.readme and not a.from_json:
+        ap.error("--readme needs --from-json RESULTS (the table is rendered from a saved run)")
     if a.from_json:
         data = json.loads(Path(a.from_json).read_text())
+        if a.readme:
+            try:
+                changed = update_readme(Path(a.readme), data)
+            except (OSError, ValueError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"{a.readme}: performance table {'updated' if changed else 'already up to date'}")
         paths = write_outputs(Path(a.out), data["records"], data["meta"])
         print(headline_table(data["records"]) + "\n")
         print("\n".join(f"{t}: {v} ({m})" for t, v, m in target_rows(findings(data["records"]))))
