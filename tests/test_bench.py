@@ -140,3 +140,42 @@ def test_readme_table_is_regenerated_between_its_markers(tmp_path):
     assert main(["--from-json", str(ROOT / "docs/bench/results.json"), "--readme", str(readme),
                  "--out", str(tmp_path / "out")]) == 2
     assert readme.read_text() == "no markers here\n"  # nothing the user gave is lost
+
+
+def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
+    from minillama.bench import main
+
+    assert main(["--shape", "tiny", "--tiny", "--tables", "--repeats", "1", "--sample", "2",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "shape_results.json").read_text())
+    assert data["meta"]["gemm_tflops"] > 0 and data["meta"]["bandwidth_gbs"] > 0
+    head = {r["method"]: r for r in data["records"] if r["label"] == "headline"}
+    assert {"parallel", "parallel_plain", "independent"} <= set(head)
+    ind = head["independent"]
+    assert ind["questions_run"] == 2 and ind["scaled_by"] == ind["questions"] / 2  # sampled, and said so
+    assert ind["same_tokens_as_parallel"] == 2  # the bit-exact reference: parallel answers it exactly
+    for r in data["records"]:
+        assert r["floor_s"] == pytest.approx(r["floor_gemm_s"] + r["floor_weights_s"]) and r["floor_s"] > 0
+        assert r["x_floor"] == pytest.approx(r["wall_s"] / r["floor_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["questions"] * r["new_tokens"] / r["wall_s"])
+    tables = [r for r in data["records"] if r["label"].startswith("Table")]
+    assert len(tables) == 6 and {r["n_docs"] for r in tables} == {1, 8}
+    assert "x roofline floor" in (tmp_path / "shape_summary.md").read_text()
+
+
+def test_roofline_floor_arithmetic():
+    from minillama.bench.device import floor_s
+
+    prompts, docs = [[5] * 10 + [6, 7], [5] * 10 + [8]], [0, 0]
+    f = floor_s(TINY_SHAPE, prompts, docs, 4, weight_bytes=10**9, tflops=2.0, gbs=100.0)
+    assert f["floor_weights_s"] == pytest.approx(3 * 10**9 / 100e9)  # 3 decode steps, every weight read once
+    assert f["floor_gemm_s"] == pytest.approx(CostModel(TINY_SHAPE).parallel(prompts, docs, 4)["prefill"] / 2e12)
+
+
+def test_shape_bench_refuses_a_missing_device(capsys):
+    from minillama.bench import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["--shape", "tiny", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from .presets import preset
 from .profile import _profile_main
 from .report import findings, headline_table, target_rows, update_readme, write_outputs
 from .runner import run, setup
-from .shapes import SMOLLM2_SHAPE, TINY_SHAPE
+from .shapes import SHAPES, SMOLLM2_SHAPE, TINY_SHAPE
 
 DESCRIPTION = (_package_doc or "").split("\n")[0]
 
@@ -40,12 +40,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "(--doc-tokens to change the document) and write profile.md")
     ap.add_argument("--doc-tokens", type=int, default=512, help="document length for --profile")
     ap.add_argument("--out", default="bench_results", help="output directory")
+    d = ap.add_argument_group("random weights at a named shape, on any device, against its roofline (no checkpoint)")
+    d.add_argument("--shape", choices=sorted(SHAPES), help="run this benchmark instead of the task one")
+    d.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    d.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="default: float32")
+    d.add_argument("--tables", action="store_true", help="also the paper's Table 3 and Table 4 configurations")
+    d.add_argument("--tiny", action="store_true", help="every size divided down: seconds on a CPU (tests)")
     ap.add_argument("--from-json", metavar="RESULTS", help="rewrite tables and plots from a results.json, run nothing")
     ap.add_argument("--readme", metavar="README", help="with --from-json: regenerate the performance table between "
                     "the README's bench-table markers")
     a = ap.parse_args(argv)
     if a.readme and not a.from_json:
         ap.error("--readme needs --from-json RESULTS (the table is rendered from a saved run)")
+    if a.shape:
+        return _shape_main(a)
     if a.from_json:
         data = json.loads(Path(a.from_json).read_text())
         if a.readme:
@@ -126,3 +134,31 @@ def _commit() -> str:
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _shape_main(a: argparse.Namespace) -> int:
+    """--shape: random weights on --device in --dtype; results.json-like output under --out."""
+    import importlib.util
+
+    from .device import shape_main, table
+
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {a.device}: no CUDA device here", file=sys.stderr)
+        return 2
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
+    data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, a.sample or 4, hf,
+                      log=lambda s: print(s, flush=True))
+    data["meta"]["command"] = " ".join(["python -m minillama.bench", *sys.argv[1:]])
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shape_results.json").write_text(json.dumps(data, indent=1) + "\n")
+    m = data["meta"]
+    head = (f"random {m['shape']} weights, {m['device_name']}, {m['dtype']}, torch {m['torch']}; GEMM "
+            f"{m['gemm_tflops']:.2f} TFLOP/s, copy bandwidth {m['bandwidth_gbs']:.0f} GB/s; medians of "
+            f"{data['records'][0]['repeats']} repeats; independent ran on a sample of the questions, its time scaled")
+    (out / "shape_summary.md").write_text(f"# {head}\n\n{table(data['records'])}\n")
+    print(f"\n{head}\n\n{table(data['records'])}\n\nwrote {out / 'shape_results.json'}, {out / 'shape_summary.md'}")
+    return 0
+
