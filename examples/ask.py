@@ -1,8 +1,17 @@
-"""The examples/ job through the Python API: `python examples/ask.py` (from the repository root)."""
+"""The examples/ job through the Python API: `python examples/ask.py`, from anywhere.
 
+With minillama installed (`pip install .`) this imports the installed package; run from a clone without
+installing, it imports the clone's own `minillama/`, one directory up.
+"""
+
+import sys
 from pathlib import Path
 
-from minillama import api
+try:
+    from minillama import api
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from minillama import api
 
 here = Path(__file__).parent
 doc = (here / "doc.txt").read_text()

@@ -7,8 +7,8 @@
 The prompt of each question is built here, once, by `prompt_ids` (document + question -> chat messages ->
 rendered template -> token ids): the CLI, the benchmark and the notebooks all call it. Every question's
 prompt is tokenized whole, exactly as a stand-alone run would tokenize it; `generate()` finds the prefix
-the questions of one document share (NOTES.md: tokenizing the document alone can merge tokens
-differently at the boundary). So the modes differ only in how the same token ids are scheduled.
+the questions of one document share (tokenizing the document alone can merge tokens differently
+at the boundary; docs/design.md). So the modes differ only in how the same token ids are scheduled.
 """
 
 from __future__ import annotations

@@ -64,9 +64,19 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
 def weights_dir() -> Path:
-    """Where converted checkpoints live: $MINILLAMA_WEIGHTS_DIR, else `weights/` in the repo root."""
+    """Where converted checkpoints live: $MINILLAMA_WEIGHTS_DIR; else `weights/` when minillama runs from
+    a source checkout (a pyproject.toml beside the package); else the user's cache directory,
+    $XDG_CACHE_HOME/minillama or ~/.cache/minillama (an installed package never writes beside itself)."""
     env = os.environ.get("MINILLAMA_WEIGHTS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "weights"
+    if env:
+        return Path(env).expanduser()
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():
+        return root / "weights"
+    cache = os.environ.get("XDG_CACHE_HOME")
+    # XDG: a relative $XDG_CACHE_HOME is invalid and is ignored.
+    base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
+    return base / "minillama"
 
 
 def default_model_dir() -> Path:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from minillama.bench import (TINY_SHAPE, Case, CostModel, TaskConfig, WordTokenizer, make_task, plain_prompt_ids,
-                             run, setup, write_outputs)
+from minillama.bench import (METHODS, TINY_SHAPE, Case, CostModel, TaskConfig, WordTokenizer, make_task,
+                             plain_prompt_ids, run, setup, write_outputs)
+from minillama.bench.runner import _flops
 
+ROOT = Path(__file__).resolve().parent.parent
 TASK = TaskConfig(doc_tokens=40, n_docs=2, questions_per_doc=3, question_tokens=8, new_tokens=3)
 MINILLAMA = ("independent", "independent_plain", "batched", "seqbatch", "parallel")
 
@@ -49,6 +52,20 @@ def test_cost_model_counts_the_document_once_in_parallel():
     one = cost.parallel(prompts[:1], [0], g)["total"]  # a lone prompt: no sharing, the same work
     assert one == pytest.approx(cost.independent(prompts[:1], g))
     assert cost.span(0, 3) == pytest.approx(cost.layers * (3 * cost.linear + 6 * cost.attn_per_key))
+
+
+def test_each_method_is_charged_its_own_work():
+    tok = WordTokenizer(TINY_SHAPE.vocab_size)
+    task = make_task(tok, TaskConfig(doc_tokens=60, n_docs=2, questions_per_doc=4), plain_prompt_ids(tok))
+    cost, idx = CostModel(TINY_SHAPE), list(range(task.n))
+    flops = {m: _flops(cost, m, task, idx) for m in METHODS}
+    # Plain kernels do the same arithmetic as the invariant ones: the same FLOPs, not another method's.
+    assert flops["parallel_plain"] == flops["parallel"]
+    assert flops["independent_plain"] == flops["independent"]
+    # Parallel is the least work; the prefix-cache peer pads its questions, so it does more.
+    assert flops["parallel"] == min(flops.values()) and flops["hf_prefix"] > flops["parallel"]
+    with pytest.raises(ValueError, match="no cost model"):
+        _flops(cost, "telepathy", task, idx)
 
 
 def test_harness_records_files_and_parity(tmp_path, one_thread):
@@ -100,3 +117,65 @@ def test_hf_methods_run_on_the_same_prompts(tmp_path, one_thread):
         assert r["checked_against_independent"] == 3 and r["kv_bytes"] > 0 and r["wall_s"] > 0
         # Another implementation: the same tokens are expected on this tiny model, not its bits.
         assert r["identical_to_independent"] >= 2, r["method"]
+
+
+def test_readme_table_is_regenerated_between_its_markers(tmp_path):
+    from minillama.bench import main
+    from minillama.bench.report import README_END, README_START, readme_table
+
+    results = json.loads((ROOT / "docs" / "bench" / "results.json").read_text())
+    table = readme_table(results)
+    # What was scaled is said, row by row and in the caption; the identity column says tokens, the bits apart.
+    par = next(line for line in table.splitlines() if line.startswith("| **parallel**"))
+    assert "| 64 |" in par and "same bits" in par
+    for method in ("batched", "seqbatch", "hf_batched", "independent_plain"):
+        rec = next(r for r in results["records"] if r["sweep"] == "headline" and r["method"] == method)
+        assert rec["extrapolated"] and f"{method} ({rec['measured_questions']} of 64)" in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_START}\nstale table\n{README_END}\nrest\n")
+    assert main(["--from-json", str(ROOT / "docs/bench/results.json"), "--readme", str(readme),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert readme.read_text() == f"intro\n{README_START}\n{table}\n{README_END}\nrest\n"
+    readme.write_text("no markers here\n")
+    assert main(["--from-json", str(ROOT / "docs/bench/results.json"), "--readme", str(readme),
+                 "--out", str(tmp_path / "out")]) == 2
+    assert readme.read_text() == "no markers here\n"  # nothing the user gave is lost
+
+
+def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
+    from minillama.bench import main
+
+    assert main(["--shape", "tiny", "--tiny", "--tables", "--repeats", "1", "--sample", "2",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "shape_results.json").read_text())
+    assert data["meta"]["gemm_tflops"] > 0 and data["meta"]["bandwidth_gbs"] > 0
+    head = {r["method"]: r for r in data["records"] if r["label"] == "headline"}
+    assert {"parallel", "parallel_plain", "independent"} <= set(head)
+    ind = head["independent"]
+    assert ind["questions_run"] == 2 and ind["scaled_by"] == ind["questions"] / 2  # sampled, and said so
+    assert ind["same_tokens_as_parallel"] == 2  # the bit-exact reference: parallel answers it exactly
+    for r in data["records"]:
+        assert r["floor_s"] == pytest.approx(r["floor_gemm_s"] + r["floor_weights_s"]) and r["floor_s"] > 0
+        assert r["x_floor"] == pytest.approx(r["wall_s"] / r["floor_s"])
+        assert r["tokens_per_s"] == pytest.approx(r["questions"] * r["new_tokens"] / r["wall_s"])
+    tables = [r for r in data["records"] if r["label"].startswith("Table")]
+    assert len(tables) == 6 and {r["n_docs"] for r in tables} == {1, 8}
+    assert "x roofline floor" in (tmp_path / "shape_summary.md").read_text()
+
+
+def test_roofline_floor_arithmetic():
+    from minillama.bench.device import floor_s
+
+    prompts, docs = [[5] * 10 + [6, 7], [5] * 10 + [8]], [0, 0]
+    f = floor_s(TINY_SHAPE, prompts, docs, 4, weight_bytes=10**9, tflops=2.0, gbs=100.0)
+    assert f["floor_weights_s"] == pytest.approx(3 * 10**9 / 100e9)  # 3 decode steps, every weight read once
+    assert f["floor_gemm_s"] == pytest.approx(CostModel(TINY_SHAPE).parallel(prompts, docs, 4)["prefill"] / 2e12)
+
+
+def test_shape_bench_refuses_a_missing_device(capsys):
+    from minillama.bench import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["--shape", "tiny", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -1,0 +1,5 @@
+"""`python -m minillama.bench`."""
+
+from minillama.bench import main
+
+raise SystemExit(main())
