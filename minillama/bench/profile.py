@@ -15,7 +15,8 @@ from .task import Task, TaskConfig, make_task, plain_prompt_ids
 
 
 # Functions looked up by name at call time in these modules, so wrapping the module attribute marks them.
-_MARKED = {"model": ("plan_attention", "blocked_attention", "masked_attention", "linear", "apply_rope"),
+_MARKED = {"model": ("plan_attention", "blocked_attention", "masked_attention", "apply_rope_folded"),
+           "invariant": ("tiled_linear",),
            "generate": ("_decode",)}
 
 
@@ -90,7 +91,8 @@ _OP_KIND = {"aten::index": "gather (index)", "aten::index_select": "gather (inde
             "aten::scatter_reduce_": "row max (scatter_reduce)", "aten::exp_": "exp", "aten::exp": "exp",
             "aten::sub_": "sub", "aten::add": "tree merge (add)", "aten::copy_": "copy", "aten::fill_": "fill",
             "aten::zero_": "fill", "aten::amax": "amax", "aten::sum": "sum", "aten::masked_fill_": "mask",
-            "aten::where": "where", "aten::div": "div", "aten::cat": "cat", "aten::mul": "mul"}
+            "aten::where": "where", "aten::div": "div", "aten::cat": "cat", "aten::mul": "mul",
+            "aten::index_add_": "block sums (index_add)"}
 
 
 def profile_table(p: dict[str, Any]) -> str:
