@@ -261,9 +261,13 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     kf, vf = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
     kinds = [(plan.whole, tiles.full_batch, tiles.full_chunk), (plan.partial, tiles.part_batch, tiles.part_chunk)]
 
+    def gather(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """src rows at idx (I, n): (I, n, D). index_select copies whole rows (a plain src[idx] goes by element)."""
+        return src.index_select(0, idx.reshape(-1)).view(*idx.shape, src.shape[-1])
+
     def scores(items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
         hidden = None if items.hidden is None else items.hidden[lo:hi]
-        return _block_scores(qf[items.rows[lo:hi]], kf[items.keys[lo:hi]].to(acc), batch, hidden)
+        return _block_scores(gather(qf, items.rows[lo:hi]), gather(kf, items.keys[lo:hi]).to(acc), batch, hidden)
 
     M = qf.new_full((qf.shape[0],), float("-inf"))  # pass 1: each row's maximum
     kept = []
@@ -281,9 +285,9 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             hi = min(lo + chunk, items.count)
             s = s_kept if s_kept is not None else scores(items, lo, hi, batch)
             rows = items.rows[lo:hi]
-            e = s.sub_(m[rows][..., None]).exp_()  # (I, T, B); hidden keys: exp(-inf) = 0
-            o = torch.cat([batched_products(e, vf[items.keys[lo:hi]].to(acc), batch), e.sum(dim=-1, keepdim=True)],
-                          dim=-1)  # (I, T, D + 1)
+            e = s.sub_(m.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B); hidden: 0
+            o = torch.cat([batched_products(e, gather(vf, items.keys[lo:hi]).to(acc), batch),
+                           e.sum(dim=-1, keepdim=True)], dim=-1)  # (I, T, D + 1)
             for a, b in zip(items.bounds, items.bounds[1:]):  # one block after another
                 a, b = max(a, lo), min(b, hi)
                 if a < b:

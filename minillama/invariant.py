@@ -49,8 +49,8 @@ class Tiles:
     part_batch: int = 256  # (tile, block) items per bmm, partial blocks
     # Most items whose scores are held at once (a multiple of the batch): a longer pass computes its
     # scores twice (once for the row maxima, once for the values) rather than hold them all.
-    full_chunk: int = 1024
-    part_chunk: int = 4096
+    full_chunk: int = 4096  # 64 MiB of float32 scores
+    part_chunk: int = 16384
 
     def __post_init__(self) -> None:
         if self.full_chunk % self.full_batch or self.part_chunk % self.part_batch:
