@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from minillama.audit import Launches, ProductSignatures
 from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
-from minillama.invariant import CPU_TILES, Tiles
+from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
 from minillama.model import Llama
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
@@ -99,14 +99,14 @@ def smol(layers: int) -> LlamaConfig:
                        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
 
 
-def launches_per_layer(doc=512, n_q=64, q_len=12) -> tuple[int, int]:
-    """(decode step, prefill) work-launching ops per layer at SmolLM2's shape, on the CPU tiles.
+def launches_per_layer(tiles: Tiles, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
+    """(decode step, prefill) work-launching ops per layer at SmolLM2's shape, counted on the CPU.
 
     A 2-layer model minus a 1-layer model: the per-pass planning and the LM head cancel out.
     """
     counts = []
     for layers in (1, 2):
-        model = Llama(smol(layers), tiles=CPU_TILES)
+        model = Llama(smol(layers), tiles=tiles)
         g = torch.Generator().manual_seed(0)
         cache = model.new_cache(2048)
         d = cache.new_segment()
@@ -122,7 +122,10 @@ def launches_per_layer(doc=512, n_q=64, q_len=12) -> tuple[int, int]:
     return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
 
 
-def test_a_layer_issues_few_launches():
-    step, prefill = launches_per_layer()
+def test_a_layer_issues_few_launches_with_the_gpu_tiles():
+    """Launches are what a GPU pays for (a CPU prefers small chunks that stay in its cache: more ops)."""
+    step, prefill = launches_per_layer(CUDA_TILES)
     assert step <= 80, f"decode step: {step} launches per layer"
     assert prefill <= 400, f"1,280-token prefill: {prefill} launches per layer"
+    cpu_step, cpu_prefill = launches_per_layer(CPU_TILES)
+    assert cpu_step <= 80 and cpu_prefill <= 800, (cpu_step, cpu_prefill)
