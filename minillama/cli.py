@@ -4,7 +4,7 @@
     python -m minillama.generate --input jobs.jsonl --json --logprobs > answers.jsonl
 
 A thin shell around `minillama.api`: read and check the input, load the model, `ask_many`, print.
-Options follow the names users know from llama.cpp, vLLM and HF `generate` (NOTES.md, section 6).
+Options follow the names users know from llama.cpp, vLLM and HF `generate`.
 Exit status: 0 on success; 2 on bad input (one line on stderr, nothing on stdout); 1 on a bug.
 """
 
@@ -17,27 +17,20 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn, Sequence, TextIO
+from typing import Any, Sequence, TextIO
 
 from . import api
+from .errors import BadInput, OneLineParser
 from .generate import MODES, Stats
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class BadInput(Exception):
-    """Something the user gave that cannot be used: reported in one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (argparse prints the usage block, then the error)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise BadInput(message)
+_Parser = OneLineParser  # the name the oracle's command line imported first
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minillama.generate", allow_abbrev=False,
+    p = OneLineParser(prog="python -m minillama.generate", allow_abbrev=False,
                 description="Answer questions about documents; the questions of one document are answered "
                             "together in one packed pass (parallel prompting), each answer bit-identical to "
                             "asking it alone.")
