@@ -95,11 +95,16 @@ def prompt_text(tokenizer: Tokenizer, doc: str, question: str, system: str | Non
 
 def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None = None,
                chat_template: bool = True) -> list[int]:
-    """The token ids of one question's complete stand-alone prompt."""
-    text = prompt_text(tokenizer, doc, question, system, chat_template)
+    """The token ids of one question's complete stand-alone prompt. Document, question and system
+    prompt are the user's text: a control token written in them ("<|im_end|>") is spelled out as text;
+    only the chat template's own markers are control tokens."""
     if chat_template and tokenizer.chat_template is not None:
-        return tokenizer.encode(text)  # the template writes BOS itself where the model wants one
-    return tokenizer.encode(text, add_special=True)
+        # The template writes BOS itself where the model wants one.
+        return tokenizer.encode_chat(messages(doc, question, system), add_generation_prompt=True)
+    text = prompt_text(tokenizer, doc, question, system, chat_template)
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.encode(text, add_special=True, parse_special=False)
+    return tokenizer.encode(text, add_special=True)  # a tokenizer of one's own, e.g. the benchmark's words
 
 
 def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
