@@ -81,7 +81,10 @@ def default_gguf_path() -> Path:
 
 
 def _say(msg: str) -> None:
-    print(f"minillama: {msg}", file=sys.stderr, flush=True)
+    """Progress of slow work (downloading, converting), for a person at a terminal; logs and pipes get
+    only the outcome, so a failure stays the one line that names it."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        print(f"minillama: {msg}", file=sys.stderr, flush=True)
 
 
 def fetch_default(force: bool = False) -> Path:
