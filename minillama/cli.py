@@ -115,7 +115,7 @@ def _main(argv: Sequence[str] | None) -> int:
     plan = plan_waves(model, jobs, args)
 
     out = sys.stdout
-    if getattr(out, "encoding", "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
+    if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
         out.reconfigure(encoding="utf-8")  # JSON Lines are UTF-8, and so is any answer the model writes
     stats = Stats()
     progress = Progress(n_questions * args.max_new_tokens, sys.stderr)
