@@ -95,11 +95,16 @@ def prompt_text(tokenizer: Tokenizer, doc: str, question: str, system: str | Non
 
 def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None = None,
                chat_template: bool = True) -> list[int]:
-    """The token ids of one question's complete stand-alone prompt."""
-    text = prompt_text(tokenizer, doc, question, system, chat_template)
+    """The token ids of one question's complete stand-alone prompt. Document, question and system
+    prompt are the user's text: a control token written in them ("<|im_end|>") is spelled out as text;
+    only the chat template's own markers are control tokens."""
     if chat_template and tokenizer.chat_template is not None:
-        return tokenizer.encode(text)  # the template writes BOS itself where the model wants one
-    return tokenizer.encode(text, add_special=True)
+        # The template writes BOS itself where the model wants one.
+        return tokenizer.encode_chat(messages(doc, question, system), add_generation_prompt=True)
+    text = prompt_text(tokenizer, doc, question, system, chat_template)
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.encode(text, add_special=True, parse_special=False)
+    return tokenizer.encode(text, add_special=True)  # a tokenizer of one's own, e.g. the benchmark's words
 
 
 def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -145,12 +150,15 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              ignore_eos: bool = False, stop: Sequence[str] = (), keep_logits: bool = False,
              parallel_size: int | None = None, batch_docs: int | None = None, prefill_chunk: int = 512,
-             on_token: Callable[[int], None] | None = None, stats: Stats | None = None) -> list[list[Reply]]:
+             on_token: Callable[[int], None] | None = None, stats: Stats | None = None,
+             on_reply: Callable[[int, Reply], None] | None = None) -> list[list[Reply]]:
     """Answer questions about several documents together: jobs are (document, questions) pairs. Returns
     one list of Replies per document. In `parallel` mode each document is prefilled once and all its
     questions decode together; parallel_size caps the questions per document and batch_docs the
     documents per forward pass. Sampling (temperature > 0) draws from one random stream per question,
     seeded from (seed, the question's index over all jobs), so every mode gives the same answers.
+    on_reply(i, reply) is called as soon as a reply is finished (in finishing order); i counts the
+    questions over all jobs, in job order.
 
     Raises ValueError on bad options and PromptTooLong when a prompt does not fit in the context.
     """
@@ -160,15 +168,20 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
     prompts, docs, where = build_prompts(tok, jobs, system, chat_template)
     check_context(prompts, where, llama.config.max_position_embeddings)
     eos = list(dict.fromkeys([*tok.eos_ids, *llama.config.eos_token_ids]))
+    stop_ids = set(params.stop_token_ids) | (set() if ignore_eos else set(eos))
+
+    def reply(i: int, a: Any) -> Reply:
+        d, qi = where[i]
+        return Reply(question=jobs[d][1][qi], text=answer_text(tok, a.token_ids, stop_ids, stop),
+                     token_ids=a.token_ids, logprobs=a.logprobs, finish_reason=a.finish_reason,
+                     prompt_token_ids=list(prompts[i]), doc_index=d, question_index=qi, logits=a.logits)
+
     answers = generate(llama, prompts, params, mode=mode, docs=docs, parallel_size=parallel_size,
                        batch_docs=batch_docs, eos_ids=eos, prefill_chunk=prefill_chunk, on_token=on_token,
-                       stats=stats)
-    stop_ids = set(params.stop_token_ids) | (set() if ignore_eos else set(eos))
+                       stats=stats, on_answer=None if on_reply is None else lambda i, a: on_reply(i, reply(i, a)))
     out: list[list[Reply]] = [[] for _ in jobs]
-    for p, (d, qi), a in zip(prompts, where, answers):
-        out[d].append(Reply(question=jobs[d][1][qi], text=answer_text(tok, a.token_ids, stop_ids, stop),
-                            token_ids=a.token_ids, logprobs=a.logprobs, finish_reason=a.finish_reason,
-                            prompt_token_ids=list(p), doc_index=d, question_index=qi, logits=a.logits))
+    for i, a in enumerate(answers):
+        out[where[i][0]].append(reply(i, a))
     return out
 
 

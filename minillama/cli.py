@@ -3,9 +3,12 @@
     python -m minillama.generate --doc examples/doc.txt --questions examples/questions.txt
     python -m minillama.generate --input jobs.jsonl --json --logprobs > answers.jsonl
 
-A thin shell around `minillama.api`: read and check the input, load the model, `ask_many`, print.
-Options follow the names users know from llama.cpp, vLLM and HF `generate` (NOTES.md, section 6).
-Exit status: 0 on success; 2 on bad input (one line on stderr, nothing on stdout); 1 on a bug.
+A thin shell around `minillama.api`: read and check the input, load the model, `ask_many`, and write
+each answer as soon as it and every answer before it (in input order) are finished. Parallel mode runs
+the questions of a document in waves sized to a memory budget (`--max-memory`), which changes no answer.
+Options follow the names users know from llama.cpp, vLLM and HF `generate`.
+Exit status: 0 on success; 2 on bad input (one line on stderr, `BadInput`); 130 on Ctrl-C (the answers
+written so far stay written); 141 when the reader of stdout goes away; 1 on a bug (a traceback).
 """
 
 from __future__ import annotations
@@ -13,31 +16,30 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Sequence, TextIO
+from typing import Any, Sequence, TextIO
+
+try:
+    import resource  # Unix only; elsewhere the summary reports no peak memory
+except ImportError:
+    resource = None  # type: ignore[assignment]
 
 from . import api
+from .errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from .generate import MODES, Stats
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_MEMORY_MB = 1024
 
 
-class BadInput(Exception):
-    """Something the user gave that cannot be used: reported in one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (argparse prints the usage block, then the error)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise BadInput(message)
+_Parser = OneLineParser  # the name the oracle's command line imported first
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minillama.generate", allow_abbrev=False,
+    p = OneLineParser(prog="python -m minillama.generate", allow_abbrev=False,
                 description="Answer questions about documents; the questions of one document are answered "
                             "together in one packed pass (parallel prompting), each answer bit-identical to "
                             "asking it alone.")
@@ -69,8 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop an answer at this string (repeatable); the answer is cut before it")
     g.add_argument("--parallel-size", type=int, metavar="P",
-                   help="most questions of one document decoded together (default: all)")
-    g.add_argument("--batch-docs", type=int, metavar="N", help="documents per forward pass (default: all)")
+                   help="most questions of one document decoded together (default: as many as --max-memory allows)")
+    g.add_argument("--batch-docs", type=int, metavar="N",
+                   help="documents per forward pass (default: as many as --max-memory allows)")
+    g.add_argument("--max-memory", type=float, default=DEFAULT_MAX_MEMORY_MB, metavar="MB",
+                   help="memory budget in MiB for the KV cache and per-question activations of parallel mode; "
+                        "the questions run in waves that fit (default: %(default)g; 0: no bound)")
     pr = p.add_argument_group("prompt")
     pr.add_argument("--system", metavar="TEXT", help="system prompt (default: the chat template's own)")
     pr.add_argument("--no-chat-template", action="store_true",
@@ -88,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `... | head -1`: the reader has all it wants
+        return quiet_exit_on_broken_pipe()
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -104,31 +112,33 @@ def _main(argv: Sequence[str] | None) -> int:
     t0 = time.perf_counter()
     model = _load(args.model, args.device, getattr(torch, args.dtype))
     load_s = time.perf_counter() - t0
+    plan = plan_waves(model, jobs, args)
 
+    out = sys.stdout
+    if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
+        out.reconfigure(encoding="utf-8")  # JSON Lines are UTF-8, and so is any answer the model writes
     stats = Stats()
     progress = Progress(n_questions * args.max_new_tokens, sys.stderr)
+    writer = AnswerWriter(out, args, len(jobs), model.context_length, progress)
     try:
-        replies = api.ask_many(
+        api.ask_many(
             model, jobs, mode=args.mode, system=args.system, chat_template=not args.no_chat_template,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
-            parallel_size=args.parallel_size, batch_docs=args.batch_docs, on_token=progress.update,
-            stats=stats)
-    except ValueError as e:  # a prompt longer than the context, a seqbatch stream that outgrows it, ...
+            parallel_size=plan.parallel_size, batch_docs=plan.batch_docs, on_token=progress.update,
+            stats=stats, on_reply=writer)
+    except api.PromptTooLong as e:
         raise BadInput(str(e)) from None
+    except ValueError as e:
+        if "seqbatch stream" not in str(e):  # anything else is a bug: let it show
+            raise
+        raise BadInput(f"{e}; use --mode parallel or fewer questions per document") from None
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"interrupted: {writer.written} of {n_questions} answers written", file=sys.stderr)
+        return 130
     finally:
         progress.close()
-
-    out = sys.stdout
-    if getattr(out, "encoding", "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
-        out.reconfigure(encoding="utf-8")  # JSON Lines are UTF-8, and so is any answer the model writes
-    if args.json:
-        for doc_replies in replies:
-            for r in doc_replies:
-                out.write(json.dumps(reply_json(r, args.logprobs), ensure_ascii=False) + "\n")
-    else:
-        write_text(out, replies, args.logprobs)
-    out.flush()
 
     summary = {"load_s": round(load_s, 3), "generate_s": round(stats.generate_s, 3),
                "prefill_s": round(stats.prefill_s, 3), "decode_s": round(stats.decode_s, 3),
@@ -136,7 +146,10 @@ def _main(argv: Sequence[str] | None) -> int:
                "tokens_per_s": round(stats.generated_tokens / stats.generate_s, 2) if stats.generate_s else 0.0,
                "forward_passes": stats.forward_passes, "peak_kv_mb": round(stats.peak_kv_bytes / 2**20, 2),
                "peak_memory_mb": round(peak_rss_mb(), 1), "documents": len(jobs), "questions": n_questions,
-               "mode": args.mode, "device": args.device, "dtype": args.dtype}
+               "mode": args.mode, "device": args.device, "dtype": args.dtype,
+               "parallel_size": plan.parallel_size or max(len(q) for _, q in jobs),
+               "batch_docs": plan.batch_docs or len(jobs), "max_memory_mb": args.max_memory,
+               "planned_memory_mb": round(plan.bytes / 2**20, 2)}
     print(json.dumps(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
 
@@ -156,6 +169,8 @@ def check_options(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    if not (args.max_memory >= 0) or math.isinf(args.max_memory):
+        raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
     if math.isnan(args.temperature):  # SamplingParams says so too; name the option here
         raise BadInput("--temperature must be a finite number >= 0, got nan")
     try:
@@ -173,13 +188,17 @@ def _check_device(device: str) -> None:
     import torch
 
     try:
-        torch.empty(1, device=torch.device(device))
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise BadInput(f"--device {device}: not usable here ({str(e).splitlines()[0]})") from None
+        dev = torch.device(device)
+        torch.zeros(1, device=dev).cpu()  # a device must hold data and give it back
+    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
+        raise BadInput(f"--device {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+    if dev.type == "meta":
+        raise BadInput(f"--device {device}: holds shapes, not numbers; choose cpu or an accelerator")
 
 
 def read_text(path: str, what: str) -> str:
-    """A UTF-8 text file (or standard input for '-'), whole. A leading byte-order mark is dropped."""
+    """A UTF-8 text file (or standard input for '-'), whole, with Windows line endings (\\r\\n) made \\n.
+    A leading byte-order mark is dropped."""
     try:
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except FileNotFoundError:
@@ -191,9 +210,15 @@ def read_text(path: str, what: str) -> str:
     if b"\0" in data:
         raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
     try:
-        return data.decode("utf-8-sig")
+        return data.decode("utf-8-sig").replace("\r\n", "\n")
     except UnicodeDecodeError as e:
         raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+
+
+def lines(text: str) -> list[str]:
+    """Lines end at \\n only: U+2028, U+0085, form feeds and other characters `str.splitlines` also
+    breaks at belong to the line (and are valid inside a JSON string)."""
+    return text.split("\n")
 
 
 def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
@@ -202,12 +227,12 @@ def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         doc = read_text(args.doc, "--doc")
         if not doc.strip():
             raise BadInput(f"--doc {args.doc}: the document is empty")
-        questions = [q.strip() for q in read_text(args.questions, "--questions").splitlines() if q.strip()]
+        questions = [q.strip() for q in lines(read_text(args.questions, "--questions")) if q.strip()]
         if not questions:
             raise BadInput(f"--questions {args.questions}: no questions (one per line)")
         return [(doc, questions)]
     jobs = []
-    for n, line in enumerate(read_text(args.input, "--input").splitlines(), 1):
+    for n, line in enumerate(lines(read_text(args.input, "--input")), 1):
         if not line.strip():
             continue
         where = f"--input {args.input}, line {n}"
@@ -244,7 +269,7 @@ def _load(path: str | None, device: str, dtype: Any) -> api.LoadedModel:
         return api.load(path, device=device, dtype=dtype)
     except (WeightsError, TokenizerError) as e:
         raise BadInput(_one_line(f"--model {path or '(default)'}: {e}")) from None
-    except (OSError, ValueError) as e:  # unreadable files, a config minillama does not support
+    except OSError as e:  # unreadable files
         raise BadInput(_one_line(f"--model {path or '(default)'}: {e}")) from None
 
 
@@ -263,16 +288,102 @@ def reply_json(r: api.Reply, logprobs: bool) -> dict[str, Any]:
     return d
 
 
-def write_text(out: TextIO, replies: list[list[api.Reply]], logprobs: bool) -> None:
-    for d, doc_replies in enumerate(replies):
-        if len(replies) > 1:
-            out.write(f"=== document {d + 1} ===\n\n")
-        for r in doc_replies:
-            out.write(f"Q: {r.question}\nA: {r.text.strip()}\n")
-            if logprobs:
-                out.write(f"   ({len(r.token_ids)} tokens, {r.finish_reason}, "
-                          f"sum of logprobs {sum(r.logprobs):.4f})\n")
-            out.write("\n")
+class AnswerWriter:
+    """`ask_many`'s on_reply: writes each answer (a text block or a JSON line) and flushes, in input order,
+    as soon as it and every answer before it are finished; a later answer that finishes first waits for
+    the earlier ones. Also warns, once, when the context cut an answer short of --max-new-tokens."""
+
+    def __init__(self, out: TextIO, args: argparse.Namespace, n_docs: int, context: int, progress: "Progress"):
+        self.out, self.args, self.n_docs, self.context, self.progress = out, args, n_docs, context, progress
+        self.written = 0
+        self.waiting: dict[int, api.Reply] = {}
+        self.warned = False
+
+    def __call__(self, i: int, reply: api.Reply) -> None:
+        self._warn_if_cut_short(reply)
+        self.waiting[i] = reply
+        if self.written not in self.waiting:
+            return
+        self.progress.clear()
+        while self.written in self.waiting:
+            self._write(self.waiting.pop(self.written))
+            self.written += 1
+        self.out.flush()
+
+    def _write(self, r: api.Reply) -> None:
+        if self.args.json:
+            self.out.write(json.dumps(reply_json(r, self.args.logprobs), ensure_ascii=False) + "\n")
+            return
+        if self.n_docs > 1 and r.question_index == 0:
+            self.out.write(f"=== document {r.doc_index + 1} ===\n\n")
+        self.out.write(f"Q: {r.question}\nA: {r.text.strip()}\n")
+        if self.args.logprobs:
+            self.out.write(f"   ({len(r.token_ids)} tokens, {r.finish_reason}, sum of logprobs {sum(r.logprobs):.4f})\n")
+        self.out.write("\n")
+
+    def _warn_if_cut_short(self, r: api.Reply) -> None:
+        n = self.args.max_new_tokens
+        if self.warned or r.finish_reason != "length" or len(r.token_ids) >= n:
+            return
+        self.warned = True
+        self.progress.clear()
+        print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: the prompt has "
+              f"{len(r.prompt_token_ids)} tokens, so the model's context ({self.context}) left room for "
+              f"{len(r.token_ids)} of the {n} new tokens asked for (finish_reason \"length\"); "
+              "this warning is shown once", file=sys.stderr, flush=True)
+
+
+# --- memory: parallel mode in waves -----------------------------------------------------------------
+
+
+@dataclass
+class WavePlan:
+    parallel_size: int | None  # questions of one document decoded together (None: all)
+    batch_docs: int | None  # documents per forward pass (None: all)
+    bytes: int  # the estimated peak of one pass over those questions and documents
+
+
+def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question_tokens: Sequence[Sequence[int]],
+              max_new_tokens: int, budget_bytes: int, parallel_size: int | None = None,
+              batch_docs: int | None = None) -> WavePlan:
+    """The largest waves whose estimated memory fits `budget_bytes` (0: no bound), for the options the
+    user left open. What a pass holds: each document's KV once, and per question its own tokens' KV
+    (prompt suffix and answer) and a few rows of activations (its logits row over the vocabulary, the
+    MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice."""
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    per_row = 4 * (2 * config.vocab_size + 3 * config.intermediate_size + 4 * config.hidden_size)
+    per_question = [2 * kv_per_token * (max(q, default=0) + max_new_tokens) + per_row for q in question_tokens]
+    per_doc = [2 * kv_per_token * d for d in doc_tokens]
+    counts = [len(q) for q in question_tokens]
+    if budget_bytes and parallel_size is None:
+        room = budget_bytes - max(per_doc)
+        p = max(1, room // max(per_question)) if room > 0 else 1
+        parallel_size = p if p < max(counts) else None
+    p_eff = parallel_size or max(counts)
+    one_doc = [d + min(n, p_eff) * q for d, n, q in zip(per_doc, counts, per_question)]
+    if budget_bytes and batch_docs is None:
+        b = max(1, budget_bytes // max(one_doc))
+        batch_docs = b if b < len(one_doc) else None
+    b_eff = batch_docs or len(one_doc)
+    return WavePlan(parallel_size, batch_docs, sum(sorted(one_doc, reverse=True)[:b_eff]))
+
+
+def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], args: argparse.Namespace) -> WavePlan:
+    """`wave_plan` for parallel mode, from token counts: each document and question tokenized alone, plus
+    the template's text around them (the same for every prompt). Other modes hold one question at a time."""
+    if args.mode != "parallel":
+        return WavePlan(args.parallel_size, args.batch_docs, 0)
+    tok, config = model.tokenizer, model.llama.config
+    text = api.prompt_text(tok, "\ue000", "\ue001", args.system, not args.no_chat_template)
+    head, rest = text.split("\ue000", 1)
+    middle, tail = rest.split("\ue001", 1)
+    around_doc = len(tok.encode(head + middle, parse_special=False))
+    after_question = len(tok.encode(tail, parse_special=False)) + 2  # + tokens merged across a boundary
+    doc_tokens = [len(tok.encode(doc, parse_special=False)) + around_doc for doc, _ in jobs]
+    question_tokens = [[len(tok.encode(q, parse_special=False)) + after_question for q in qs] for _, qs in jobs]
+    dtype_bytes = next(model.llama.parameters()).element_size()
+    return wave_plan(config, dtype_bytes, doc_tokens, question_tokens, args.max_new_tokens,
+                     int(args.max_memory * 2**20), args.parallel_size, args.batch_docs)
 
 
 def summary_line(s: dict[str, Any]) -> str:
@@ -280,11 +391,16 @@ def summary_line(s: dict[str, Any]) -> str:
     questions = f"{s['questions']} question{'s' * (s['questions'] != 1)}"
     return (f"{docs}, {questions}, mode {s['mode']}: {s['prompt_tokens']} prompt tokens, "
             f"{s['generated_tokens']} generated in {s['generate_s']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); "
-            f"load {s['load_s']:.2f} s; peak memory {s['peak_memory_mb']:.0f} MB")
+            f"load {s['load_s']:.2f} s; peak memory {s['peak_memory_mb']:.0f} MB" +
+            (f"; waves of {s['parallel_size']} questions, {s['batch_docs']} documents per pass "
+             f"(planned {s['planned_memory_mb']:.0f} MiB of --max-memory {s['max_memory_mb']:g})"
+             if s["mode"] == "parallel" else ""))
 
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory (ru_maxrss is in KiB on Linux, bytes on macOS)."""
+    if resource is None:
+        return 0.0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
@@ -310,7 +426,13 @@ class Progress:
                           f"{rate:.1f} tokens/s ")
         self.stream.flush()
 
-    def close(self) -> None:
+    def clear(self) -> None:
+        """Take the bar off its line, so that an answer or a message can be written there; the next
+        update draws it again."""
         if self.enabled and self.last:
-            self.stream.write("\r\033[K")  # clear the bar: the summary takes its line
+            self.stream.write("\r\033[K")
             self.stream.flush()
+            self.last = 0.0
+
+    def close(self) -> None:
+        self.clear()  # the summary takes the bar's line

@@ -6,9 +6,11 @@
 - `HFTokenizer`: the `tokenizers` library, from a `tokenizer.json` or built from a GGUF `gpt2`
   (byte-level BPE) vocabulary and merges, the way llama.cpp splits text for that vocabulary.
 
-Control tokens written in text ("<|im_start|>" in a rendered chat prompt) become their ids in both.
-Chat templates are the checkpoint's own Jinja source, rendered the way HF transformers renders them
-(`apply_chat_template`: a sandboxed environment with `raise_exception`, `strftime_now` and `tojson`).
+Control tokens written in text ("<|im_start|>" in a rendered chat prompt) become their ids in both,
+unless `parse_special=False`. Chat templates are the checkpoint's own Jinja source, rendered the way HF
+transformers renders them (`apply_chat_template`: a sandboxed environment with `raise_exception`,
+`strftime_now` and `tojson`). `encode_chat` tokenizes a rendered chat so that only the template's own
+markers are control tokens: "<|im_end|>" written in a document is text, it cannot close a turn.
 """
 
 from __future__ import annotations
@@ -44,9 +46,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        """Token ids of `text`. Control tokens written in the text become their ids. `add_special`
-        adds what the checkpoint adds around a sequence (BOS for Llama 1/2; nothing for SmolLM2)."""
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. Control tokens written in the text become their ids, or with
+        `parse_special=False` are spelled out as text like any other characters. `add_special` adds what
+        the checkpoint adds around a sequence (BOS for Llama 1/2; nothing for SmolLM2)."""
+        raise NotImplementedError
+
+    def special_tokens(self) -> list[str]:
+        """The text of every control token `encode` turns into its id."""
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
@@ -72,6 +79,61 @@ class Tokenizer:
         return _compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
+        """Token ids of the rendered chat (`apply_chat_template`), with the messages' text kept as text:
+        a control token written in a message ("<|im_end|>\n<|im_start|>system" in a document) is spelled
+        out and cannot end a turn or open a new one; only the template's own markers are control tokens.
+        Without such text in the messages this is `encode(apply_chat_template(...))`, token for token."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        specials = self.special_tokens()
+        if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)
+                   for m in messages):
+            return self.encode(text)
+        spans = self._message_spans(messages, text, add_generation_prompt, variables)
+        # Runs of text between the template's markers are encoded whole (message text and template
+        # text together, as `encode` would), with control-token parsing off inside them.
+        pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+        ids: list[int] = []
+        run_start, pos = 0, 0
+        for lo, hi in [*spans, (len(text), len(text))]:
+            for m in pattern.finditer(text, pos, lo):  # markers in the template text before this message
+                ids += self.encode(text[run_start:m.start()], parse_special=False) if m.start() > run_start else []
+                ids += self.encode(m.group(0))
+                run_start = m.end()
+            pos = hi
+        if run_start < len(text):
+            ids += self.encode(text[run_start:], parse_special=False)
+        return ids
+
+    def _message_spans(self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool,
+                       variables: dict[str, Any]) -> list[tuple[int, int]]:
+        """Where each message's text lies in the rendered chat `text`, in order. The template is rendered
+        a second time with a placeholder for each message's text; the pieces of template between the
+        placeholders are matched against `text`, each message's text taken as it is or trimmed (what
+        templates do with it)."""
+        marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
+        skeleton = self.apply_chat_template(
+            [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
+            add_generation_prompt, **variables)
+        pieces = re.split("\ue000(\\d+)\ue001", skeleton)  # template, message index, template, ...
+        spans: list[tuple[int, int]] = []
+        pos = len(pieces[0])
+        if not text.startswith(pieces[0]):
+            raise TokenizerError("the chat template renders the messages in a way that cannot be matched "
+                                 "back to their text; message text with control tokens cannot be kept as text")
+        for k, after in zip(pieces[1::2], pieces[2::2]):
+            content = messages[int(k)]["content"]
+            for v in dict.fromkeys((content, content.strip())):
+                if text.startswith(v, pos) and text.startswith(after, pos + len(v)):
+                    spans.append((pos, pos + len(v)))
+                    pos += len(v) + len(after)
+                    break
+            else:
+                raise TokenizerError("the chat template changes the message text; message text with control "
+                                     "tokens cannot be kept as text")
+        return spans
 
     def _config_json(self) -> dict[str, Any]:
         """tokenizer_config.json, in the keys HF transformers reads."""
@@ -136,9 +198,9 @@ class SentencePieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
         ids: list[int] = []
-        parts = self._split.split(text) if self._split else [text]
+        parts = self._split.split(text) if self._split and parse_special else [text]
         for k, part in enumerate(parts):
             if k % 2:  # odd parts are the control tokens the split captured
                 ids.append(self._special[part])
@@ -164,6 +226,9 @@ class SentencePieceTokenizer(Tokenizer):
                 run.append(i)
         out.append(self._sp.decode(run))
         return "".join(out)
+
+    def special_tokens(self) -> list[str]:
+        return list(self._special)
 
     def token_to_id(self, token: str) -> int | None:
         i = self._sp.piece_to_id(token)
@@ -257,14 +322,24 @@ class HFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special).ids
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        if parse_special:
+            ids = self._tok.encode(text, add_special_tokens=add_special).ids
+        else:  # the library's switch that spells special tokens out as text
+            saved, self._tok.encode_special_tokens = self._tok.encode_special_tokens, True
+            try:
+                ids = self._tok.encode(text, add_special_tokens=add_special).ids
+            finally:
+                self._tok.encode_special_tokens = saved
         if add_special and self._tok.post_processor is None:  # then tokenizer_config.json decides
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)
             if self.add_eos and self.eos_ids:
                 ids.append(self.eos_ids[0])
         return ids
+
+    def special_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

