@@ -88,9 +88,16 @@ class OpenAIBackend(Backend):
             status, got = self._request("/completions", {**body, "prompt": ids})
             if status == 200:
                 return got
-            if status not in (400, 422) or self.decode is None:
+            if self.decode is None:
                 raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
-            self.text_prompts = True  # it refuses token ids: send the text they decode to
+            # Some servers refuse token ids (and some say so with HTTP 500): try the text they decode to.
+            first = f"HTTP {status}: {_message(got)}"
+            status, got = self._request("/completions", {**body, "prompt": self.decode(ids)})
+            if status != 200:
+                raise BackendError(f"{self.url}/completions: with token ids {first}; with text HTTP {status}: "
+                                   f"{_message(got)}")
+            self.text_prompts = True
+            return got
         status, got = self._request("/completions", {**body, "prompt": self.decode(ids)})
         if status != 200:
             raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
