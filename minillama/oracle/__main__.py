@@ -277,7 +277,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if backend_path is None:
             raise BadInput("the reference names no model; give --backend-model")
         if args.backend == "llama-cpp":
-            backend = LlamaCppBackend(backend_path, kv_type=args.kv_cache)
+            # Its logits buffer is context x vocabulary floats: size the context to the longest question.
+            longest = max(len(q.prompt_ids or []) + len(q.token_ids) for q in ref.questions)
+            backend = LlamaCppBackend(backend_path, n_ctx=max(256, longest + 16), kv_type=args.kv_cache)
         else:
             backend = load_backend(args.backend, backend_path, args.device, DTYPES[args.dtype])
         cand = run_backend(ref, backend)
