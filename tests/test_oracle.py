@@ -670,3 +670,16 @@ def test_openai_backend_names_a_server_that_is_not_there():
 
     with pytest.raises(BackendError, match="cannot reach the server"):
         OpenAIBackend("http://127.0.0.1:9/v1", timeout=5)
+
+
+def test_a_golden_file_comparison_loads_no_model_and_no_model_library(ref, tmp_path):
+    """`compare --reference --candidate` is what another backend's CI runs: torch and safetensors only."""
+    save(ref, tmp_path / "ref.safetensors")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"token_ids": q.token_ids}) + "\n" for q in ref.questions))
+    code = ("import sys\nfrom minillama.oracle.__main__ import main\n"
+            f"code = main(['compare', '--reference', {str(tmp_path / 'ref.safetensors')!r}, '--candidate', "
+            f"{str(tmp_path / 'c.jsonl')!r}])\n"
+            "heavy = {'transformers', 'llama_cpp', 'gguf', 'tokenizers', 'jinja2', 'sentencepiece'}\n"
+            "print(code, sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr

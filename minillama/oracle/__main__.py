@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..cli import BadInput, _Parser  # the one-line usage errors of `python -m minillama.generate`
+from ..errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from ..generate import MODES
 from ..tokenizer import TokenizerError
 from ..weights import WeightsError, build_model, fetch_default, load_state_dict, load_tokenizer
@@ -39,11 +39,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minillama.oracle", allow_abbrev=False,
+    p = OneLineParser(prog="python -m minillama.oracle", allow_abbrev=False,
                 description="minillama as a correctness oracle: export its greedy answers with every step's "
                             "logits, and compare another backend or a candidate file with them.",
                 epilog="Exit status: 0 when every question passes, 1 when one fails, 2 on bad input.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     e = sub.add_parser("export", help="answer greedily with minillama; write tokens and logits (safetensors + JSON)")
     c = sub.add_parser("compare", help="compare a backend (run on the reference's tokens) or a candidate file")
     for s in (e, c):
@@ -331,6 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BadInput, RecordError, BackendError, WeightsError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return quiet_exit_on_broken_pipe()
 
 
 if __name__ == "__main__":
