@@ -452,3 +452,234 @@ def test_default_model_perturbed_layer_is_named(default_dir):
     (r,) = check(ref, [MinillamaBackend(model).activations(prompts[0] + ref.questions[0].token_ids[:-1])], backend)
     assert not r.passed
     assert (r.layers.first_bad.layer, r.layers.first_bad.kind) == (17, "MLP")
+
+
+# --------------------------------------------------------------------------------------------------
+# What a candidate must give: whole answers, integer ids, numbers
+
+
+def test_a_short_or_empty_answer_fails_unless_prefixes_are_allowed(ref):
+    empty = candidate(ref, logits=None, logprobs=None, token_ids=[])
+    assert not any(r.passed for r in compare(ref, empty))
+    short = candidate(ref, logits=None, logprobs=None)
+    short.questions[1].token_ids = short.questions[1].token_ids[:1]
+    results = compare(ref, short)
+    assert [r.passed for r in results] == [True, False, True]
+    assert results[1].reason.startswith(f"the candidate answered 1 of the reference's {STEPS} steps")
+    allowed = compare(ref, short, allow_prefix=True)
+    assert all(r.passed for r in allowed) and "--allow-prefix" in allowed[1].notes[0]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"token_ids": [504.9]}', "token_ids must be a list of integers; got 504.9"),
+    ('{"token_ids": [504.0]}', "token_ids must be a list of integers; got 504.0"),
+    ('{"token_ids": ["504"]}', 'token_ids must be a list of integers; got "504"'),
+    ('{"token_ids": [true]}', "token_ids must be a list of integers; got true"),
+    ('{"token_ids": 5}', "token_ids must be a list of integers"),
+    ('{"token_ids": [1], "logprobs": ["-0.5"]}', "logprobs must be a list of numbers"),
+    ('{"token_ids": [1], "logits": [[1, 2], [3]]}', "logits must be a list of lists of numbers"),
+    ('{"token_ids": [1], "prompt_ids": [1.5]}', "prompt_ids must be a list of integers"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+])
+def test_malformed_candidate_values_are_bad_input(ref, tmp_path, capsys, line, message):
+    save(ref, tmp_path / "ref.safetensors")
+    (tmp_path / "c.jsonl").write_text(line + "\n")
+    assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
+                 str(tmp_path / "c.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_float_token_ids_in_a_safetensors_candidate_are_bad_input(ref, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    save(ref, tmp_path / "ref.safetensors")
+    tensors = {f"q{i}.token_ids": torch.tensor(q.token_ids, dtype=torch.float32) for i, q in enumerate(ref.questions)}
+    save_file(tensors, str(tmp_path / "c.safetensors"))
+    assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
+                 str(tmp_path / "c.safetensors")]) == 2
+    assert "q0.token_ids must be a 1-D integer tensor" in capsys.readouterr().err
+
+
+def test_deeply_nested_prompt_ids_are_one_line(tiny, tmp_path, capsys):
+    (tmp_path / "p.jsonl").write_text("[" * 100000 + "]" * 100000 + "\n")
+    assert main(["export", "-m", str(tiny[2]), "--prompt-ids", str(tmp_path / "p.jsonl"),
+                 "-o", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a JSON list of integer token ids" in err
+
+
+def test_export_checks_its_output_folder_before_running_the_model(tiny, tmp_path, capsys, monkeypatch):
+    import minillama.oracle.__main__ as cli
+
+    monkeypatch.setattr(cli, "_make_reference", lambda *a, **k: pytest.fail("the model ran"))
+    assert main(["export", "-m", str(tiny[2]), "--prompt-ids", _write_prompts(tmp_path),
+                 "-o", str(tmp_path / "missing" / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the folder {tmp_path / 'missing'} does not exist" in err
+
+
+def test_a_bug_is_not_reported_as_bad_input(ref, tmp_path, monkeypatch):
+    import minillama.oracle.__main__ as cli
+
+    save(ref, tmp_path / "ref.safetensors")
+
+    def broken(*a, **k):
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(cli, "compare", broken)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
+              str(tmp_path / "ref.safetensors")])
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets and hints
+
+
+def test_presets_set_logit_and_logprob_tolerances_together(tiny, tmp_path, capsys):
+    out = tmp_path / "ref.safetensors"
+    assert main(["export", "-m", str(tiny[2]), "--prompt-ids", _write_prompts(tmp_path), "-n", "4",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+
+    def run(*extra):
+        code = main(["compare", "--reference", str(out), "--backend", "transformers", "--json", *extra])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, got = run()  # transformers: fp32 by default
+    assert code == 0 and got["tolerances"]["preset"] == "fp32" and got["tolerances"]["atol"] == 1e-4
+    code, got = run("--preset", "exact")  # HF's last bits differ from minillama's
+    assert code == 1 and got["tolerances"]["logprob_atol"] == 0.0
+    code, got = run("--preset", "quantized", "--atol", "0.5")
+    t = got["tolerances"]
+    assert code == 0 and (t["atol"], t["logprob_atol"]) == (0.5, 1.5) and t["preset"] == "quantized with --atol set"
+    # A minillama record against itself gets the exact preset, and passes it.
+    assert main(["compare", "--reference", str(out), "--candidate", str(out)]) == 0
+    assert "tolerance  preset exact:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("noise, constant, hint", [
+    (0.0, False, None),
+    (2e-3, False, "half-precision rounding"),
+    (0.3, False, "quantized weights"),
+    (8.0, False, "a bug"),
+    (0.5, True, "shifted by a constant"),
+])
+def test_hints_follow_the_pattern_of_the_errors(ref, noise, constant, hint):
+    from minillama.oracle.diff import Comparison, hints
+
+    c = candidate(ref)
+    g = torch.Generator().manual_seed(0)
+    for q in c.questions:
+        shape = (q.logits.shape[0], 1) if constant else q.logits.shape
+        q.logits = q.logits + noise * torch.rand(shape, generator=g)
+    got = hints(Comparison({}, {}, Tolerances(), compare(ref, c, PRESET_LOOSE)))
+    if hint is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and hint in got[0], got
+
+
+PRESET_LOOSE = Tolerances(100.0, 0.0, 100.0, 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The HTTP backend's reading of the completions API (the real llama.cpp server: test_oracle_llamacpp.py)
+
+
+class _Completions:
+    """A minimal completions endpoint over a minillama model, answering as the OpenAI API describes: with
+    echo, every prompt token's log-prob given the tokens before it (the first one null), then one generated
+    token. `late` shifts the log-probs by one position, `no_logprobs` leaves them out."""
+
+    def __init__(self, model, late=False, no_logprobs=False):
+        self.model, self.late, self.no_logprobs = model, late, no_logprobs
+
+    def answer(self, body):
+        ids, k = body["prompt"], body["logprobs"]
+        lp = torch.log_softmax(MinillamaBackend(self.model).logits(ids), dim=-1)  # row t predicts token t + 1
+        nxt = int(lp[-1].argmax())
+        rows = [None] + [lp[t - 1] for t in range(1, len(ids))] + [lp[-1]]
+        if self.late:
+            rows = [None, None] + rows[1:-1]
+        toks = ids + [nxt]
+        token_lps = [None if r is None else float(r[t]) for r, t in zip(rows, toks)]
+        tops = [None if r is None else {f"token_id:{int(i)}": float(r[i]) for i in r.topk(k).indices} for r in rows]
+        logprobs = None if self.no_logprobs else {"token_logprobs": token_lps, "top_logprobs": tops,
+                                                  "tokens": [str(t) for t in toks]}
+        return {"choices": [{"text": "", "logprobs": logprobs, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}}
+
+
+@pytest.fixture
+def completions_server():
+    import http.server
+    import threading
+
+    state = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def reply(self, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply({"data": [{"id": "tiny"}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.reply(state["server"].answer(body))
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield state, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+def test_openai_backend_reads_echoed_logprobs(tiny, ref, completions_server):
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["server"] = _Completions(tiny[1])
+    backend = OpenAIBackend(url)
+    assert backend.model == "tiny"
+    results = compare(ref, run_backend(ref, backend), Tolerances(preset="fp32"))
+    assert all(r.passed for r in results), [r.reason for r in results]
+    assert all(r.top_k_overlap == 1.0 and r.logprob_max < 1e-5 and r.first_divergence is None for r in results)
+
+    state["server"] = _Completions(tiny[1], late=True)  # each log-prob one position late
+    results = compare(ref, run_backend(ref, backend))
+    assert not any(r.passed for r in results)
+    assert all("out of tolerance from step 0" in r.reason for r in results)
+
+    state["server"] = _Completions(tiny[1], no_logprobs=True)
+    with pytest.raises(BackendError, match="returned no prompt log-probs"):
+        run_backend(ref, backend)
+
+
+def test_openai_backend_names_a_server_that_is_not_there():
+    from minillama.oracle.server import OpenAIBackend
+
+    with pytest.raises(BackendError, match="cannot reach the server"):
+        OpenAIBackend("http://127.0.0.1:9/v1", timeout=5)
+
+
+def test_a_golden_file_comparison_loads_no_model_and_no_model_library(ref, tmp_path):
+    """`compare --reference --candidate` is what another backend's CI runs: torch and safetensors only."""
+    save(ref, tmp_path / "ref.safetensors")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"token_ids": q.token_ids}) + "\n" for q in ref.questions))
+    code = ("import sys\nfrom minillama.oracle.__main__ import main\n"
+            f"code = main(['compare', '--reference', {str(tmp_path / 'ref.safetensors')!r}, '--candidate', "
+            f"{str(tmp_path / 'c.jsonl')!r}])\n"
+            "heavy = {'transformers', 'llama_cpp', 'gguf', 'tokenizers', 'jinja2', 'sentencepiece'}\n"
+            "print(code, sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr

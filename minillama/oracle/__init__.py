@@ -7,8 +7,10 @@
 - record.py    what a run answered, step by step: export from minillama, save, load (safetensors, JSONL)
 - backends.py  minillama, HF transformers (eager, fp32; HF directory or GGUF via gguf_file=), llama.cpp;
                logits and named activations of one token sequence
-- diff.py      per question: first divergent step, logit/logprob errors, top-k overlap, verdict; the layer
-               diff that names the first layer and sub-module out of tolerance
+- server.py    any OpenAI-compatible server, teacher-forced through echoed prompt log-probs
+- diff.py      per question: first divergent step, logit/logprob errors, top-k overlap, verdict; tolerance
+               presets; hints from the pattern of the errors; the layer diff that names the first layer and
+               sub-module out of tolerance
 - __main__.py  the command line
 
 In Python:
@@ -20,13 +22,14 @@ In Python:
 
 from .backends import (Activations, Backend, BackendError, LlamaCppBackend, MinillamaBackend, TransformersBackend,
                        activation_names, load_backend)
-from .diff import (Comparison, LayerDiff, QuestionResult, Tolerances, compare, diff_layers, layer_diff,
-                      report, run_backend)
+from .diff import (PRESETS, Comparison, LayerDiff, QuestionResult, Tolerances, compare, diff_layers, hints,
+                   layer_diff, report, run_backend)
 from .record import QuestionRecord, Record, RecordError, export, load, save
+from .server import OpenAIBackend
 
 __all__ = [
     "Activations", "Backend", "BackendError", "LlamaCppBackend", "MinillamaBackend", "TransformersBackend",
-    "activation_names", "load_backend", "Comparison", "LayerDiff", "QuestionResult", "Tolerances", "compare",
+    "activation_names", "load_backend", "OpenAIBackend", "PRESETS", "hints", "Comparison", "LayerDiff", "QuestionResult", "Tolerances", "compare",
     "diff_layers", "layer_diff", "report", "run_backend", "QuestionRecord", "Record", "RecordError", "export",
     "load", "save",
 ]

@@ -2,6 +2,8 @@
 
     python -m minillama.oracle export -o ref.safetensors [--doc DOC --questions QUESTIONS] [--hidden]
     python -m minillama.oracle compare --backend transformers [--layers] [--json]
+    python -m minillama.oracle compare --backend llama-cpp --backend-model model.gguf
+    python -m minillama.oracle compare --backend openai --url http://127.0.0.1:8000/v1
     python -m minillama.oracle compare --reference ref.safetensors --candidate answers.jsonl
 
 Without --doc/--questions or --prompt-ids, a small built-in document with three questions is used.
@@ -12,18 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from ..cli import BadInput, _Parser  # the one-line usage errors of `python -m minillama.generate`
+from ..errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from ..generate import MODES
 from ..tokenizer import TokenizerError
 from ..weights import WeightsError, build_model, fetch_default, load_state_dict, load_tokenizer
-from .backends import BACKENDS, BackendError, MinillamaBackend, load_backend
-from .diff import Comparison, Tolerances, compare, diff_hidden, diff_layers, report, run_backend
+from .backends import BACKENDS, BackendError, LlamaCppBackend, MinillamaBackend, load_backend
+from .diff import (BACKEND_PRESETS, PRESETS, Comparison, Tolerances, compare, diff_hidden, diff_layers, report,
+                   run_backend)
+from .server import OpenAIBackend
 from .record import RecordError, Record, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
@@ -34,11 +39,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minillama.oracle", allow_abbrev=False,
+    p = OneLineParser(prog="python -m minillama.oracle", allow_abbrev=False,
                 description="minillama as a correctness oracle: export its greedy answers with every step's "
                             "logits, and compare another backend or a candidate file with them.",
                 epilog="Exit status: 0 when every question passes, 1 when one fails, 2 on bad input.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     e = sub.add_parser("export", help="answer greedily with minillama; write tokens and logits (safetensors + JSON)")
     c = sub.add_parser("compare", help="compare a backend (run on the reference's tokens) or a candidate file")
     for s in (e, c):
@@ -64,8 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--backend", choices=list(BACKENDS),
                      help="run this backend on the reference's prompts and answers (teacher forcing)")
     src.add_argument("--backend-model", metavar="PATH",
-                     help="the checkpoint the backend loads (default: the reference's model; a .gguf file "
-                          "loads through transformers' own GGUF reader)")
+                     help="what the backend runs: transformers, an HF directory or a .gguf file (read by "
+                          "transformers' own GGUF reader; default: the reference's model); llama-cpp, a .gguf "
+                          "file; openai, the server's model name (default: the first it lists)")
+    src.add_argument("--url", metavar="URL", help="openai backend: the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    src.add_argument("--kv-cache", choices=["f16", "f32"],
+                     help="llama-cpp backend: the KV cache type (default: llama.cpp's, F16)")
     src.add_argument("--candidate", metavar="FILE",
                      help="a candidate's answers: .safetensors (export's layout) or .jsonl, one object per "
                           'question: {"token_ids": [...], "logprobs": [...], "logits": [[...]]}')
@@ -73,14 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also compare layer by layer and name the first sub-module out of tolerance (with "
                           "--backend: both models run again; with --candidate: the hidden states both files hold)")
     t = c.add_argument_group("tolerances (elementwise: |cand - ref| <= atol + rtol * |ref|)")
-    d = Tolerances()
-    t.add_argument("--atol", type=float, default=d.atol, help=f"logits (default: {d.atol:g})")
-    t.add_argument("--rtol", type=float, default=d.rtol, help=f"logits (default: {d.rtol:g})")
-    t.add_argument("--logprob-atol", type=float, default=d.logprob_atol, help=f"default: {d.logprob_atol:g}")
-    t.add_argument("--logprob-rtol", type=float, default=d.logprob_rtol, help=f"default: {d.logprob_rtol:g}")
-    t.add_argument("--layer-rtol", type=float, default=d.layer_rtol,
-                   help=f"activations: max|err| <= this * max|ref| (default: {d.layer_rtol:g})")
-    t.add_argument("--top-k", type=int, default=d.top_k, help=f"top-k overlap reported (default: {d.top_k})")
+    t.add_argument("--preset", choices=list(PRESETS),
+                   help="; ".join(f"{k}: logits {v.atol:g}+{v.rtol:g}*|ref|, logprobs {v.logprob_atol:g}+"
+                                  f"{v.logprob_rtol:g}*|ref|" for k, v in PRESETS.items())
+                        + ". Default by backend: " + ", ".join(f"{k} {v}" for k, v in BACKEND_PRESETS.items())
+                        + "; candidate files fp32 (exact when minillama wrote them); the options below change "
+                          "one value of it")
+    t.add_argument("--atol", type=float, help="logits")
+    t.add_argument("--rtol", type=float, help="logits")
+    t.add_argument("--logprob-atol", type=float)
+    t.add_argument("--logprob-rtol", type=float)
+    t.add_argument("--layer-rtol", type=float, help="activations: max|err| <= this * max|ref|")
+    t.add_argument("--top-k", type=int, default=5, help="top-k overlap reported (default: 5)")
+    c.add_argument("--allow-prefix", action="store_true",
+                   help="a candidate answer shorter than the reference's passes on the steps it has "
+                        "(default: it fails)")
     c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     return p
 
@@ -113,12 +129,13 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
                 continue
             try:
                 obj = json.loads(line)
-                ids = obj["prompt_ids"] if isinstance(obj, dict) else obj
-                doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
-                ids = [int(i) for i in ids]
-            except (ValueError, KeyError, TypeError):
-                raise BadInput(f"{args.prompt_ids}:{n}: expected a JSON list of token ids or "
-                               '{"prompt_ids": [...], "doc": 0}') from None
+            except (ValueError, RecursionError):
+                obj = None
+            ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
+            doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
+            if not (isinstance(ids, list) and all(_is_int(i) for i in ids) and _is_int(doc)):
+                raise BadInput(f"{args.prompt_ids}:{n}: expected a JSON list of integer token ids or "
+                               '{"prompt_ids": [...], "doc": 0}')
             if not ids or min(ids) < 0 or max(ids) >= config.vocab_size:
                 raise BadInput(f"{args.prompt_ids}:{n}: token ids must be in 0 .. {config.vocab_size - 1}")
             prompts.append(ids)
@@ -146,12 +163,21 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
     return {"prompts": prompts, "docs": docs, "questions": questions, "eos_ids": eos}
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _make_reference(args: argparse.Namespace, hidden: bool = False):
     if args.max_new_tokens < 1:
         raise BadInput("--max-new-tokens must be at least 1")
     path = _model_path(args)
     model = _load_reference_model(path, args)
     p = _prompts(args, path, model.config)
+    context = model.config.max_position_embeddings
+    for i, ids in enumerate(p["prompts"], 1):
+        if len(ids) + args.max_new_tokens > context:
+            raise BadInput(f"prompt {i}: {len(ids)} tokens + {args.max_new_tokens} new ones exceed the model's "
+                           f"context ({context})")
     rec = export(model, p["prompts"], docs=p["docs"], max_new_tokens=args.max_new_tokens, mode=args.mode,
                  eos_ids=p["eos_ids"], hidden=hidden, questions=p["questions"], model_path=str(path))
     return rec, model
@@ -175,6 +201,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.suffix != ".safetensors":
         raise BadInput(f"{out}: the record is a .safetensors file")
+    _check_writable(out)  # before the model runs, not after
     rec, _ = _make_reference(args, hidden=args.hidden)
     mpath = save(rec, out)
     for i, q in enumerate(rec.questions):
@@ -184,14 +211,56 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(out: Path) -> None:
+    parent = out.parent
+    if not parent.is_dir():
+        raise BadInput(f"{out}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise BadInput(f"{out}: the folder {parent} is not writable")
+    for f in (out, out.with_suffix(".json")):
+        if f.is_dir():
+            raise BadInput(f"{f}: is a folder")
+
+
+def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
+    """The preset (--preset, or the default for what is compared) with the values given one by one."""
+    base = PRESETS[args.preset or default]
+    given = {k: getattr(args, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")
+             if getattr(args, k) is not None}
+    values = {**{k: getattr(base, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")},
+              **given}
+    if min(values.values()) < 0 or args.top_k < 1:
+        raise BadInput("tolerances must be >= 0 and --top-k >= 1")
+    changed = [k for k, v in given.items() if v != getattr(base, k)]
+    name = base.preset + (f" with {', '.join('--' + k.replace('_', '-') for k in changed)} set" if changed else "")
+    return Tolerances(**values, top_k=args.top_k, preset=name)
+
+
+def _openai_backend(args: argparse.Namespace, ref_path: str | None) -> OpenAIBackend:
+    if not args.url:
+        raise BadInput("--backend openai needs --url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
+    decode = vocab = None
+    if ref_path is not None and Path(ref_path).exists():
+        tok = load_tokenizer(Path(ref_path))  # the server's top-k come as texts: map them back to ids
+        decode = tok.decode
+        vocab = [tok.decode([i]) for i in range(tok.vocab_size)]
+    return OpenAIBackend(args.url, args.backend_model, top_k=args.top_k, decode=decode, vocab=vocab)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     if bool(args.backend) == bool(args.candidate):
         raise BadInput("give one of --backend or --candidate")
     if args.layers and args.backend and not BACKENDS[args.backend].supports_activations:
         raise BadInput(f"--layers: the {args.backend} backend gives no layer-by-layer activations")
-    tol = Tolerances(args.atol, args.rtol, args.logprob_atol, args.logprob_rtol, args.layer_rtol, args.top_k)
-    if min(tol.atol, tol.rtol, tol.logprob_atol, tol.logprob_rtol, tol.layer_rtol) < 0 or tol.top_k < 1:
-        raise BadInput("tolerances must be >= 0 and --top-k >= 1")
+    if args.url and args.backend != "openai":
+        raise BadInput("--url goes with --backend openai")
+    if args.kv_cache and args.backend != "llama-cpp":
+        raise BadInput("--kv-cache goes with --backend llama-cpp")
+    if args.backend:
+        default = BACKEND_PRESETS[args.backend]
+    else:
+        default = "fp32"
+    tol = _tolerances(args, default)
     model = None
     if args.reference:
         if args.doc or args.questions or args.prompt_ids:
@@ -200,17 +269,27 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         ref, model = _make_reference(args)
     ref_path = args.model or (ref.manifest.get("model") or {}).get("path")
-    if args.backend:
+    if args.backend == "openai":
+        backend = _openai_backend(args, ref_path)
+        cand = run_backend(ref, backend)
+    elif args.backend:
         backend_path = args.backend_model or ref_path
         if backend_path is None:
             raise BadInput("the reference names no model; give --backend-model")
-        backend = load_backend(args.backend, backend_path, args.device, DTYPES[args.dtype])
+        if args.backend == "llama-cpp":
+            # Its logits buffer is context x vocabulary floats: size the context to the longest question.
+            longest = max(len(q.prompt_ids or []) + len(q.token_ids) for q in ref.questions)
+            backend = LlamaCppBackend(backend_path, n_ctx=max(256, longest + 16), kv_type=args.kv_cache)
+        else:
+            backend = load_backend(args.backend, backend_path, args.device, DTYPES[args.dtype])
         cand = run_backend(ref, backend)
     else:
         cand = load(args.candidate)
         made_by = cand.manifest.get("backend")
         cand.manifest["describe"] = f"{args.candidate} ({made_by})" if made_by else args.candidate
-    results = compare(ref, cand, tol)
+        if args.preset is None and str(made_by).startswith("minillama") and _same_setup(ref, cand):
+            tol = _tolerances(args, "exact")
+    results = compare(ref, cand, tol, allow_prefix=args.allow_prefix)
     if args.layers and args.candidate:
         for r, d in zip(results, diff_hidden(ref, cand, tol)):
             r.layers = d
@@ -226,6 +305,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
                    {"describe": cand.manifest.get("describe", "")}, tol, results)
     print(json.dumps(c.to_json(), indent=1) if args.json else report(c))
     return 0 if c.passed else 1
+
+
+def _same_setup(ref: Record, cand: Record) -> bool:
+    """Two minillama records made alike (dtype, device, torch): they must hold the same bits."""
+    keys = ("dtype", "device")
+    return (all(ref.manifest.get(k) == cand.manifest.get(k) for k in keys)
+            and (ref.manifest.get("versions") or {}).get("torch") == (cand.manifest.get("versions") or {}).get("torch"))
 
 
 def _check_device(name: str) -> None:
@@ -245,9 +331,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BadInput, RecordError, BackendError, WeightsError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # generate() and the config reject bad values with ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:
+        return quiet_exit_on_broken_pipe()
 
 
 if __name__ == "__main__":

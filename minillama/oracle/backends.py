@@ -1,9 +1,13 @@
-"""The backends the oracle runs: minillama itself, HF transformers, and llama.cpp (optional).
+"""The backends the oracle runs: minillama itself, HF transformers, llama.cpp (optional), and any
+OpenAI-compatible server (server.py).
 
 Each backend answers questions about one sequence of token ids run from position 0, on its own:
 
     backend.logits(ids)          -> (T, vocab) float32: the logits after every token
     backend.activations(ids)     -> Activations: named intermediate tensors, each (T, F), for the layer diff
+    backend.teacher_force(p, a)  -> QuestionRecord: what the backend says at each step of answer `a` after
+                                    prompt `p`; by default the logits rows of one pass over p + a[:-1]. A
+                                    server that gives log-probs only overrides it.
 
 The oracle feeds a question's prompt followed by the reference's answer (teacher forcing), so a candidate's
 logits at every answer step are computed on the reference's context, however early the two greedy answers
@@ -136,6 +140,15 @@ class Backend:
 
     def activations(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> Activations:
         raise BackendError(f"{self.name}: no layer-by-layer activations from this backend")
+
+    def teacher_force(self, prompt: Sequence[int], answer: Sequence[int]):
+        """The backend's logits at each step of `answer` after `prompt`: one pass over prompt + answer[:-1];
+        row P - 1 + s predicts answer token s. Its greedy token at each step is the argmax there."""
+        from .record import QuestionRecord
+
+        p, steps = len(prompt), len(answer)
+        logits = self.logits(list(prompt) + list(answer[:-1]))[p - 1:p - 1 + steps]  # (steps, vocab)
+        return QuestionRecord(list(prompt), logits.argmax(dim=-1).tolist(), logits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,20 +310,50 @@ class TransformersBackend(Backend):
 
 
 class LlamaCppBackend(Backend):
-    """llama.cpp through llama-cpp-python, on a .gguf file. It quantizes activations, so its logits are
-    compared within tolerances only (NOTES.md: up to about 1.3 on the default model). No activations."""
+    """llama.cpp through llama-cpp-python, in process, on a .gguf file. No activations.
+
+    What it differs by is llama.cpp's own arithmetic: quantized weights stay quantized and the activations
+    are quantized to match them in the dot products (logits move by about 1 on the default Q4_1 model); its
+    KV cache is F16 by default (about 2e-2 on the logits of an F32 file); `kv_type="f32"` keeps it in F32.
+
+    The model is loaded without llama.cpp's extra CPU buffer types (`use_extra_bufts = False`, the `-nr` /
+    `--no-repack` of its command-line tools): on CPUs with AMX, llama.cpp's AMX matrix code crashes on Q4_1
+    (a segfault inside `llama_decode`). Without them it runs on every CPU, with the plain CPU kernels.
+    llama-cpp-python's `Llama(...)` has no argument for it, so its model defaults are amended while it loads.
+    """
 
     name = "llama.cpp"
 
-    def __init__(self, path: str | Path, n_ctx: int = 4096):
+    def __init__(self, path: str | Path, n_ctx: int = 4096, kv_type: str | None = None):
         try:
+            import llama_cpp
             from llama_cpp import Llama as _LlamaCpp
         except ImportError:
             raise BackendError("the llama-cpp backend needs llama-cpp-python (pip install llama-cpp-python)") from None
         if not (Path(path).is_file() and str(path).endswith(".gguf")):
             raise BackendError(f"{path}: the llama-cpp backend needs a .gguf file")
-        self.source = str(path)
-        self.llm = _LlamaCpp(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
+        self.source, self.kv_type = str(path), kv_type
+        kwargs: dict[str, Any] = dict(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False)
+        if kv_type is not None:
+            types = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+            kwargs["type_k"] = kwargs["type_v"] = types[kv_type]
+        low = getattr(llama_cpp, "llama_cpp", None)  # the ctypes module Llama reads its defaults from
+        defaults = getattr(low, "llama_model_default_params", None)
+
+        def without_extra_buffer_types():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        if defaults is not None:
+            low.llama_model_default_params = without_extra_buffer_types
+        try:
+            self.llm = _LlamaCpp(**kwargs)
+        except (ValueError, RuntimeError) as e:
+            raise BackendError(f"{path}: llama.cpp cannot load it ({e})") from None
+        finally:
+            if defaults is not None:
+                low.llama_model_default_params = defaults
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu",
@@ -320,7 +363,9 @@ class LlamaCppBackend(Backend):
     def describe(self) -> str:
         import llama_cpp
 
-        return f"llama.cpp (llama-cpp-python {getattr(llama_cpp, '__version__', '?')})"
+        kv = self.kv_type or "default (F16)"
+        return (f"llama.cpp (llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, {Path(self.source).name}, "
+                f"KV cache {kv}, extra CPU buffer types off)")
 
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is not None:
@@ -331,6 +376,7 @@ class LlamaCppBackend(Backend):
 
 
 BACKENDS: dict[str, type[Backend]] = {"transformers": TransformersBackend, "llama-cpp": LlamaCppBackend}
+# "openai" (any OpenAI-compatible server) is added by server.py, which needs a URL rather than a checkpoint.
 
 
 def load_backend(kind: str, path: str | Path, device: str | torch.device = "cpu",

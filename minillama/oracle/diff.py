@@ -41,10 +41,29 @@ class Tolerances:
     logprob_rtol: float = 1e-4
     layer_rtol: float = 1e-4  # activations: max |err| <= layer_rtol * max |reference|
     top_k: int = 5
+    preset: str | None = None  # the preset these came from, "+" when some were changed
 
     def describe(self) -> str:
-        return (f"logits |err| <= {self.atol:g} + {self.rtol:g}*|ref|; logprobs |err| <= {self.logprob_atol:g} + "
-                f"{self.logprob_rtol:g}*|ref|; activations max|err| <= {self.layer_rtol:g} * max|ref|")
+        head = f"preset {self.preset}: " if self.preset else ""
+        return (f"{head}logits |err| <= {self.atol:g} + {self.rtol:g}*|ref|; logprobs |err| <= {self.logprob_atol:g} "
+                f"+ {self.logprob_rtol:g}*|ref|; activations max|err| <= {self.layer_rtol:g} * max|ref|")
+
+
+# Tolerances by what the candidate is. Logit and log-prob tolerances go together: a log-prob is a logit minus
+# the row's log-sum-exp, so it moves by up to about twice what the logits move.
+#   exact      minillama against minillama (another mode, a saved run on the same machine): the same bits
+#   fp32       an fp32 implementation of the same arithmetic in another order (HF transformers: ~6e-5 on
+#              logits of ~40 on the default model)
+#   half       F16/BF16 somewhere (a half-precision KV cache: ~3e-2 on the default model's logits)
+#   quantized  quantized weights and activations (llama.cpp on the Q4_1 file: up to ~1.3)
+PRESETS: dict[str, Tolerances] = {
+    "exact": Tolerances(0.0, 0.0, 0.0, 0.0, 0.0, preset="exact"),
+    "fp32": Tolerances(1e-4, 1e-4, 1e-4, 1e-4, 1e-4, preset="fp32"),
+    "half": Tolerances(0.1, 0.0, 0.1, 0.0, 1e-2, preset="half"),
+    "quantized": Tolerances(1.5, 0.0, 1.5, 0.0, 0.1, preset="quantized"),
+}
+# The preset each backend gets unless told otherwise; candidate files get fp32 ("exact" if minillama made them).
+BACKEND_PRESETS = {"minillama": "exact", "transformers": "fp32", "llama-cpp": "quantized", "openai": "fp32"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,6 +187,8 @@ class QuestionResult:
     logprob_max: float | None = None
     logprob_mean: float | None = None
     top_k_overlap: float | None = None  # mean over compared steps of |top-k(ref) & top-k(cand)| / k
+    logit_scale: float | None = None  # max |reference logit| over the compared steps
+    first_bad_step: int | None = None  # first step whose logits or log-probs leave tolerance
     passed: bool = True
     reason: str = ""
     notes: list[str] = field(default_factory=list)
@@ -183,7 +204,7 @@ def _out_of_tol(err: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) 
 
 
 def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tolerances,
-                     teacher_forced: bool) -> QuestionResult:
+                     teacher_forced: bool, allow_prefix: bool = False) -> QuestionResult:
     if ref.logits is None:
         raise RecordError("the reference has no logits (export it with minillama.oracle export)")
     if cand.prompt_ids is not None and ref.prompt_ids is not None and cand.prompt_ids != ref.prompt_ids:
@@ -199,9 +220,11 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
     lr = ref.logits[:compared]
     lpr = torch.log_softmax(lr, dim=-1)
 
-    def fail(reason: str) -> None:
+    def fail(reason: str, step: int | None = None) -> None:
         if res.passed:
             res.passed, res.reason = False, reason
+        if step is not None and (res.first_bad_step is None or step < res.first_bad_step):
+            res.first_bad_step = step
 
     if cand.logits is not None and compared:
         lc = cand.logits[:compared]
@@ -209,15 +232,16 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
             raise RecordError(f"question {i + 1}: candidate vocabulary {lc.shape[-1]}, reference {lr.shape[-1]}")
         err = (lc - lr).abs()
         res.logit_max, res.logit_mean = float(err.max()), float(err.mean())
+        res.logit_scale = float(lr.abs().max())
         bad = _out_of_tol(err, lr, tol.atol, tol.rtol).any(dim=-1).nonzero()
         if len(bad):
             s = int(bad[0])
-            fail(f"logits out of tolerance from step {s} (max|err| there {float(err[s].max()):.2e})")
+            fail(f"logits out of tolerance from step {s} (max|err| there {float(err[s].max()):.2e})", s)
         lperr = (torch.log_softmax(lc, dim=-1) - lpr).abs()
         res.logprob_max, res.logprob_mean = float(lperr.max()), float(lperr.mean())
         bad = _out_of_tol(lperr, lpr, tol.logprob_atol, tol.logprob_rtol).any(dim=-1).nonzero()
         if len(bad):
-            fail(f"logprobs out of tolerance from step {int(bad[0])}")
+            fail(f"logprobs out of tolerance from step {int(bad[0])}", int(bad[0]))
         k = min(tol.top_k, lr.shape[-1])
         top_r, top_c = lr.topk(k, dim=-1).indices, lc.topk(k, dim=-1).indices
         overlap = [len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(top_r, top_c)]
@@ -228,7 +252,9 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         res.logprob_max, res.logprob_mean = float(err.max()), float(err.mean())
         bad = _out_of_tol(err, want, tol.logprob_atol, tol.logprob_rtol).nonzero()
         if len(bad):
-            fail(f"logprob of the chosen token out of tolerance from step {int(bad[0])}")
+            fail(f"logprob of the chosen token out of tolerance from step {int(bad[0])}", int(bad[0]))
+        if teacher_forced and cand.top_logprobs is not None:
+            _check_top_k(res, lpr, cand, tol, fail)
 
     if div is not None:
         r, c = R[div], C[div]
@@ -249,10 +275,53 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         if not teacher_forced and div + 1 < n:
             res.notes.append(f"steps after {div} not compared: the contexts differ")
     elif len(C) < len(R):
-        res.notes.append(f"the candidate has {len(C)} of the reference's {len(R)} steps")
+        if allow_prefix:
+            res.notes.append(f"the candidate has {len(C)} of the reference's {len(R)} steps (--allow-prefix)")
+        else:
+            fail(f"the candidate answered {len(C)} of the reference's {len(R)} steps (a shorter answer passes "
+                 "only with --allow-prefix)")
     elif len(C) > len(R):
         res.notes.append(f"the candidate goes on for {len(C) - len(R)} steps after the reference stopped")
     return res
+
+
+def _check_top_k(res: QuestionResult, lpr: torch.Tensor, cand: QuestionRecord, tol: Tolerances, fail) -> None:
+    """A server's top-k at each teacher-forced step: the log-probs of the tokens it names by id, its top-k
+    overlap with the reference's, and whether it would pick another token than the reference's."""
+    steps = min(len(cand.token_ids), lpr.shape[0])
+    ids, lps = cand.top_ids[:steps], cand.top_logprobs[:steps]
+    known = ids >= 0
+    if known.any():
+        want = lpr[:steps].gather(1, ids.clamp(min=0))
+        err = torch.where(known & torch.isfinite(lps), (lps - want).abs(), torch.zeros(()))
+        res.logprob_max = max(res.logprob_max or 0.0, float(err.max()))
+        bad = (_out_of_tol(err, want, tol.logprob_atol, tol.logprob_rtol) & known).any(dim=-1).nonzero()
+        if len(bad):
+            fail(f"logprobs of the server's top-{ids.shape[1]} out of tolerance from step {int(bad[0])}", int(bad[0]))
+    k = ids.shape[1]
+    ref_top = lpr[:steps].topk(k, dim=-1).indices
+    res.top_k_overlap = sum(len(set(a.tolist()) & set(b[b >= 0].tolist())) / k
+                            for a, b in zip(ref_top, ids)) / max(steps, 1)
+    unnamed = int((~known & torch.isfinite(lps)).sum())
+    if unnamed:
+        res.notes.append(f"{unnamed} of the server's top-k tokens have a text no single token has: counted as "
+                         "misses in the top-k overlap")
+    # The server would pick another token where its best log-prob beats the reference token's.
+    for s in range(steps):
+        best, own = float(lps[s, 0]), float(cand.logprobs[s])
+        if best > own:
+            c = int(ids[s, 0])
+            name = repr(cand.top_texts[s][0]) if cand.top_texts else "?"
+            who = f"{name} (id {c})" if c >= 0 else name
+            margin = best - own
+            allowed = 2 * tol.logprob_atol + tol.logprob_rtol * (abs(best) + abs(own))
+            res.first_divergence = s
+            if margin > allowed:
+                fail(f"the server prefers {who} to the reference's token {cand.token_ids[s]} at step {s} by "
+                     f"{margin:.2e}, more than the tolerances allow ({allowed:.2e})", s)
+            else:
+                res.notes.append(f"the server prefers {who} at step {s} at a near tie (margin {margin:.1e})")
+            break
 
 
 @dataclass
@@ -268,7 +337,49 @@ class Comparison:
 
     def to_json(self) -> dict[str, Any]:
         return _finite({"passed": self.passed, "reference": self.reference, "candidate": self.candidate,
-                        "tolerances": asdict(self.tolerances), "questions": [asdict(q) for q in self.questions]})
+                        "tolerances": asdict(self.tolerances), "questions": [asdict(q) for q in self.questions],
+                        "hints": hints(self)})
+
+
+def hints(c: Comparison) -> list[str]:
+    """Likely causes, read from the pattern of the errors over all questions (sizes measured on the default
+    model: fp32 reordering ~1e-6 of the logit scale, an F16 KV cache ~1e-3, Q4_1 weights ~3e-2, a RoPE
+    offset or a Q/K permutation ~0.3 and more, with the top-k broken)."""
+    qs = [q for q in c.questions if q.compared]
+    if not qs:
+        return []
+    overlap = min((q.top_k_overlap for q in qs if q.top_k_overlap is not None), default=None)
+    steps0 = all(q.first_bad_step in (None, 0) for q in qs) and any(q.first_bad_step == 0 for q in qs)
+    from_start = " from the first step on" if steps0 else ""
+    with_logits = [q for q in qs if q.logit_max is not None]
+    if with_logits:
+        err = max(q.logit_max for q in with_logits)
+        scale = max(q.logit_scale or 1.0 for q in with_logits)
+        lp = max(q.logprob_max or 0.0 for q in with_logits)
+        rel = err / scale
+        size = f"max|dlogit| {err:.1e} = {rel:.0e} of the logit scale ({scale:.0f})"
+        if err > 1e-3 and lp < 0.01 * err:
+            return [f"{size}, but the log-probs agree ({lp:.1e}): the logits are shifted by a constant per step "
+                    "(another normalization of the logits); sampling is unaffected"]
+        bands = (1e-5, 3e-3, 0.1)
+    else:
+        rel = max(q.logprob_max or 0.0 for q in qs)
+        size = f"max|dlogprob| {rel:.1e}"
+        bands = (1e-4, 0.1, 2.0)
+    if rel <= bands[0]:
+        return []
+    if overlap is not None and overlap < 0.8 or rel > bands[2]:
+        top = f", top-k overlap {overlap:.2f}" if overlap is not None else ""
+        return [f"{size}{top}: too large for rounding, a bug. Most often a RoPE position offset (positions that "
+                "do not continue the prompt's), Q/K rows in interleaved (Meta, GGUF) order where rotate-half (HF) "
+                "order is expected or the reverse, or another rope_theta. `--layers` (transformers backend) or "
+                "`export --hidden` names the layer and sub-module"]
+    if rel <= bands[1]:
+        return [f"{size}{from_start}, top-k intact: the size of half-precision rounding. Most often a KV cache "
+                "in F16 or BF16 (llama.cpp's is F16 unless told: --cache-type-k f32 --cache-type-v f32, "
+                "type_k/type_v in llama-cpp-python) or half-precision activations; `--preset half` accepts it"]
+    return [f"{size}{from_start}: the size of quantized weights (Q8_0, Q4) and of activations quantized to "
+            "match them, as llama.cpp does; `--preset quantized` accepts it"]
 
 
 def _finite(x: Any) -> Any:
@@ -282,11 +393,14 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def compare(ref: Record, cand: Record, tol: Tolerances | None = None) -> list[QuestionResult]:
+def compare(ref: Record, cand: Record, tol: Tolerances | None = None,
+            allow_prefix: bool = False) -> list[QuestionResult]:
+    """Every question of `cand` against `ref`. A candidate answer shorter than the reference's fails unless
+    `allow_prefix` (then it passes on the steps it has, with a note)."""
     tol = tol or Tolerances()
     if len(cand.questions) != len(ref.questions):
         raise RecordError(f"the candidate has {len(cand.questions)} questions, the reference {len(ref.questions)}")
-    return [compare_question(i, r, c, tol, cand.teacher_forced)
+    return [compare_question(i, r, c, tol, cand.teacher_forced, allow_prefix)
             for i, (r, c) in enumerate(zip(ref.questions, cand.questions))]
 
 
@@ -301,15 +415,13 @@ def _hidden_activations(q: QuestionRecord, upto: int) -> Activations:
 
 
 def run_backend(ref: Record, backend: Backend) -> Record:
-    """The candidate's logits at every step of every reference answer, teacher-forced: one pass over the
-    prompt and the reference's answer; its greedy token at each step is the argmax there."""
+    """The candidate at every step of every reference answer, teacher-forced (`Backend.teacher_force`): its
+    logits (or a server's log-probs) on the reference's prompt and answer."""
     out = []
     for i, q in enumerate(ref.questions):
         if q.prompt_ids is None:
             raise RecordError(f"question {i + 1}: the reference has no prompt_ids to run the backend on")
-        p, steps = len(q.prompt_ids), len(q.token_ids)
-        logits = backend.logits(q.prompt_ids + q.token_ids[:-1])[p - 1:p - 1 + steps]  # (steps, vocab)
-        out.append(QuestionRecord(q.prompt_ids, logits.argmax(dim=-1).tolist(), logits))
+        out.append(backend.teacher_force(q.prompt_ids, q.token_ids))
     return Record(out, {"describe": f"{backend.describe()}, teacher-forced on the reference's tokens"},
                   teacher_forced=True)
 
@@ -372,6 +484,8 @@ def report(c: Comparison) -> str:
     shown = next((q for q in with_layers if q.layers.first_bad is not None), with_layers[0] if with_layers else None)
     if shown is not None:
         lines += ["", f"layer table, question {shown.index + 1}:", layer_table(shown.layers)]
+    for h in hints(c):
+        lines += ["", f"hint: {h}"]
     n_pass = sum(q.passed for q in c.questions)
     lines += ["", f"{n_pass} of {len(c.questions)} questions pass: {'PASS' if c.passed else 'FAIL'}"]
     return "\n".join(lines)

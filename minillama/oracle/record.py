@@ -58,6 +58,11 @@ class QuestionRecord:
     doc: int = 0
     question: str | None = None
     finish_reason: str | None = None
+    # A server's k most likely tokens at each step, best first (server.py): log-probs (steps, k), their ids
+    # (-1 where a text names no single token) and texts.
+    top_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_texts: list[list[str]] | None = None
 
 
 @dataclass
@@ -192,7 +197,12 @@ def _load_safetensors(p: Path) -> Record:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise RecordError(f"{p}: not a readable safetensors file ({e})") from None
-    manifest = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+    try:
+        manifest = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+    except (ValueError, RecursionError):
+        raise RecordError(f"{p}: its {META_KEY} metadata is not readable JSON") from None
+    if not isinstance(manifest, dict):
+        raise RecordError(f"{p}: its {META_KEY} metadata is not a JSON object")
     described = manifest.get("questions") or []
     count = 0
     while f"q{count}.token_ids" in tensors:
@@ -204,6 +214,10 @@ def _load_safetensors(p: Path) -> Record:
     if unknown:
         raise RecordError(f"{p}: unknown tensor {unknown[0]!r} (expected q<i>.token_ids, .logits, .logprobs, "
                           f".prompt_ids, .hidden for questions 0 .. {count - 1})")
+    for name, t in tensors.items():
+        if name.endswith(("token_ids", "prompt_ids")) and (t.dtype.is_floating_point or t.dtype == torch.bool
+                                                            or t.dim() != 1):
+            raise RecordError(f"{p}: {name} must be a 1-D integer tensor; got {t.dtype} {tuple(t.shape)}")
     questions = []
     for i in range(count):
         d = described[i] if i < len(described) else {}
@@ -234,6 +248,8 @@ def _load_jsonl(p: Path) -> Record:
             obj = json.loads(line)
         except ValueError as e:
             raise RecordError(f"{where}: not JSON ({e})") from None
+        except RecursionError:
+            raise RecordError(f"{where}: not JSON this program can read (nested too deeply)") from None
         if not isinstance(obj, dict):
             raise RecordError(f"{where}: expected an object with token_ids")
         unknown = sorted(set(obj) - JSONL_KEYS)
@@ -241,20 +257,38 @@ def _load_jsonl(p: Path) -> Record:
             raise RecordError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(sorted(JSONL_KEYS))})")
         if "token_ids" not in obj:
             raise RecordError(f"{where}: token_ids is missing")
-        try:
-            q = QuestionRecord(
-                prompt_ids=[int(t) for t in obj["prompt_ids"]] if obj.get("prompt_ids") is not None else None,
-                token_ids=[int(t) for t in obj["token_ids"]],
-                logits=torch.tensor(obj["logits"], dtype=torch.float32) if obj.get("logits") is not None else None,
-                logprobs=(torch.tensor(obj["logprobs"], dtype=torch.float32)
-                          if obj.get("logprobs") is not None else None))
-        except (TypeError, ValueError) as e:
-            raise RecordError(f"{where}: bad value ({e})") from None
+        q = QuestionRecord(
+            prompt_ids=_ints(obj["prompt_ids"], "prompt_ids", where) if obj.get("prompt_ids") is not None else None,
+            token_ids=_ints(obj["token_ids"], "token_ids", where),
+            logits=_floats(obj["logits"], "logits", where, rows=True) if obj.get("logits") is not None else None,
+            logprobs=_floats(obj["logprobs"], "logprobs", where) if obj.get("logprobs") is not None else None)
         _check_question(q, where)
         questions.append(q)
     if not questions:
         raise RecordError(f"{p}: no questions (one JSON object per line)")
     return Record(questions)
+
+
+def _ints(x: Any, key: str, where: str) -> list[int]:
+    """A JSON list of integers, exactly: 504.0, 504.9, "504" and true are refused, not converted."""
+    if not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        bad = next((t for t in x if not (isinstance(t, int) and not isinstance(t, bool))), x) \
+            if isinstance(x, list) else x
+        raise RecordError(f"{where}: {key} must be a list of integers; got {json.dumps(bad)[:40]}")
+    return x
+
+
+def _floats(x: Any, key: str, where: str, rows: bool = False) -> torch.Tensor:
+    """A JSON list of numbers (rows=True: a list of equally long lists of numbers) as float32."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    shape = "a list of lists of numbers, one per token id" if rows else "a list of numbers, one per token id"
+    ok = isinstance(x, list) and (all(isinstance(r, list) and all(number(v) for v in r) for r in x) if rows
+                                  else all(number(v) for v in x))
+    if not ok or (rows and len({len(r) for r in x}) > 1):
+        raise RecordError(f"{where}: {key} must be {shape}")
+    return torch.tensor(x, dtype=torch.float32) if x else torch.zeros((0, 0) if rows else (0,))
 
 
 def _check_question(q: QuestionRecord, where: str) -> None:

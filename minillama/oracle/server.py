@@ -1,0 +1,179 @@
+"""A backend behind an OpenAI-compatible HTTP server (vLLM, SGLang, llama.cpp's servers, TGI, ...).
+
+Such a server gives no logits rows, only log-probabilities, through the completions endpoint:
+
+    POST {url}/completions  {"prompt": [token ids], "max_tokens": 1, "temperature": 0, "echo": true,
+                             "logprobs": k}
+
+With `echo`, the answer lists every prompt token with its log-probability given the tokens before it
+(`token_logprobs`) and the k most likely tokens at that position (`top_logprobs`, keyed by token text). So
+one request per question teacher-forces minillama's answer: the prompt is the question's prompt followed
+by the reference's answer, and the last `steps` echoed entries (before the `usage.completion_tokens`
+generated ones) are the server's log-probabilities of the reference's answer tokens, each on the
+reference's context.
+
+Servers that take no token ids (llama-cpp-python's server accepts strings only) get the prompt as text,
+decoded with the reference's tokenizer; the server's token count (`usage.prompt_tokens`) must then equal
+the reference's, or the comparison is refused: it would compare other tokens. A server that returns no
+prompt log-probabilities cannot be compared, and the error says so.
+
+Only the standard library speaks HTTP here: the oracle needs no client package.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .backends import BACKENDS, Backend, BackendError
+
+
+class OpenAIBackend(Backend):
+    """An OpenAI-compatible server at `url` (ending in /v1), teacher-forced through prompt log-probs.
+
+    `decode` (token ids -> text) and `vocab` (token id -> its text alone) come from the reference's tokenizer:
+    the first for servers that take text prompts only, the second to name the server's top-k tokens by id.
+    """
+
+    name = "openai"
+
+    def __init__(self, url: str, model: str | None = None, top_k: int = 5, timeout: float = 120.0,
+                 decode: Callable[[Sequence[int]], str] | None = None, vocab: Sequence[str] | None = None):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.top_k = top_k
+        self.decode = decode
+        self.text_prompts = False  # set once the server refuses token ids
+        self.model = model or self._first_model()
+        self.ids_of_text = _unique_texts(vocab) if vocab is not None else {}
+
+    def describe(self) -> str:
+        how = "prompts as text" if self.text_prompts else "prompts as token ids"
+        return f"OpenAI-compatible server {self.url} (model {self.model!r}, {how}, echoed prompt log-probs)"
+
+    # -- HTTP ------------------------------------------------------------------------------------------
+
+    def _request(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace")
+            try:
+                return e.code, json.loads(text)
+            except ValueError:
+                return e.code, text
+        except (urllib.error.URLError, OSError) as e:
+            raise BackendError(f"{self.url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
+        except ValueError:
+            raise BackendError(f"{self.url}{path}: the server's answer is not JSON") from None
+
+    def _first_model(self) -> str:
+        status, got = self._request("/models")
+        try:
+            return got["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise BackendError(f"{self.url}/models: no model listed (HTTP {status}); give the server's model "
+                               "name with --backend-model") from None
+
+    def _complete(self, ids: list[int]) -> dict[str, Any]:
+        body = {"model": self.model, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": self.top_k}
+        if not self.text_prompts:
+            status, got = self._request("/completions", {**body, "prompt": ids})
+            if status == 200:
+                return got
+            if self.decode is None:
+                raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
+            # Some servers refuse token ids (and some say so with HTTP 500): try the text they decode to.
+            first = f"HTTP {status}: {_message(got)}"
+            status, got = self._request("/completions", {**body, "prompt": self.decode(ids)})
+            if status != 200:
+                raise BackendError(f"{self.url}/completions: with token ids {first}; with text HTTP {status}: "
+                                   f"{_message(got)}")
+            self.text_prompts = True
+            return got
+        status, got = self._request("/completions", {**body, "prompt": self.decode(ids)})
+        if status != 200:
+            raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
+        return got
+
+    # -- the oracle's question ---------------------------------------------------------------------------
+
+    def teacher_force(self, prompt: Sequence[int], answer: Sequence[int]):
+        from .record import QuestionRecord
+
+        ids, steps = list(prompt) + list(answer), len(answer)
+        got = self._complete(ids)
+        try:
+            choice = got["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise BackendError(f"{self.url}/completions: no choices in the answer") from None
+        lp = choice.get("logprobs") or {}
+        token_lps, tops = lp.get("token_logprobs"), lp.get("top_logprobs")
+        if not token_lps:
+            raise BackendError(f"{self.url}: the server returned no prompt log-probs (echo + logprobs): a "
+                               "teacher-forced comparison needs them")
+        usage = got.get("usage") or {}
+        if self.text_prompts and usage.get("prompt_tokens") not in (None, len(ids)):
+            raise BackendError(f"{self.url}: the server takes no token ids, and its tokenizer made "
+                               f"{usage['prompt_tokens']} tokens of the prompt's text where the reference has "
+                               f"{len(ids)}: it would compare other tokens")
+        generated = usage.get("completion_tokens")
+        if generated is None:
+            generated = 0 if choice.get("finish_reason") == "stop" else 1
+        end = len(token_lps) - generated
+        if end - steps < 0:
+            raise BackendError(f"{self.url}: {len(token_lps)} echoed log-probs for a prompt and answer of "
+                               f"{len(ids)} tokens")
+        chosen = token_lps[end - steps:end]  # log p(answer token s | prompt, answer[:s])
+        if any(x is None for x in chosen):
+            raise BackendError(f"{self.url}: the server gave no log-prob for some answer tokens")
+        top_ids = torch.full((steps, self.top_k), -1, dtype=torch.int64)
+        top_lps = torch.full((steps, self.top_k), float("-inf"))
+        top_texts: list[list[str]] = []
+        for s, entry in enumerate((tops or [None] * len(token_lps))[end - steps:end]):
+            best = sorted((entry or {}).items(), key=lambda kv: -kv[1])[:self.top_k]
+            top_texts.append([t for t, _ in best])
+            for j, (text, value) in enumerate(best):
+                top_lps[s, j] = value
+                top_ids[s, j] = _id_of(text, self.ids_of_text)
+        q = QuestionRecord(list(prompt), list(answer), logprobs=torch.tensor(chosen, dtype=torch.float32))
+        if tops:
+            q.top_ids, q.top_logprobs, q.top_texts = top_ids, top_lps, top_texts
+        return q
+
+    def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
+        raise BackendError(f"{self.name}: a server gives log-probs, not logits rows")
+
+
+def _message(got: Any) -> str:
+    if isinstance(got, dict):
+        err = got.get("error", got)
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        return " ".join(str(msg).split())[:300]
+    return " ".join(str(got).split())[:300]
+
+
+def _id_of(text: str, ids_of_text: dict[str, int]) -> int:
+    """A top-k key's token id: vLLM names tokens "token_id:N" when asked (return_tokens_as_token_ids);
+    others by text, which only a text that belongs to one token identifies. -1: unknown."""
+    if text.startswith("token_id:") and text[9:].isdigit():
+        return int(text[9:])
+    return ids_of_text.get(text, -1)
+
+
+def _unique_texts(vocab: Sequence[str]) -> dict[str, int]:
+    """Token text -> id, for texts that belong to exactly one token (servers key top-k by text)."""
+    seen: dict[str, int] = {}
+    for i, text in enumerate(vocab):
+        seen[text] = -1 if text in seen else i
+    return {t: i for t, i in seen.items() if i >= 0 and t}
+
+
+BACKENDS["openai"] = OpenAIBackend
