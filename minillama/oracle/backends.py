@@ -27,9 +27,9 @@ Activation names follow HF module paths (a reader finds the module from the name
     norm                                  final RMSNorm
     logits
 
-They are captured with forward hooks; nothing in the models is changed. minillama computes its projections
-inside `Attention.forward` without calling the `q_proj` modules, so its Q/K/V are recomputed from the
-attention input with the same `linear` (same bits); HF's `q_proj` modules are hooked directly.
+They are captured with forward hooks; nothing in the models is changed. In both models `q_proj`, `k_proj`
+and `v_proj` are modules that run, so they are hooked directly; RoPE is no module, so q_rope and k_rope are
+the hooked q and k rotated with the model's own RoPE function and tables (the same bits it computes).
 """
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..invariant import linear
 from ..model import Llama
-from ..rope import apply_rope
+from ..rope import apply_rope_folded, signed_sin
 
 
 class BackendError(Exception):
@@ -172,31 +171,33 @@ class MinillamaBackend(Backend):
 
     def activations(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> Activations:
         model, acts, n = self.model, Activations({}), len(ids)
-        inv = model.invariant
 
-        # The model pads the N tokens to a multiple of ROW_TILE rows; the padding rows are not kept.
+        # The model pads the N tokens to whole row tiles; the padding rows are not kept.
         def keep(name: str) -> Callable:
             return lambda _mod, _args, out: acts.tensors.__setitem__(name, _cpu(out[:n]))
 
-        def projections(p: str, attn) -> Callable:
-            def hook(_mod, args) -> None:
-                # Attention.forward(x, cos, sin, cache, plan, invariant); all rows, as the model runs them.
-                x, cos, sin = args[:3]
-                rows, d = x.shape[0], attn.head_dim
-                q = linear(x, attn.q_proj.weight, inv)
-                k = linear(x, attn.k_proj.weight, inv)
-                v = linear(x, attn.v_proj.weight, inv)
-                q_rope = apply_rope(q.view(rows, -1, d), cos, sin).reshape(rows, -1)
-                k_rope = apply_rope(k.view(rows, -1, d), cos, sin).reshape(rows, -1)
-                for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v), ("q_rope", q_rope), ("k_rope", k_rope)):
-                    acts.tensors[p + name] = _cpu(t[:n])
-                if acts.cos is None:
-                    acts.cos, acts.sin = _cpu(cos[:n]), _cpu(sin[:n])
-            return hook
-
         def attention(name: str, attn) -> list:
-            return [attn.register_forward_pre_hook(projections(name + ".", attn)),
-                    attn.register_forward_hook(keep(name))]
+            p, got = name + ".", {}
+
+            def projection(key: str) -> Callable:
+                def hook(_mod, _args, out) -> None:
+                    got[key] = out
+                    acts.tensors[p + key] = _cpu(out[:n])
+                return hook
+
+            def after(_mod, args, out) -> None:
+                # Attention.forward(x, cos, sin, ...): sin has RoPE's sign folded in (rope.signed_sin).
+                cos, sin = args[1], args[2]
+                rows, d = out.shape[0], attn.head_dim
+                for key in ("q", "k"):
+                    rotated = apply_rope_folded(got[key + "_proj"].view(rows, -1, d), cos, sin).reshape(rows, -1)
+                    acts.tensors[p + key + "_rope"] = _cpu(rotated[:n])
+                if acts.cos is None:
+                    acts.cos, acts.sin = _cpu(cos[:n]), _cpu(signed_sin(sin)[:n])  # signed_sin undoes itself
+                acts.tensors[name] = _cpu(out[:n])
+
+            return [getattr(attn, k).register_forward_hook(projection(k)) for k in ("q_proj", "k_proj", "v_proj")] + \
+                [attn.register_forward_hook(after)]
 
         acts.tensors["logits"] = _capture(model.model, keep, attention, lambda: self.logits(ids, positions))
         return acts
