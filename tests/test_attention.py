@@ -189,3 +189,16 @@ def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order():
     fast = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)[:, :1]
     assert not torch.equal(fast, slow)
     torch.testing.assert_close(fast, slow)
+
+
+def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():
+    """`Tiles.index_add` (a GPU's one launch) or gather-add-put (a CPU's): one IEEE addition either way."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=16)
+    cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
+    rows = -(-len(segs) // 64) * 64
+    plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=CPU_TILES)
+    q = fill(cache, rows, 3, 1)
+    gpu_way = Tiles(index_add=True)
+    assert gpu_way.index_add and not CPU_TILES.index_add
+    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_TILES),
+                       blocked_attention(q, cache.k[0], cache.v[0], plan, gpu_way))

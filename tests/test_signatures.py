@@ -128,4 +128,4 @@ def test_a_layer_issues_few_launches_with_the_gpu_tiles():
     assert step <= 80, f"decode step: {step} launches per layer"
     assert prefill <= 400, f"1,280-token prefill: {prefill} launches per layer"
     cpu_step, cpu_prefill = launches_per_layer(CPU_TILES)
-    assert cpu_step <= 80 and cpu_prefill <= 800, (cpu_step, cpu_prefill)
+    assert cpu_step <= 120 and cpu_prefill <= 800, (cpu_step, cpu_prefill)
