@@ -85,7 +85,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     idx_of = {m: (_sample(task, case.sample) if m in SAMPLED else list(range(task.n))) for m in case.methods}
     # A long run-once method made of separate runs (each question alone) is cut into `repeats` slices, one
     # per round, so that it meets the same machine weather as the repeated methods it is compared with.
-    sliced = {m: [idx_of[m][k::repeats] for k in range(repeats)] for m in case.once if m in ADDITIVE}
+    sliced = {m: [idx_of[m][k::repeats] for k in range(repeats)] for m in case.once if m in ADDITIVE and m in per}
     for r in range(repeats):
         gemm.append(gemm_rate())
         for m in case.methods:
