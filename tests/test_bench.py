@@ -365,6 +365,8 @@ def test_bench_command_skips_llamacpp_when_it_is_missing(tmp_path, monkeypatch, 
     assert command.main(["--quick", "--methods", "parallel,telepathy", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"error: --methods: unknown method(s) telepathy (known: {', '.join(METHODS)})"
+    assert command.main(["--quick", "--doc-lengths", "long", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == "error: --doc-lengths: expected comma-separated integers, got 'long'"
 
 
 def test_a_run_once_method_left_out_of_a_case_is_not_run(tmp_path, one_thread):
@@ -374,3 +376,31 @@ def test_a_run_once_method_left_out_of_a_case_is_not_run(tmp_path, one_thread):
                      log=lambda s: None)
     assert [r["method"] for r in records] == ["parallel"] and records[0]["checked_against_independent"] == 0
     assert records[0]["identical_to_parallel"] == 6
+
+
+@pytest.mark.slow
+def test_llamacpp_on_the_default_models_f32_gguf_answers_like_minillama():
+    """The default model's F32 GGUF (written once, cached under weights/): llama.cpp's greedy tokens are
+    minillama's and its logits are within 5e-2 (its KV cache is F16; about 2e-2 is typical)."""
+    pytest.importorskip("llama_cpp")
+    import minillama
+    from minillama.api import prompt_ids
+    from minillama.bench.gguf_f32 import f32_gguf
+    from minillama.generate import SamplingParams, generate
+
+    llama, tok = minillama.load()
+    doc = (ROOT / "examples" / "doc.txt").read_text()
+    questions = [q.strip() for q in (ROOT / "examples" / "questions.txt").read_text().splitlines() if q.strip()][:3]
+    prompts = [prompt_ids(tok, doc, q) for q in questions]
+    answers = generate(llama, prompts, SamplingParams(max_new_tokens=8, ignore_eos=True), mode="parallel")
+    path = f32_gguf()
+    for p, a in zip(prompts, answers):
+        ids = p + a.token_ids
+        cache = llama.new_cache()
+        seg = cache.new_segment()
+        with torch.inference_mode():
+            ref = llama(torch.tensor(ids), torch.arange(len(ids)), torch.full((len(ids),), seg), cache)
+        ref = ref[len(p) - 1:-1].numpy()
+        got = _llamacpp_logits(path, ids)[len(p) - 1:-1]
+        assert got.argmax(1).tolist() == a.token_ids
+        assert np.abs(got - ref).max() < 5e-2

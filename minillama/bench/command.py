@@ -37,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--methods", help="comma-separated methods to keep in every case "
                     f"({','.join(METHODS)})")
     ap.add_argument("--only", help="comma-separated sweeps to run (headline,docs,doclen,grid,questions)")
+    ap.add_argument("--doc-lengths", help="comma-separated document lengths to keep in the doclen sweep (512,...,4096)")
     ap.add_argument("--repeats", type=int, help="repeats per method (medians are reported)")
     ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -95,6 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.only:
         keep = set(a.only.split(","))
         cases = [c for c in cases if c.sweep in keep]
+    if a.doc_lengths:
+        try:
+            lengths = {int(x) for x in a.doc_lengths.split(",")}
+        except ValueError:
+            print(f"error: --doc-lengths: expected comma-separated integers, got {a.doc_lengths!r}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c.sweep != "doclen" or c.task.doc_tokens in lengths]
     if a.methods:
         keep = set(a.methods.split(","))
         unknown = keep - set(METHODS)
