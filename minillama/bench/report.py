@@ -58,7 +58,7 @@ def findings(records: list[dict[str, Any]]) -> dict[str, Any]:
                 out[f"parallel_speedup_vs_{m}"] = h[m]["wall_s"] / p["wall_s"]
         # The same ratios in process CPU time: with one thread, time lost to other processes on a shared
         # machine is not counted, so these move less from run to run than the wall-clock ones.
-        for m in ("independent_plain", "hf_batched"):
+        for m in ("independent_plain", "hf_batched", "llamacpp"):
             if m in h:
                 out[f"parallel_speedup_vs_{m}_cpu_time"] = h[m]["cpu_s"] / p["cpu_s"]
         if "batched" in h:
