@@ -162,16 +162,17 @@ def llamacpp(ctx: Context, task: Task, idx: list[int], **_: Any) -> Measured:
     n_batch = max(prefix_tokens, own_tokens, len(idx), len(warm))
     t0 = time.perf_counter()
     s = Session(model, n_ctx=cells + 256, n_batch=n_batch, n_seq=len(idx), threads=torch.get_num_threads())
-    s.decode([(t, p, 0, p == len(warm) - 1) for p, t in enumerate(warm)])
-    s.clear()
-    setup_s = time.perf_counter() - t0
     answers: list[list[int]] = [[] for _ in idx]
-    cpu0 = time.process_time()
     try:
+        s.decode([(t, pos, 0, pos == len(warm) - 1) for pos, t in enumerate(warm)])
+        s.clear()
+        setup_s = time.perf_counter() - t0
+        cpu0 = time.process_time()
         with PeakRSS() as mem:
             t0 = time.perf_counter()
             # The prefixes, each once, in its document's first question's sequence; shared with the others.
-            prefixes = [(t, p, js[0], False) for d, js in groups.items() for p, t in enumerate(prompts[js[0]][:shared[d]])]
+            prefixes = [(t, pos, js[0], False) for d, js in groups.items()
+                        for pos, t in enumerate(prompts[js[0]][:shared[d]])]
             if prefixes:
                 s.decode(prefixes)
             for d, js in groups.items():
