@@ -144,6 +144,17 @@ def test_readme_table_is_regenerated_between_its_markers(tmp_path):
     assert readme.read_text() == "no markers here\n"  # nothing the user gave is lost
 
 
+def test_readme_table_shows_the_targets_a_run_measured():
+    from minillama.bench.report import readme_table
+
+    results = json.loads((ROOT / "docs" / "bench" / "results.json").read_text())
+    results["findings"].pop("parallel_speedup_vs_llamacpp", None)
+    assert "llama.cpp" not in readme_table(results)  # a run without llama.cpp says nothing about it
+    results["findings"]["parallel_speedup_vs_llamacpp"] = 1.2
+    row = next(line for line in readme_table(results).splitlines() if "llama.cpp" in line)
+    assert row.endswith("| 1.200 | missed |")
+
+
 def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
     from minillama.bench import main
 

@@ -171,6 +171,7 @@ BITS = {
     "batched": "same bits (tested)",
     "parallel": "same bits (tested)",
     "seqbatch": "no: other context",
+    "llamacpp": "no: another program",
 }
 
 
