@@ -25,6 +25,9 @@ Methods, all on the same prompt token ids (`api.prompt_ids`, one stand-alone pro
 - `hf_batched`         HF transformers `generate`, left-padded batch, fp32, SDPA, the same weights
 - `hf_prefix`          HF transformers with the document's KV cache computed once and copied into every
                        row of the batch (`past_key_values`), the questions middle-padded after it
+- `llamacpp`           llama.cpp (llama-cpp-python, optional) on an F32 GGUF of the same weights: each
+                       document's prefix decoded once and shared by every question's sequence, all
+                       questions' tokens in one batch, then one batch per decode step (`bench.llamacpp`)
 
 Measured per method: wall time of generation (model load excluded), prefill and decode apart, process
 CPU time, generated tokens/s, peak resident memory above the start of the run, KV-cache bytes, answers
@@ -32,6 +35,10 @@ that contain the color, answers token-identical to `independent`. FLOPs are coun
 (`CostModel`); the machine's fp32 GEMM rate is measured in the same run and each method's useful FLOP/s
 is reported as a fraction of it. Methods are run round-robin, repeat after repeat, and the medians are
 reported: this machine is noisy, so compare ratios taken within one run.
+
+The peers are optional: without transformers or llama-cpp-python their methods are skipped with a note.
+`--methods` keeps some methods in every case; every record counts its answers token-identical to
+parallel's (which runs every question), beside the sampled comparison with `independent`.
 
 Methods whose cost grows with the number of questions times the document (all but parallel and
 hf_prefix) can run on a sample of the questions (`--sample K`): their times, FLOPs and (for batches) KV
@@ -44,8 +51,9 @@ sweep point and method), summary.md (tables), and PNG plots.
 
 The package, one concern per module: `task` (the synthetic task, a word tokenizer), `cost` (FLOPs, the
 GEMM rate), `memory` (peak RSS), `methods` (minillama's own methods), `hf` (the HF transformers peers),
-`shapes` (named shapes, random weights), `runner` (one case: round-robin repeats, medians, records),
-`presets`, `report` (tables, findings, files), `plots`, `profile` (where the time goes) and `command`.
+`llamacpp` and `gguf_f32` (the llama.cpp peer and the F32 GGUF it runs), `shapes` (named shapes, random
+weights), `runner` (one case: round-robin repeats, medians, records), `presets`, `report` (tables,
+findings, files), `plots`, `profile` (where the time goes) and `command`.
 """
 
 from .command import main

@@ -14,6 +14,8 @@ from typing import Sequence
 import torch
 
 from . import __doc__ as _package_doc
+from .llamacpp import available as llamacpp_available
+from .methods import METHODS
 from .presets import preset
 from .profile import _profile_main
 from .report import findings, headline_table, target_rows, update_readme, write_outputs
@@ -31,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("-m", "--model", help="checkpoint (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--random", action="store_true", help="random weights with the default model's shape")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
+    ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp method")
+    ap.add_argument("--methods", help="comma-separated methods to keep in every case "
+                    f"({','.join(METHODS)})")
     ap.add_argument("--only", help="comma-separated sweeps to run (headline,docs,doclen,grid,questions)")
+    ap.add_argument("--doc-lengths", help="comma-separated document lengths to keep in the doclen sweep (512,...,4096)")
     ap.add_argument("--repeats", type=int, help="repeats per method (medians are reported)")
     ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -82,10 +88,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         if importlib.util.find_spec("transformers") is None:
             print("transformers is not installed: skipping the hf_* methods", file=sys.stderr)
             hf = False
-    cases, repeats = preset(name, hf)
+    llamacpp = not a.no_llamacpp
+    if llamacpp and not llamacpp_available():
+        print("llama-cpp-python is not installed: skipping the llamacpp method", file=sys.stderr)
+        llamacpp = False
+    cases, repeats = preset(name, hf, llamacpp)
     if a.only:
         keep = set(a.only.split(","))
         cases = [c for c in cases if c.sweep in keep]
+    if a.doc_lengths:
+        try:
+            lengths = {int(x) for x in a.doc_lengths.split(",")}
+        except ValueError:
+            print(f"error: --doc-lengths: expected comma-separated integers, got {a.doc_lengths!r}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c.sweep != "doclen" or c.task.doc_tokens in lengths]
+    if a.methods:
+        keep = set(a.methods.split(","))
+        unknown = keep - set(METHODS)
+        if unknown:
+            print(f"error: --methods: unknown method(s) {', '.join(sorted(unknown))} (known: {', '.join(METHODS)})",
+                  file=sys.stderr)
+            return 2
+        for c in cases:
+            c.methods = tuple(m for m in c.methods if m in keep)
+        cases = [c for c in cases if c.methods]
     if a.repeats:
         repeats = a.repeats
     if a.sample is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -16,7 +17,7 @@ from .memory import PeakRSS
 from .task import Task
 
 METHODS = ("independent", "independent_plain", "batched", "seqbatch", "parallel", "parallel_plain", "hf_batched",
-           "hf_prefix")
+           "hf_prefix", "llamacpp")
 # Methods whose work grows with questions x document: the ones --sample may cut down.
 SAMPLED = ("independent", "independent_plain", "batched", "seqbatch", "hf_batched")
 
@@ -33,6 +34,7 @@ class Measured:
     rss_bytes: int  # peak resident memory above the start
     forward_passes: int
     decode_steps: int  # forward passes after prefill (per document batch, summed)
+    setup_s: float = 0.0  # untimed set-up of the run (llama.cpp's context), reported beside the times
 
 
 @dataclass
@@ -40,8 +42,11 @@ class Context:
     model: Llama
     tokenizer: Any
     hf_path: str | None  # an HF directory with these weights, for the transformers methods
+    checkpoint: str | None = None  # where the weights were read from; None: random weights
+    workdir: Path | None = None  # scratch space of the run (files written from random weights)
     prefill_chunk: int = 512
     _hf: Any = None
+    _llamacpp: Any = None  # the llama.cpp model, loaded once (bench.llamacpp)
 
     def hf(self) -> Any:
         if self._hf is None:

@@ -13,14 +13,16 @@ SWEEP = ("independent", "independent_plain", "parallel")  # independent: the ide
 ONCE = ("independent",)  # in sweeps the reference run is only needed once
 
 
-def preset(name: str, hf: bool) -> tuple[list[Case], int]:
-    """The cases of a preset and its repeats.
+def preset(name: str, hf: bool, llamacpp: bool = False) -> tuple[list[Case], int]:
+    """The cases of a preset and its repeats; `hf` and `llamacpp` say whether those peers are installed.
 
     quick: a tiny random model, every sweep at two points (CI). default: the paper's configuration with
     the costly methods on a few questions, small sweeps. full: every method on every question in the
     headline (the costly ones once, the others `repeats` times) and the sweeps at the paper's sizes.
     """
-    methods = ALL if hf else tuple(m for m in ALL if not m.startswith("hf_"))
+    methods = tuple(m for m in ALL if (hf or not m.startswith("hf_")) and (llamacpp or m != "llamacpp"))
+    # llama.cpp evaluates the shared document once, as parallel does: it runs in the document-length sweep too.
+    doclen = SWEEP + (("llamacpp",) if llamacpp else ())
     cases: list[Case] = []
     if name == "quick":
         t = TaskConfig(doc_tokens=48, questions_per_doc=6, new_tokens=4)
@@ -28,7 +30,7 @@ def preset(name: str, hf: bool) -> tuple[list[Case], int]:
         for n in (1, 2):
             cases.append(Case("docs", dataclasses.replace(t, n_docs=n, questions_per_doc=4), SWEEP, label=f"docs={n}"))
         for L in (32, 96):
-            cases.append(Case("doclen", dataclasses.replace(t, doc_tokens=L), SWEEP, label=f"doc={L}"))
+            cases.append(Case("doclen", dataclasses.replace(t, doc_tokens=L), doclen, label=f"doc={L}"))
         for bd, ps in ((1, 2), (2, 4)):
             cases.append(Case("grid", dataclasses.replace(t, n_docs=2, questions_per_doc=4), ("parallel",),
                               parallel_size=ps, batch_docs=bd, label=f"batch={bd} parallel={ps}"))
@@ -48,7 +50,7 @@ def preset(name: str, hf: bool) -> tuple[list[Case], int]:
     # Table 4, Figs 5-7: document length, at the paper's 64 questions (the long-document target: 512 -> 4096).
     lengths = (512, 1024, 2048, 4096) if not full else (128, 256, 512, 1024, 2048, 4096)
     for L in lengths:
-        cases.append(Case("doclen", dataclasses.replace(paper, doc_tokens=L), SWEEP,
+        cases.append(Case("doclen", dataclasses.replace(paper, doc_tokens=L), doclen,
                           sample=1 if L >= 2048 else 2, once=ONCE, label=f"doc={L}"))
     grid = (((1, 4), (1, 16), (2, 4), (2, 16)) if not full
             else tuple((b, p) for b in (1, 2, 4) for p in (4, 8, 16)))

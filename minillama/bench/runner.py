@@ -12,9 +12,11 @@ from ..config import LlamaConfig
 from ..generate import shared_prefix_length
 from .cost import CostModel, gemm_rate
 from .hf import hf_batched, hf_prefix
+from .llamacpp import llamacpp
 from .methods import ADDITIVE, SAMPLED, Context, Measured, _minillama
 from .shapes import random_llama
 from .task import Task, TaskConfig, WordTokenizer, make_task, plain_prompt_ids
+
 
 RUNNERS: dict[str, Callable[..., Measured]] = {
     "independent": _minillama("independent", True),
@@ -25,6 +27,7 @@ RUNNERS: dict[str, Callable[..., Measured]] = {
     "parallel_plain": _minillama("parallel", False),
     "hf_batched": hf_batched,
     "hf_prefix": hf_prefix,
+    "llamacpp": llamacpp,  # imports llama-cpp-python (optional) when it runs
 }
 
 
@@ -54,7 +57,9 @@ def _flops(cost: CostModel, method: str, task: Task, idx: list[int]) -> float:
     prompts, docs, g = [task.prompts[i] for i in idx], [task.docs[i] for i in idx], task.config.new_tokens
     if method in ("independent", "independent_plain", "batched"):
         return cost.independent(prompts, g)
-    if method in ("parallel", "parallel_plain"):
+    if method in ("parallel", "parallel_plain", "llamacpp"):
+        # llama.cpp also evaluates each shared prefix once; the scores its kernels compute and mask out in
+        # its one cache of all sequences are not counted.
         return cost.parallel(prompts, docs, g)["total"]
     if method == "seqbatch":
         return cost.seqbatch(prompts, docs, g)
@@ -80,7 +85,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     idx_of = {m: (_sample(task, case.sample) if m in SAMPLED else list(range(task.n))) for m in case.methods}
     # A long run-once method made of separate runs (each question alone) is cut into `repeats` slices, one
     # per round, so that it meets the same machine weather as the repeated methods it is compared with.
-    sliced = {m: [idx_of[m][k::repeats] for k in range(repeats)] for m in case.once if m in ADDITIVE}
+    sliced = {m: [idx_of[m][k::repeats] for k in range(repeats)] for m in case.once if m in ADDITIVE and m in per}
     for r in range(repeats):
         gemm.append(gemm_rate())
         for m in case.methods:
@@ -104,6 +109,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     for m in sliced:
         per[m] = [_combine(per[m])]
     rate = statistics.median(gemm[-repeats:]) * 1e9
+    par_answers = per["parallel"][0].answers if per.get("parallel") else None
     records = []
     for m in case.methods:
         runs, idx = per[m], idx_of[m]
@@ -127,6 +133,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
             "questions": task.n, "method": m, "parallel_size": case.parallel_size, "batch_docs": case.batch_docs,
             "measured_questions": len(idx), "extrapolated": len(idx) < task.n, "repeats": len(runs),
             "wall_s": wall, "prefill_s": prefill, "decode_s": decode, "cpu_s": med(lambda x: x.cpu_s) * scale,
+            "setup_s": med(lambda x: x.setup_s),  # untimed, outside wall_s
             "wall_s_min": min(x.prefill_s + x.decode_s for x in runs) * scale,
             "generated_tokens": task.n * g, "tokens_per_s": task.n * g / wall if wall else float("nan"),
             "decode_steps": runs[0].decode_steps, "forward_passes": runs[0].forward_passes,
@@ -137,6 +144,10 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
             "accuracy": correct / len(idx),
             "identical_to_independent": sum(answers[i] == ref[i] for i in checked),
             "checked_against_independent": len(checked),
+            # parallel runs every question and is the independent answer bit for bit (tests/test_parity.py):
+            # the comparison that covers all questions when the sampled reference covers a few
+            "identical_to_parallel": sum(answers[i] == par_answers[i] for i in idx) if par_answers else None,
+            "checked_against_parallel": len(idx) if par_answers else 0,
             "stable_across_repeats": stable,
             "flops_executed": flops, "flops_useful": useful["total"],
             "gemm_gflops": rate / 1e9,
@@ -169,7 +180,8 @@ def _combine(parts: list[Measured]) -> Measured:
         answers.update(p.answers)
     return Measured(answers, sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
                     sum(p.cpu_s for p in parts), max(p.kv_bytes for p in parts), max(p.rss_bytes for p in parts),
-                    sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts))
+                    sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts),
+                    sum(p.setup_s for p in parts))
 
 
 def _mean_shared(task: Task) -> float:
@@ -196,7 +208,7 @@ def setup(model_path: str | None, random_shape: LlamaConfig | None, hf: bool, wo
             from ..weights import save_hf_dir
 
             hf_path = str(save_hf_dir(random_shape, model.state_dict(), None, workdir / "hf_random"))
-        return Context(model, tok, hf_path)
+        return Context(model, tok, hf_path, checkpoint=None, workdir=workdir)
     from ..weights import _is_hf_dir, default_model_dir, load_model
 
     model, tok = load_model(model_path)
@@ -206,7 +218,7 @@ def setup(model_path: str | None, random_shape: LlamaConfig | None, hf: bool, wo
         from ..weights import save_hf_dir
 
         hf_path = str(save_hf_dir(model.config, model.state_dict(), None, workdir / "hf_copy"))
-    return Context(model, tok, hf_path)
+    return Context(model, tok, hf_path, checkpoint=str(path), workdir=workdir)
 
 
 def run(cases: list[Case], ctx: Context, repeats: int, log: Callable[[str], None] = print) -> tuple[list, list]:
