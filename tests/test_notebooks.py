@@ -37,6 +37,36 @@ def test_notebooks_exist():
     assert len(PATHS) >= 7, [p.name for p in PATHS]
 
 
+def code_cells(path: Path) -> list[nbformat.NotebookNode]:
+    return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_notebook_asserts_what_it_shows(path: Path):
+    """A claim a notebook shows is checked where it is shown, so a broken claim fails the run, not only a
+    broken cell: a third of the code cells at least (setup, pictures and timings need none)."""
+    cells = code_cells(path)
+    checked = [c for c in cells if any(line.lstrip().startswith("assert ") for line in c.source.splitlines())]
+    assert 3 * len(checked) >= len(cells), f"{path.name}: {len(checked)} of {len(cells)} code cells assert"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_committed_notebook_carries_its_outputs(path: Path):
+    """Notebooks are committed executed, top to bottom, with no error output (refresh: run this file)."""
+    cells = code_cells(path)
+    assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1)), f"{path.name}: not executed in order"
+    errors = [o.get("ename") for c in cells for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: {errors}"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_notebook_cites_only_the_repository(path: Path):
+    """Notebooks speak of minillama and its own files: no paths outside the checkout, in cells or outputs."""
+    text = path.read_text(encoding="utf-8")
+    for outside in ("NOTES.md", "../shared", "/work/", "/tmp/"):
+        assert outside not in text, f"{path.name} mentions {outside!r}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_notebook_runs(path: Path):
