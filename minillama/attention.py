@@ -103,7 +103,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 qt[0, 0] = q[h, row].to(acc) * (1.0 / math.sqrt(d))
                 kb = k_cache.new_zeros(batch, B, d, dtype=acc)
                 kb[0] = k_cache[h, blk].to(acc)
-                vb = kb.clone()
+                vb = torch.zeros_like(kb)
                 vb[0] = v_cache[h, blk].to(acc)
                 hidden = None if whole else (torch.arange(b * B, b * B + B) > p).expand(batch, t, B)
                 scores.append(_block_scores(qt, kb, batch, hidden))

@@ -198,8 +198,9 @@ class Llama(nn.Module):
         tiles = self.tiles
         rows = -(-max(n, 1) // tiles.rows) * tiles.rows if self.invariant else n  # padded token count
         g = self.config.num_attention_heads // self.config.num_key_value_heads
-        slots = cache.append(segments.cpu(), positions.cpu())  # (n,) a slot for each new token
-        plan = plan_attention(cache, segments.cpu(), positions.cpu(), g, rows, tiles, dense=not self.invariant)
+        segments, positions = segments.cpu(), positions.cpu()  # the plan is made on the host
+        slots = cache.append(segments, positions)  # (n,) a slot for each new token
+        plan = plan_attention(cache, segments, positions, g, rows, tiles, dense=not self.invariant)
         pad = rows - n
         tokens = F.pad(tokens.to(self.device), (0, pad))
         positions = F.pad(positions.to(self.device), (0, pad))
