@@ -135,9 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "gemm_gflops": statistics.median(gemm), "gemm_gflops_all": gemm, "torch": torch.__version__,
             "run_s": time.perf_counter() - t0, "command": " ".join(["python -m minillama.bench", *(argv or sys.argv[1:])])}
     paths = write_outputs(out, records, meta)
-    print()
-    print(headline_table(records))
-    print()
+    table = headline_table(records)  # empty when no headline case ran (--only doclen)
+    print("\n" + table + "\n" if table else "")
     if a.quick:
         print("(a tiny random model: the targets are about the default model; these lines only show the harness works)")
     for t, v, m in target_rows(findings(records)):

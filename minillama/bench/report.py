@@ -162,7 +162,7 @@ LABELS = {
     "parallel_plain": "parallel, plain kernels",
     "hf_batched": "HF transformers `generate`, batched, left-padded",
     "hf_prefix": "HF transformers with a reused prefix cache",
-    "llamacpp": "llama.cpp, shared prefix copied per sequence",
+    "llamacpp": "llama.cpp, shared prefix once in one cache (seq_cp)",
 }
 # Whether a method's logits are the bits of the independent run. The bench compares generated tokens; the
 # bits are what tests/test_parity.py checks (`torch.equal` on every step's logits) for the packed modes.
