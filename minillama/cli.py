@@ -29,7 +29,7 @@ except ImportError:
 
 from . import api
 from .errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
-from .generate import MODES, Stats
+from .generate import MODES, Stats, StreamTooLong
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MEMORY_MB = 1024
@@ -129,9 +129,7 @@ def _main(argv: Sequence[str] | None) -> int:
             stats=stats, on_reply=writer)
     except api.PromptTooLong as e:
         raise BadInput(str(e)) from None
-    except ValueError as e:
-        if "seqbatch stream" not in str(e):  # anything else is a bug: let it show
-            raise
+    except StreamTooLong as e:
         raise BadInput(f"{e}; use --mode parallel or fewer questions per document") from None
     except KeyboardInterrupt:
         progress.close()

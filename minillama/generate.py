@@ -27,6 +27,10 @@ from .model import Llama
 MODES = ("parallel", "independent", "seqbatch")
 
 
+class StreamTooLong(ValueError):
+    """seqbatch's one stream (the shared prefix, then every question and its answer) outgrew the context."""
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
@@ -317,7 +321,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
     for q, p in zip(questions, prompts):
         pending.extend(p[shared:])
         if cache.length(seg) + len(pending) >= max_pos:
-            raise ValueError(f"seqbatch stream is longer than the model's context ({max_pos})")
+            raise StreamTooLong(f"seqbatch stream is longer than the model's context ({max_pos})")
         t0 = time.perf_counter()
         if q.done:  # max_new_tokens == 0: nothing to generate, the question still joins the stream
             continue

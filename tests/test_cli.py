@@ -233,6 +233,22 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
         assert words in err, (case, err)
 
 
+def test_a_seqbatch_stream_beyond_the_context_is_one_line_after_the_answers_it_gave(ckpt, files, capsys):
+    # seqbatch's one stream grows by every question and answer; the answers that fit are streamed out,
+    # then the question that does not fit is reported in one line, with the way out.
+    many = files["dir"] / "many_q.txt"
+    many.write_text("".join(f"{q}\n" for q in QUESTIONS * 20))
+    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", files["doc"], "--questions", many,
+                                      "--mode", "seqbatch", "-n", "4", "--json"]])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: seqbatch stream is longer"), err
+    assert "--mode parallel" in err and "Traceback" not in err
+    rows = [json.loads(line) for line in out.splitlines() if line]
+    assert 0 < len(rows) < len(QUESTIONS) * 20  # the answers before it, in input order
+    assert [r["question"] for r in rows] == (QUESTIONS * 20)[:len(rows)]
+
+
 @pytest.mark.parametrize("case", ["missing doc", "corrupt model"])
 def test_bad_input_from_the_command_line(ckpt, files, case):
     p = run_cli(*bad_cases(ckpt, files)[case], check=False)
