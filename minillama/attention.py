@@ -265,14 +265,16 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Pass 1 finds each row's exact maximum over all its items; pass 2 takes exp(score - max), its sum and its
     weighted values per item, and adds each row's blocks onto zero in block order (`_add_rows` per block:
     a row meets each block once, so every call adds one term to it). Items are processed in chunks of at
-    most `Tiles.*_chunk`; with more than one chunk, pass 2 computes the scores again (the same products,
-    the same bits) rather than hold them all.
+    most `Tiles.*_chunk` (all at once when a kind has at most `Tiles.keep`); with more than one chunk, pass
+    2 computes the scores again (the same products, the same bits) rather than hold them all.
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
     qf = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1).view(-1, d)
     kf, vf = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
-    kinds = [(plan.whole, tiles.full_batch, tiles.full_chunk), (plan.partial, tiles.part_batch, tiles.part_chunk)]
+    kinds = [(items, batch, items.count if 0 < items.count <= tiles.keep else chunk)  # see Tiles.keep
+             for items, batch, chunk in ((plan.whole, tiles.full_batch, tiles.full_chunk),
+                                         (plan.partial, tiles.part_batch, tiles.part_chunk))]
 
     def gather(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """src rows at idx (I, n): (I, n, D). index_select copies whole rows (a plain src[idx] goes by element)."""

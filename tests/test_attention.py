@@ -4,12 +4,15 @@ Every test builds a cache with a document, questions under it and unrelated root
 slots (`KVCache.append`), plans the pass and fills the cache with random keys and values.
 """
 
+import dataclasses
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama.attention import (KEY_BLOCK, blocked_attention, masked_attention, plan_attention,
                                  reference_attention)
+from minillama.audit import Launches
 from minillama.cache import PAD_SLOT, KVCache
 from minillama.invariant import CPU_TILES, Tiles
 from tiny import DEVICE, SMALL_TILES, tiny_config
@@ -106,6 +109,29 @@ def test_a_chunked_pass_gives_the_same_bits_as_one_chunk():
     q = fill(cache, rows, 3, 0)
     assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, big),
                        blocked_attention(q, cache.k[0], cache.v[0], plan, small))
+
+
+def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
+    """`Tiles.keep`: a kind with at most that many items runs as one chunk (no scores computed twice), bits
+    unchanged; past it, the chunks of `Tiles.*_chunk` come back."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=16)
+    cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
+    small = Tiles(full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch)
+    rows = -(-len(segs) // 64) * 64
+    plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=small)
+    q = fill(cache, rows, 3, 0)
+    counts = {}
+    for name, keep in (("chunked", 0), ("kept", max(plan.whole.count, plan.partial.count)),
+                       ("just past", min(plan.whole.count, plan.partial.count) - 1)):
+        tiles = dataclasses.replace(small, keep=keep)
+        with Launches() as seen:
+            out = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
+        counts[name] = seen.counts.get("aten.bmm.out", 0)
+        assert torch.equal(out, blocked_attention(q, cache.k[0], cache.v[0], plan, small)), name
+    items = (plan.whole.count // small.full_batch, plan.partial.count // small.part_batch)
+    assert counts["kept"] == 2 * sum(items)  # scores once, values once
+    assert counts["chunked"] == 3 * sum(items)  # scores twice: for the maxima, then again for the values
+    assert counts["just past"] == counts["chunked"]
 
 
 def test_decode_reads_each_document_block_once_per_tile_of_questions():
