@@ -68,7 +68,9 @@ class Tiles:
             raise ValueError("chunks must hold whole batches")
 
 
-CPU_TILES = Tiles(keep=640)
+# A CPU: the masked own-block items in bmm calls of 64 rather than 256 (prefill attention ~20% faster at the
+# paper's layout, decode ~10%: the 8-row tiles' scores and keys stay in cache through each call).
+CPU_TILES = Tiles(part_batch=64, keep=640)
 # Untuned on a GPU so far: bigger row tiles (a 256-row product still reads each weight once per tile),
 # batches and chunks big enough that a pass issues few launches (tests/test_signatures.py counts them).
 CUDA_TILES = Tiles(rows=256, full_batch=256, part_batch=1024, full_chunk=8192, part_chunk=16384, index_add=True)

@@ -101,8 +101,9 @@ def test_a_chunked_pass_gives_the_same_bits_as_one_chunk():
     """Past `Tiles.*_chunk` items, scores are computed twice instead of held: not a bit changes."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
-    big = Tiles(full_chunk=1 << 20, part_chunk=1 << 20)
-    small = Tiles(full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch)
+    # The same products (CPU_TILES' batch counts) in one chunk and in chunks of one batch.
+    big = dataclasses.replace(CPU_TILES, full_chunk=1 << 20, part_chunk=1 << 20, keep=0)
+    small = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
     rows = -(-len(segs) // 64) * 64
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=big)
     assert plan.whole.count > small.full_chunk and plan.partial.count > small.part_chunk  # really chunked
@@ -116,7 +117,7 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
     unchanged; past it, the chunks of `Tiles.*_chunk` come back."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
-    small = Tiles(full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch)
+    small = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
     rows = -(-len(segs) // 64) * 64
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=small)
     q = fill(cache, rows, 3, 0)
@@ -151,7 +152,7 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
         assert set(rows[rows < 120].tolist()) == set(range(120))
     # The block holding each question's own tokens is that question's alone, in a small tile.
     part = plan.partial
-    assert part.count == tiles.part_batch and part.bounds == [0, 256]
+    assert part.count == tiles.part_batch and part.bounds == [0, tiles.part_batch]  # 40 items, padded
     for w in range(40):
         keys = part.keys[w].tolist()
         assert keys[:5] == cache.segments[w + 1].slots and set(keys[5:]) == {PAD_SLOT}
