@@ -19,6 +19,8 @@ from tiny import DEVICE, SMALL_TILES, tiny_config
 
 TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, full=8, part=8, full_batch=2, part_batch=2,
                                                        full_chunk=2, part_chunk=4)])
+# CPU_TILES' products, one batch per chunk and nothing kept whole: every pass past one batch is chunked.
+CHUNKED = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
 
 
 def layout(config, doc, qs, others, dtype=torch.float32, decode=False):
@@ -102,8 +104,8 @@ def test_a_chunked_pass_gives_the_same_bits_as_one_chunk():
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
     # The same products (CPU_TILES' batch counts) in one chunk and in chunks of one batch.
-    big = dataclasses.replace(CPU_TILES, full_chunk=1 << 20, part_chunk=1 << 20, keep=0)
-    small = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
+    big = dataclasses.replace(CHUNKED, full_chunk=1 << 20, part_chunk=1 << 20)
+    small = CHUNKED
     rows = -(-len(segs) // 64) * 64
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=big)
     assert plan.whole.count > small.full_chunk and plan.partial.count > small.part_chunk  # really chunked
@@ -117,10 +119,11 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
     unchanged; past it, the chunks of `Tiles.*_chunk` come back."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
-    small = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
+    small = CHUNKED
     rows = -(-len(segs) // 64) * 64
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=small)
     q = fill(cache, rows, 3, 0)
+    chunked = blocked_attention(q, cache.k[0], cache.v[0], plan, small)
     counts = {}
     for name, keep in (("chunked", 0), ("kept", max(plan.whole.count, plan.partial.count)),
                        ("just past", min(plan.whole.count, plan.partial.count) - 1)):
@@ -128,7 +131,7 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
         with Launches() as seen:
             out = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
         counts[name] = seen.counts.get("aten.bmm.out", 0)
-        assert torch.equal(out, blocked_attention(q, cache.k[0], cache.v[0], plan, small)), name
+        assert torch.equal(out, chunked), name
     items = (plan.whole.count // small.full_batch, plan.partial.count // small.part_batch)
     assert counts["kept"] == 2 * sum(items)  # scores once, values once
     assert counts["chunked"] == 3 * sum(items)  # scores twice: for the maxima, then again for the values
