@@ -151,14 +151,16 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
              ignore_eos: bool = False, stop: Sequence[str] = (), keep_logits: bool = False,
              parallel_size: int | None = None, batch_docs: int | None = None, prefill_chunk: int = 512,
              on_token: Callable[[int], None] | None = None, stats: Stats | None = None,
-             on_reply: Callable[[int, Reply], None] | None = None) -> list[list[Reply]]:
+             on_reply: Callable[[int, Reply], None] | None = None,
+             first_question: Sequence[int] | None = None) -> list[list[Reply]]:
     """Answer questions about several documents together: jobs are (document, questions) pairs. Returns
     one list of Replies per document. In `parallel` mode each document is prefilled once and all its
     questions decode together; parallel_size caps the questions per document and batch_docs the
     documents per forward pass. Sampling (temperature > 0) draws from one random stream per question,
     seeded from (seed, the question's index over all jobs), so every mode gives the same answers.
     on_reply(i, reply) is called as soon as a reply is finished (in finishing order); i counts the
-    questions over all jobs, in job order.
+    questions over all jobs, in job order. first_question[d] (default: the count before job d) numbers job
+    d's first question's random stream: a share of a larger run (a data-parallel rank's) keeps its streams.
 
     Raises ValueError on bad options and PromptTooLong when a prompt does not fit in the context.
     """
@@ -178,7 +180,8 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
 
     answers = generate(llama, prompts, params, mode=mode, docs=docs, parallel_size=parallel_size,
                        batch_docs=batch_docs, eos_ids=eos, prefill_chunk=prefill_chunk, on_token=on_token,
-                       stats=stats, on_answer=None if on_reply is None else lambda i, a: on_reply(i, reply(i, a)))
+                       stats=stats, on_answer=None if on_reply is None else lambda i, a: on_reply(i, reply(i, a)),
+                       streams=None if first_question is None else [first_question[d] + qi for d, qi in where])
     out: list[list[Reply]] = [[] for _ in jobs]
     for i, a in enumerate(answers):
         out[where[i][0]].append(reply(i, a))

@@ -42,9 +42,11 @@ class Segment:
 
 class KVCache:
     def __init__(self, config: LlamaConfig, capacity: int = 256, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kv_heads: int | None = None):
+        """kv_heads: the KV heads this process holds (a tensor-parallel rank holds some; default all)."""
         self.config = config
-        shape = (config.num_hidden_layers, config.num_key_value_heads, max(capacity, 2), config.head_dim)
+        hkv = config.num_key_value_heads if kv_heads is None else kv_heads
+        shape = (config.num_hidden_layers, hkv, max(capacity, 2), config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self._free: list[int] = list(range(shape[2] - 1, PAD_SLOT, -1))  # a stack; slot 0 held back

@@ -104,13 +104,13 @@ class _Question:
     """One question in flight: its segment, the answer so far, and its random stream."""
 
     def __init__(self, index: int, params: SamplingParams, eos: set[int],
-                 on_answer: Callable[[int, Answer], None] | None = None):
+                 on_answer: Callable[[int, Answer], None] | None = None, stream: int | None = None):
         self.index = index
         self.on_answer = on_answer
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
         self.answer = Answer(logits=[] if params.keep_logits else None)
-        self.generator = question_generator(params.seed, index)
+        self.generator = question_generator(params.seed, index if stream is None else stream)
         self.segment = -1
         self.next_pos = 0
         self.done = params.max_new_tokens == 0
@@ -216,7 +216,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
              mode: str = "parallel", docs: Sequence[int] | None = None, parallel_size: int | None = None,
              batch_docs: int | None = None, eos_ids: Sequence[int] | None = None, prefill_chunk: int = 512,
              on_token: Callable[[int], None] | None = None, stats: Stats | None = None,
-             on_answer: Callable[[int, Answer], None] | None = None) -> list[Answer]:
+             on_answer: Callable[[int, Answer], None] | None = None,
+             streams: Sequence[int] | None = None) -> list[Answer]:
     """Answer every prompt (token ids); returns one Answer per prompt, in order.
 
     docs[i] names the document prompt i belongs to (default: all one document); prompts of one document
@@ -224,6 +225,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     document, batch_docs the documents per forward pass (the paper's parallel size and batch size).
     on_answer(i, answer) is called as soon as prompt i's answer is finished (in finishing order), so a
     caller can stream answers out; a question with max_new_tokens = 0 is reported before any forward pass.
+    streams[i] numbers prompt i's random stream (default i): a share of a larger run keeps the run's streams.
     """
     params = params or SamplingParams()
     stats = stats if stats is not None else Stats()
@@ -239,7 +241,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
             raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_pos}")
     docs = list(docs) if docs is not None else [0] * len(prompts)
     eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
-    questions = [_Question(i, params, eos, on_answer) for i in range(len(prompts))]
+    questions = [_Question(i, params, eos, on_answer, None if streams is None else streams[i])
+                 for i in range(len(prompts))]
     if on_answer is not None:
         for q in questions:
             if q.done:  # max_new_tokens == 0: finished before it starts

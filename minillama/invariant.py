@@ -27,6 +27,7 @@ without it) and for measuring what invariance costs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -89,6 +90,11 @@ class Kernels:
 
     invariant: bool = True
     tiles: Tiles | None = None
+    # Products issued per `units` fixed shards of whole KV-head groups (TiledLinear): 1 is one product per
+    # tile; any tensor-parallel degree that divides `units` gives the bits of one process with these units.
+    units: int = 1
+    local: range | None = None  # the units this process holds (None: all of them)
+    comm: Any = None  # a tensor-parallel rank's collectives (distributed/tp.py); None in one process
 
     def tiles_for(self, device: torch.device) -> Tiles:
         return self.tiles or default_tiles(device)
@@ -113,17 +119,106 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
     return out[:m].reshape(*lead, n)
 
 
-class TiledLinear(nn.Linear):
-    """`nn.Linear` whose product is row-invariant: forward hooks, names and checkpoints are nn.Linear's."""
+def unit_bounds(n: int, units: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of `units` contiguous shards of n features; the first n % units are one larger."""
+    bounds, at = [], 0
+    for u in range(units):
+        size = n // units + (u < n % units)
+        bounds.append((at, at + size))
+        at += size
+    return bounds
 
-    def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, **kw):
+
+# The fixed tree in which a row-split product's unit partials are added. Node (lo, hi) covers units
+# lo .. hi-1 and is the sum of its halves, split at lo + (hi - lo) // 2:
+#
+#     units 8:  ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))      units 3:  p0 + (p1 + p2)
+#
+# The tree depends on the number of units only, so one process and every tensor-parallel degree perform the
+# same IEEE additions in the same order (distributed/tp.py evaluates it across ranks).
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The partials of consecutive units added in the fixed tree."""
+    if len(parts) == 1:
+        return parts[0]
+    half = len(parts) // 2
+    return tree_sum(parts[:half]) + tree_sum(parts[half:])
+
+
+def tree_nodes(lo: int, hi: int, run: range) -> list[tuple[int, int]]:
+    """The largest nodes of the tree over units lo .. hi-1 that lie inside `run`, left to right."""
+    if run.start <= lo and hi <= run.stop:
+        return [(lo, hi)]
+    if hi <= run.start or run.stop <= lo or hi - lo == 1:
+        return []
+    mid = lo + (hi - lo) // 2
+    return tree_nodes(lo, mid, run) + tree_nodes(mid, hi, run)
+
+
+def tree_eval(lo: int, hi: int, known: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """The tree's node (lo, hi) from nodes already summed (`known` covers every unit exactly once)."""
+    if (lo, hi) in known:
+        return known[(lo, hi)]
+    mid = lo + (hi - lo) // 2
+    return tree_eval(lo, mid, known) + tree_eval(mid, hi, known)
+
+
+class TiledLinear(nn.Linear):
+    """`nn.Linear` whose product is row-invariant: forward hooks, names and checkpoints are nn.Linear's.
+
+    With `kernels.units = U > 1` the product is issued per *unit*, one of U fixed shards of the features
+    (U divides the KV heads, so a unit is whole KV-head groups), and its signature is then the same however
+    many processes share the layer:
+
+        split "columns" (q, k, v, gate, up, LM head): output features in U shards, unit u's outputs
+                        x @ W[u].T, concatenated. The weight is stored row-major, so W[u] is one contiguous
+                        block: the same operand whether a process holds 1 unit or all of them.
+        split "rows" (o, down): input features in U shards, partial u = x[:, u] @ W[:, u].T, the partials
+                        added in the fixed tree (`tree_sum`). The weight is stored column-major, so W[:, u].T
+                        is one contiguous block.
+
+    A tensor-parallel rank (distributed/tp.py) keeps the weights of its units (`kernels.local`) and its
+    `kernels.comm` finishes the tree across ranks and gathers the LM head's vocabulary shards.
+    """
+
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, *,
+                 split: str = "columns", gather: bool = False, **kw):
         super().__init__(in_features, out_features, bias=False, **kw)
+        if split not in ("columns", "rows"):
+            raise ValueError(f"split must be 'columns' or 'rows', got {split!r}")
         self.kernels = kernels if kernels is not None else Kernels()
+        self.split = split
+        self.gather = gather  # columns: every process needs every unit's outputs (the LM head's logits)
+        self.total = out_features if split == "columns" else in_features  # the split dimension, unsharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.kernels.invariant:
-            return F.linear(x, self.weight)
-        return tiled_linear(x, self.weight, self.kernels.tiles_for(x.device).rows)
+        """x: (..., in_features) -> (..., out_features), or this process's units of them (q, k, v, gate, up)."""
+        k = self.kernels
+        if not k.invariant:
+            out = F.linear(x, self.weight)
+        elif k.units == 1:
+            return tiled_linear(x, self.weight, k.tiles_for(x.device).rows)
+        else:
+            tile = k.tiles_for(x.device).rows
+            if self.split == "columns":
+                out = torch.cat([tiled_linear(x, self.weight[a:b], tile) for a, b in self.unit_bounds()], dim=-1)
+            else:
+                partials = [tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], tile)
+                            for a, b in self.unit_bounds()]
+                return tree_sum(partials) if k.comm is None else k.comm.tree_sum(partials)
+        if k.comm is None:
+            return out
+        if self.split == "rows":
+            return k.comm.all_reduce(out)  # the plain path only: a sum whose order the collective picks
+        return k.comm.gather_columns(out, self.total) if self.gather else out
+
+    def unit_bounds(self) -> list[tuple[int, int]]:
+        """Where each of this process's units sits along the split dimension of its (local) weight."""
+        bounds = unit_bounds(self.total, self.kernels.units)
+        local = self.kernels.local or range(self.kernels.units)
+        first = bounds[local.start][0]
+        return [(bounds[u][0] - first, bounds[u][1] - first) for u in local]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = True, tile: int | None = None) -> torch.Tensor:

@@ -52,7 +52,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels)
         self.up_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels)
-        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, kernels)
+        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, kernels, split="rows")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, hidden) -> (N, hidden)."""
@@ -67,10 +67,13 @@ class Attention(nn.Module):
         self.layer = layer
         self.kernels = kernels
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        # With kernels.units = U, unit u of q holds the query heads of KV heads u*Hkv/U .., of k and v those KV
+        # heads, of o the inputs those query heads produce: a tensor-parallel rank holds whole units, and
+        # n_heads, n_kv are then the rank's own (distributed/tp.py).
         self.q_proj = TiledLinear(config.hidden_size, self.n_heads * self.head_dim, kernels)
         self.k_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels)
         self.v_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels)
-        self.o_proj = TiledLinear(self.n_heads * self.head_dim, config.hidden_size, kernels)
+        self.o_proj = TiledLinear(self.n_heads * self.head_dim, config.hidden_size, kernels, split="rows")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -123,22 +126,21 @@ class Llama(nn.Module):
         self.config = config
         self.kernels = Kernels(invariant, tiles)  # shared by every module: the one switch they read
         self.model = LlamaModel(config, self.kernels)
-        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, self.kernels)
+        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, self.kernels, gather=True)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.column_major_()
 
     def column_major_(self) -> "Llama":
-        """Store every projection weight (N, K) column-major, in place; returns self.
+        """Store the row-split projections' weights (o, down: (N, K)) column-major, in place; returns self.
 
-        `x @ W.T` then reads W.T as a plain row-major (K, N) matrix: on CPU a 64-row tile runs about 20%
-        faster than against the row-major weight (which the BLAS must read transposed). The values,
-        shapes and names are unchanged (safetensors files are written `.contiguous()`). A tied LM head
-        stays as it is: the embedding table's rows are what token lookup reads.
+        Each unit's slice W[:, u] is then one contiguous block, read as a plain row-major (K_u, N) matrix,
+        at every tensor-parallel degree (invariant.TiledLinear); the column-split ones stay row-major, where
+        W[u] is the contiguous block. The values, shapes and names are unchanged (safetensors files are
+        written `.contiguous()`).
         """
-        tied = self.lm_head.weight is self.model.embed_tokens.weight
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and not (tied and module is self.lm_head):
+        for module in self.modules():
+            if isinstance(module, TiledLinear) and module.split == "rows":
                 w = module.weight
                 if w.dim() == 2 and w.stride() != (1, w.shape[0]):
                     w.data = w.data.t().contiguous().t()
@@ -154,6 +156,20 @@ class Llama(nn.Module):
         self.kernels.invariant = bool(on)
 
     @property
+    def units(self) -> int:
+        """Each product issued per this many fixed shards of whole KV-head groups (invariant.TiledLinear)."""
+        return self.kernels.units
+
+    @units.setter
+    def units(self, units: int) -> None:
+        n_kv = self.config.num_key_value_heads
+        if self.kernels.comm is not None:
+            raise ValueError("units are fixed once the model is sharded over processes")
+        if not isinstance(units, int) or units < 1 or n_kv % units:
+            raise ValueError(f"units must divide the model's {n_kv} KV heads, got {units}")
+        self.kernels.units = units
+
+    @property
     def tiles(self) -> Tiles:
         """The tile sizes in use on the model's device (`model.kernels.tiles` overrides the default)."""
         return self.kernels.tiles_for(self.device)
@@ -167,7 +183,8 @@ class Llama(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(self.config, capacity, device=self.device, dtype=self.dtype)
+        return KVCache(self.config, capacity, device=self.device, dtype=self.dtype,
+                       kv_heads=self.model.layers[0].self_attn.n_kv if len(self.model.layers) else None)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

@@ -1,0 +1,144 @@
+"""Tensor parallelism: a finished model sharded over the ranks of a process group, the same bits at every degree.
+
+Applied from outside, to a loaded `Llama` (`shard_(model, group)`); the model's code does not change. With
+`model.units = U` (U divides the KV heads, and the degree T divides U) each rank keeps U / T consecutive
+units of every projection (invariant.TiledLinear):
+
+    q, k, v, gate, up   split by output features: the rank's query heads, its KV heads, its MLP columns.
+                        Attention and the KV cache hold only the rank's heads; no communication.
+    o, down             split by input features: each rank has the partial products of its units. The partials
+                        are added in the model's fixed tree (invariant.tree_sum), not by the collective:
+                        `tree_sum` below moves bytes only (an all-to-all, then an all-gather) and adds locally.
+    LM head             split by vocabulary; `gather_columns` all-gathers the logits' shards.
+    embedding, norms    replicated.
+
+Why the degree cannot change a bit: every product is issued per unit with the same shape and strides at every
+degree, and every sum of partials is the same tree of IEEE additions, wherever its leaves were computed.
+A reduction inside a collective (`all_reduce`) would let the library pick the order, by algorithm, channel
+count or message size; only the plain path (`model.invariant = False`) uses one.
+
+Traffic per row-split product and rank, for a (rows, hidden) output of S bytes: the rank's tree nodes'
+column shards to the others, (T - 1) / T * S, then the summed shard back, (T - 1) / T * S: what a ring
+all-reduce moves. The plan (segments, positions, tiles) is computed on every rank from the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..invariant import TiledLinear, tree_eval, tree_nodes, unit_bounds
+from ..model import Llama
+
+
+class TensorParallel:
+    """The collectives of one rank of a tensor-parallel group, as `TiledLinear` calls them (`kernels.comm`)."""
+
+    def __init__(self, group: dist.ProcessGroup, units: int, plain_all_reduce: bool = False):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.units = units
+        self.runs = [range(r * units // self.size, (r + 1) * units // self.size) for r in range(self.size)]
+        self.nodes = [tree_nodes(0, units, run) for run in self.runs]  # each rank's largest whole subtrees
+        self.plain_all_reduce = plain_all_reduce  # the negative control: let the collective add
+        self.bytes_moved = 0  # sent by this rank, for the bench's traffic report
+
+    @property
+    def local(self) -> range:
+        return self.runs[self.rank]
+
+    def tree_sum(self, partials: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's unit partials (..., N) -> the tree's sum over every rank's units, on every rank."""
+        mine = self.nodes[self.rank]
+        run = self.local
+        values = [_tree_sum_range(partials, lo - run.start, hi - run.start) for lo, hi in mine]
+        if self.plain_all_reduce:
+            out = values[0]
+            for v in values[1:]:
+                out = out + v
+            return self.all_reduce(out)
+        shape, n = values[0].shape, values[0].shape[-1]
+        cols = unit_bounds(n, self.size)  # rank d adds columns cols[d] of every node
+        rows = values[0].reshape(-1, n)
+        send = torch.cat([torch.cat([v.reshape(-1, n)[:, a:b].reshape(-1) for v in values]) for a, b in cols])
+        in_splits = [len(mine) * rows.shape[0] * (b - a) for a, b in cols]
+        a, b = cols[self.rank]
+        out_splits = [len(nodes) * rows.shape[0] * (b - a) for nodes in self.nodes]
+        recv = send.new_empty(sum(out_splits))
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        self.bytes_moved += (send.numel() - in_splits[self.rank]) * send.element_size()
+        known, at = {}, 0
+        for nodes in self.nodes:
+            for node in nodes:
+                known[node] = recv[at:at + rows.shape[0] * (b - a)].view(rows.shape[0], b - a)
+                at += rows.shape[0] * (b - a)
+        mine_sum = tree_eval(0, self.units, known)  # (rows, columns of this rank)
+        return self._all_gather_columns(mine_sum, cols).reshape(shape)
+
+    def gather_columns(self, out: torch.Tensor, total: int) -> torch.Tensor:
+        """This rank's units of a column-split output (..., n_local) -> every unit's (..., total)."""
+        bounds = unit_bounds(total, self.units)
+        cols = [(bounds[r.start][0], bounds[r.stop - 1][1]) for r in self.runs]
+        shape = out.shape
+        return self._all_gather_columns(out.reshape(-1, shape[-1]), cols).reshape(*shape[:-1], total)
+
+    def all_reduce(self, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        dist.all_reduce(out, group=self.group)
+        self.bytes_moved += 2 * (self.size - 1) * out.numel() * out.element_size() // self.size
+        return out
+
+    def _all_gather_columns(self, mine: torch.Tensor, cols: list[tuple[int, int]]) -> torch.Tensor:
+        """(rows, width of this rank's columns) -> (rows, all columns), rank by rank; shards padded to one width."""
+        width = max(b - a for a, b in cols)
+        mine = F.pad(mine, (0, width - mine.shape[1])).contiguous()
+        parts = mine.new_empty(self.size * mine.shape[0], width)
+        dist.all_gather_into_tensor(parts, mine, group=self.group)
+        self.bytes_moved += mine.numel() * mine.element_size()
+        parts = parts.view(self.size, mine.shape[0], width)
+        return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(cols)], dim=1)
+
+
+def _tree_sum_range(partials: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    """The tree node over partials[lo:hi] (positions in this rank's run), added as invariant.tree_sum does."""
+    known = {(i, i + 1): p for i, p in enumerate(partials)}
+    return tree_eval(lo, hi, known)
+
+
+def check_degree(n_kv: int, units: int, size: int) -> None:
+    """Raise ValueError (one line) when `size` ranks cannot each hold whole units of whole KV heads."""
+    if n_kv % size:
+        raise ValueError(f"--tp {size}: the model's {n_kv} KV heads do not divide into {size} ranks; "
+                         f"choose a --tp that divides {n_kv}")
+    if units % size or n_kv % units:
+        raise ValueError(f"--tp {size} with --units {units}: the units must divide the {n_kv} KV heads "
+                         f"and --tp must divide the units")
+
+
+@torch.no_grad()
+def shard_(model: Llama, group: dist.ProcessGroup, plain_all_reduce: bool = False) -> Llama:
+    """Keep this rank's units of every projection, its heads in attention and its vocabulary in the LM head;
+    returns the model. `model.units` must already be set (a multiple of the degree)."""
+    size = dist.get_world_size(group)
+    n_kv = model.config.num_key_value_heads
+    check_degree(n_kv, model.units, size)
+    comm = TensorParallel(group, model.units, plain_all_reduce)
+    for module in model.modules():
+        if isinstance(module, TiledLinear):
+            bounds = unit_bounds(module.total, model.units)
+            a, b = bounds[comm.local.start][0], bounds[comm.local.stop - 1][1]
+            w = module.weight
+            if module is model.lm_head and w is model.model.embed_tokens.weight:
+                local = w[a:b]  # tied: the replicated embedding's rows, a view
+            elif module.split == "columns":
+                local = w[a:b].clone()  # row-major: each unit a contiguous block
+            else:
+                local = w.t()[a:b].contiguous().t()  # column-major
+            module.weight = torch.nn.Parameter(local, requires_grad=False)
+    for layer in model.model.layers:
+        layer.self_attn.n_heads //= size
+        layer.self_attn.n_kv //= size
+    model.kernels.local = comm.local
+    model.kernels.comm = comm
+    return model

@@ -1,0 +1,114 @@
+"""One rank of the tensor-parallel checks in tests/test_distributed.py, started by torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/_dist_worker.py OUT --tp T [--plain]
+
+Every rank builds the same tiny model (8 KV heads), sets `units = 8`, shards it over its tensor-parallel group
+and then (a) runs the parity property (parallel == independent, every step's logits torch.equal) on random
+layouts drawn by hypothesis, derandomized so that every rank draws the same examples, in float32 and bfloat16;
+(b) answers one fixed workload and (c) checks prefill == decode. Rank 0 saves what it found to OUT for the
+parent test, which compares the fixed workload's logits across degrees. --plain swaps the fixed combine for a
+plain all_reduce (the negative control).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
+from minillama.distributed import tp as tensor_parallel  # noqa: E402
+from minillama.distributed import world as worlds  # noqa: E402
+from minillama.generate import SamplingParams, generate  # noqa: E402
+from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model  # noqa: E402
+
+KV_HEADS = 8
+CONFIG = dict(layers=2, heads=16, kv_heads=KV_HEADS, head_dim=8, tied=False)
+
+
+def build(dtype: torch.dtype, seed: int = 0, group=None, plain: bool = False):
+    model = tiny_model(tiny_config(**CONFIG), seed, dtype, SMALL_TILES)
+    model.units = KV_HEADS
+    if group is not None:
+        tensor_parallel.shard_(model, group, plain_all_reduce=plain)
+    return model
+
+
+def fixed_workload() -> tuple[list[list[int]], SamplingParams]:
+    g = torch.Generator().manual_seed(7)
+    doc = torch.randint(3, VOCAB, (90,), generator=g).tolist()
+    prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 23, 1, 40)]
+    return prompts, SamplingParams(max_new_tokens=5, keep_logits=True, ignore_eos=True)
+
+
+def answers_of(model) -> list[list[torch.Tensor]]:
+    prompts, params = fixed_workload()
+    return [a.logits for a in generate(model, prompts, params, mode="parallel")]
+
+
+def prefill_equals_decode(model) -> bool:
+    """A token's logits when generated equal its logits in one teacher-forced pass over prompt + answer."""
+    prompts, params = fixed_workload()
+    for p, a in zip(prompts, generate(model, prompts, params, mode="independent")):
+        forced = model(torch.tensor(p + a.token_ids[:-1]))[len(p) - 1:]
+        if not all(torch.equal(x, y) for x, y in zip(a.logits, forced, strict=True)):
+            return False
+    return True
+
+
+def parity_property(group, dtype: torch.dtype, examples: int) -> None:
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(seed=st.integers(0, 1000), data=st.data())
+    def check(seed, data):
+        model = build(dtype, seed, group)
+        doc = ids(data.draw, 0, 120)
+        prompts = [doc + ids(data.draw, 1, 30) for _ in range(data.draw(st.integers(1, 6)))]
+        sampled = data.draw(st.booleans())
+        params = SamplingParams(max_new_tokens=data.draw(st.integers(1, 4)), keep_logits=True,
+                                temperature=0.8 if sampled else 0.0, seed=data.draw(st.integers(0, 99)))
+        layout = dict(prefill_chunk=data.draw(st.sampled_from([7, 64, 512])),
+                      parallel_size=data.draw(st.sampled_from([None, 2])))
+        alone = generate(model, prompts, params, mode="independent")
+        packed = generate(model, prompts, params, mode="parallel", **layout)
+        for a, b in zip(alone, packed, strict=True):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+
+    check()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--examples", type=int, default=10)
+    p.add_argument("--plain", action="store_true")
+    args = p.parse_args()
+    world = worlds.init(args.tp, torch.device("cpu"), timeout_s=120)
+    results = {"world": world.size, "tp": world.tp}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build(dtype, group=world.tp_group, plain=args.plain)
+        results[f"logits_{dtype}"] = answers_of(model)
+        results[f"prefill_equals_decode_{dtype}"] = prefill_equals_decode(model)
+        results[f"bytes_{dtype}"] = model.kernels.comm.bytes_moved if model.kernels.comm else 0
+        if not args.plain:
+            parity_property(world.tp_group, dtype, args.examples)
+            results[f"parity_{dtype}"] = args.examples
+    # every rank of a group holds the same answers: check it, then rank 0 reports
+    mine = torch.cat([x.float().reshape(-1) for q in results["logits_torch.float32"] for x in q])
+    every = [torch.empty_like(mine) for _ in range(world.size)]
+    dist.all_gather(every, mine)
+    results["ranks_agree"] = all(torch.equal(every[0], e) for e in every)
+    if world.rank == 0:
+        torch.save(results, args.out)
+    worlds.finish()
+
+
+if __name__ == "__main__":
+    main()
