@@ -14,6 +14,7 @@ written so far stay written); 141 when the reader of stdout goes away; 1 on a bu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -28,6 +29,7 @@ except ImportError:
     resource = None  # type: ignore[assignment]
 
 from . import api
+from . import distributed
 from .errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from .generate import MODES, Stats, StreamTooLong
 
@@ -85,14 +87,31 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true",
                    help="JSON Lines on stdout, one object per question; the last stderr line is a JSON summary")
     o.add_argument("--logprobs", action="store_true", help="also the log-probability of each generated token")
+    d = p.add_argument_group("more than one process (docs/distributed.md)")
+    d.add_argument("--procs", type=int, default=1, metavar="N",
+                   help="start N ranks on this machine (as torchrun --nproc-per-node N would): the documents "
+                        "split over the data-parallel groups, --tp ranks to a group (default: 1)")
+    d.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="tensor parallel: the model's heads, MLP columns and vocabulary over T ranks; T divides "
+                        "the KV heads (default: 1)")
+    d.add_argument("--units", type=int, metavar="U",
+                   help="issue every product in U fixed shards of whole KV-head groups: every --tp dividing U "
+                        "gives the same bits (default: the KV heads when --tp > 1, else 1)")
+    d.add_argument("--dist-timeout", type=float, default=600, metavar="S",
+                   help="seconds a rank waits for another before the run ends with an error (default: 600)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return _guarded(_main, argv)
+
+
+def _guarded(run, *args) -> int:
     try:
-        return _main(argv)
+        return run(*args)
     except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
+        if distributed.rank_from_env() == 0:  # every rank checks the same things; one says so
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `... | head -1`: the reader has all it wants
         return quiet_exit_on_broken_pipe()
@@ -105,51 +124,77 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)
     jobs = read_jobs(args)
-    n_questions = sum(len(q) for _, q in jobs)
+    if args.procs > 1:
+        from .distributed import launch
 
+        return launch.run(args, jobs, functools.partial(_guarded, answer))
+    return answer(args, jobs)
+
+
+def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
+    """Load the model and answer every question; in a distributed run, this rank's part of that."""
     import torch
 
+    from .distributed import parallel
+
+    n_questions = sum(len(q) for _, q in jobs)
     t0 = time.perf_counter()
+    here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
     model = _load(args.model, args.device, getattr(torch, args.dtype))
+    parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
-    plan = plan_waves(model, jobs, args)
+    share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens)
+    plan = plan_waves(model, [jobs[d] for d in share], args)
 
     out = sys.stdout
     if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
         out.reconfigure(encoding="utf-8")  # JSON Lines are UTF-8, and so is any answer the model writes
     stats = Stats()
-    progress = Progress(n_questions * args.max_new_tokens, sys.stderr)
+    progress = Progress(n_questions * args.max_new_tokens, sys.stderr if here.world.writes else None)
     writer = AnswerWriter(out, args, len(jobs), model.context_length, progress)
+    channel = here.channel(jobs, share, writer)
     try:
-        api.ask_many(
-            model, jobs, mode=args.mode, system=args.system, chat_template=not args.no_chat_template,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
-            parallel_size=plan.parallel_size, batch_docs=plan.batch_docs, on_token=progress.update,
-            stats=stats, on_reply=writer)
-    except api.PromptTooLong as e:
-        raise BadInput(str(e)) from None
-    except StreamTooLong as e:
-        raise BadInput(f"{e}; use --mode parallel or fewer questions per document") from None
+        _ask(model, jobs, share, args, plan, progress, stats, channel)
     except KeyboardInterrupt:
         progress.close()
         print(f"interrupted: {writer.written} of {n_questions} answers written", file=sys.stderr)
         return 130
+    except Exception as e:  # rank 0 must hear of another rank's error before that rank ends
+        here.failed(e)
+        raise
     finally:
         progress.close()
+    totals = here.finish(channel, stats)
+    if not here.world.writes:
+        return 0
 
     summary = {"load_s": round(load_s, 3), "generate_s": round(stats.generate_s, 3),
                "prefill_s": round(stats.prefill_s, 3), "decode_s": round(stats.decode_s, 3),
-               "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-               "tokens_per_s": round(stats.generated_tokens / stats.generate_s, 2) if stats.generate_s else 0.0,
-               "forward_passes": stats.forward_passes, "peak_kv_mb": round(stats.peak_kv_bytes / 2**20, 2),
+               "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
+               "tokens_per_s": round(totals.generated_tokens / totals.generate_s, 2) if totals.generate_s else 0.0,
+               "forward_passes": totals.forward_passes, "peak_kv_mb": round(stats.peak_kv_bytes / 2**20, 2),
                "peak_memory_mb": round(peak_rss_mb(), 1), "documents": len(jobs), "questions": n_questions,
                "mode": args.mode, "device": args.device, "dtype": args.dtype,
                "parallel_size": plan.parallel_size or max(len(q) for _, q in jobs),
                "batch_docs": plan.batch_docs or len(jobs), "max_memory_mb": args.max_memory,
-               "planned_memory_mb": round(plan.bytes / 2**20, 2)}
+               "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
     print(json.dumps(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
+
+
+def _ask(model, jobs, share, args, plan, progress, stats, channel) -> None:
+    try:
+        api.ask_many(
+            model, [jobs[d] for d in share], mode=args.mode, system=args.system,
+            chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            ignore_eos=args.ignore_eos, stop=args.stop, parallel_size=plan.parallel_size,
+            batch_docs=plan.batch_docs, on_token=progress.update, stats=stats, on_reply=channel.on_reply,
+            first_question=channel.first_question)
+    except api.PromptTooLong as e:
+        raise BadInput(str(e)) from None
+    except StreamTooLong as e:
+        raise BadInput(f"{e}; use --mode parallel or fewer questions per document") from None
 
 
 # --- input ----------------------------------------------------------------------------------------
@@ -180,6 +225,7 @@ def check_options(args: argparse.Namespace) -> None:
     if any(not s for s in args.stop):
         raise BadInput("--stop must not be empty")
     _check_device(args.device)
+    distributed.check_options(args)
 
 
 def _check_device(device: str) -> None:

@@ -6,6 +6,7 @@ run bounded in time. The tensor-parallel ranks run tests/_dist_worker.py on a ti
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,3 +73,178 @@ def test_units_are_a_property_of_the_products(one_process):
     model = worker.build(torch.float32)
     model.units = 1
     assert not same_logits(one_process[torch.float32], worker.answers_of(model))
+
+
+# --- the command line: data parallel (and data x tensor) through --procs and torchrun ----------------------
+
+from minillama.weights import save_hf_dir  # noqa: E402
+from test_api import DOC, QUESTIONS, tiny_tokenizer  # noqa: E402
+from tiny import tiny_config, tiny_model  # noqa: E402
+
+DOCS = [DOC, "Tay is the longest river in Scotland. It flows into the North Sea at Dundee.",
+        "The Forth Bridge is a railway bridge over the Firth of Forth, opened in 1890.",
+        "Ben Nevis, near Fort William, is the highest mountain in the British Isles."]
+
+
+N_QUESTIONS = sum(len(QUESTIONS[: 2 + i]) for i in range(len(DOCS)))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A tiny HF checkpoint with 4 KV heads (so --tp 2 and --tp 4 shard it) and a ChatML tokenizer."""
+    tok = tiny_tokenizer()
+    config = tiny_config(layers=2, heads=8, kv_heads=4, head_dim=8, vocab=tok.vocab_size, max_pos=512, tied=True)
+    return save_hf_dir(config, tiny_model(config, seed=3).state_dict(), tok, tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> Path:
+    """Four documents of different lengths, 2 to 5 questions each."""
+    path = tmp_path_factory.mktemp("in") / "jobs.jsonl"
+    rows = [{"doc": d, "questions": QUESTIONS[: 2 + i]} for i, d in enumerate(DOCS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def generate(*args, procs: int = 0, torchrun_nproc: int = 0, timeout: float = 400) -> subprocess.CompletedProcess:
+    cli = ["-m", "minillama", "generate", *map(str, args)]
+    if torchrun_nproc:
+        return torchrun(torchrun_nproc, *cli, timeout=timeout)
+    cmd = [sys.executable, *cli, *(["--procs", str(procs)] if procs else [])]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def common(ckpt, jobs, *extra) -> list:
+    return ["--model", ckpt, "--input", jobs, "--json", "--logprobs", "-n", "6", "--temperature", "0.9",
+            "--seed", "5", *extra]
+
+
+@pytest.fixture(scope="module")
+def one(ckpt, jobs):
+    """One process, products whole (--units 1) and in the tensor-parallel units (--units 4)."""
+    out = {}
+    for units in (1, 4):
+        p = generate(*common(ckpt, jobs, "--units", str(units)))
+        assert p.returncode == 0, p.stderr
+        out[units] = p.stdout
+    assert out[1].count("\n") == N_QUESTIONS
+    return out
+
+
+def test_data_parallel_output_is_byte_identical(ckpt, jobs, one):
+    """Two ranks (--procs 2) and torchrun's two: the same bytes as one process, sampled answers included."""
+    for p in (generate(*common(ckpt, jobs), procs=2), generate(*common(ckpt, jobs), torchrun_nproc=2)):
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout == one[1]
+        s = json.loads(p.stderr.strip().splitlines()[-1])
+        assert (s["ranks"], s["dp"], s["tp"], s["questions"]) == (2, 2, 1, N_QUESTIONS)
+
+
+def test_data_by_tensor_parallel_output_is_byte_identical(ckpt, jobs, one):
+    """Four ranks as two groups of --tp 2, and one group of --tp 4: one process's bytes at --units 4."""
+    for procs, tp in ((4, 2), (4, 4)):
+        p = generate(*common(ckpt, jobs, "--tp", str(tp)), procs=procs)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout == one[4], f"--procs {procs} --tp {tp}"
+
+
+def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
+    """Two torchrun "nodes" of one rank each, meeting at a c10d rendezvous on 127.0.0.1."""
+    from minillama.distributed.launch import free_port
+
+    port = free_port()
+    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                        "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                        "--rdzv-id=minillama-test", "-m", "minillama", "generate",
+                        *map(str, common(ckpt, jobs))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    nodes = [subprocess.Popen(cmd(n), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    try:
+        outs = [n.communicate(timeout=400) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[0][0] + outs[1][0] == one[1]  # rank 0's node writes everything, the other nothing
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3", "--procs", "3"], "--tp 3: the model's 4 KV heads do not divide into 3 ranks"),
+    (["--tp", "2"], "--tp 2 needs a multiple of 2 processes"),
+    (["--tp", "2", "--procs", "3"], "--tp 2 needs a multiple of 2 processes, got --procs 3"),
+    (["--units", "3"], "--units 3: must divide the model's 4 KV heads"),
+    (["--procs", "0"], "--procs must be at least 1"),
+    (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
+])
+def test_bad_distributed_options(ckpt, jobs, args, message):
+    p = generate("--model", ckpt, "--input", jobs, *args)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [f"error: {p.stderr.strip()[7:]}"] and message in p.stderr, p.stderr
+
+
+def test_a_failing_rank_is_named_and_written_answers_stay(ckpt, tmp_path):
+    """seqbatch on a document whose stream outgrows the context, held by rank 1: one line naming rank 1,
+    exit 2, and rank 0's answers, already written, complete."""
+    path = tmp_path / "jobs.jsonl"
+    # the first document costs more tokens (rank 0 takes it) but its stream fits; the second's does not
+    rows = [{"doc": DOC * 8, "questions": QUESTIONS[:1]}, {"doc": DOCS[1], "questions": QUESTIONS * 5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = generate("--model", ckpt, "--input", path, "--json", "--mode", "seqbatch", "-n", "2", "--ignore-eos",
+                 procs=2)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: rank 1: seqbatch stream is longer than the model's context"), p.stderr
+    order = [(0, 0)] + [(1, q) for q in range(len(QUESTIONS) * 5)]
+    written = [(r["doc_index"], r["question_index"]) for r in map(json.loads, p.stdout.splitlines())]
+    assert written == order[:len(written)]  # whole lines, in input order, none after a gap
+
+
+def test_a_killed_rank_ends_the_run_with_one_line(ckpt, tmp_path):
+    """Rank 1 killed mid-run: the launcher names it, the exit is non-zero, nothing hangs, and what rank 0
+    wrote before is whole lines of the one-process answers."""
+    import signal
+    import time
+
+    path = tmp_path / "jobs.jsonl"
+    rows = [{"doc": d * 4, "questions": QUESTIONS} for d in DOCS * 3]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--model", ckpt, "--input", path, "--json", "-n", "40", "--ignore-eos"]
+    cmd = [sys.executable, "-m", "minillama", "generate", *map(str, args), "--procs", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # rank 0 has written an answer: the run is under way
+        assert first, proc.stderr.read()
+        victim = _rank_pid(proc.pid, rank=1)
+        os.kill(victim, signal.SIGKILL)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 was ended by SIGKILL"), err
+    written = [json.loads(line) for line in (first + rest).splitlines()]  # whole JSON lines only
+    assert written and [w["doc_index"] for w in written] == sorted(w["doc_index"] for w in written)
+    time.sleep(0.5)
+    assert not _children(proc.pid), "a rank outlived the run"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def _rank_pid(parent: int, rank: int) -> int:
+    """--procs starts its ranks one after another (rank 0 first), so their pids ascend with the rank."""
+    ranks = sorted(pid for pid in _children(parent)
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    assert len(ranks) > rank, f"no rank {rank} among the children of {parent}"
+    return ranks[rank]

@@ -94,7 +94,7 @@ class TensorParallel:
         width = max(b - a for a, b in cols)
         mine = F.pad(mine, (0, width - mine.shape[1])).contiguous()
         parts = mine.new_empty(self.size * mine.shape[0], width)
-        dist.all_gather_into_tensor(parts, mine, group=self.group)
+        dist.all_gather_single(parts, mine, group=self.group)
         self.bytes_moved += mine.numel() * mine.element_size()
         parts = parts.view(self.size, mine.shape[0], width)
         return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(cols)], dim=1)
@@ -111,9 +111,10 @@ def check_degree(n_kv: int, units: int, size: int) -> None:
     if n_kv % size:
         raise ValueError(f"--tp {size}: the model's {n_kv} KV heads do not divide into {size} ranks; "
                          f"choose a --tp that divides {n_kv}")
-    if units % size or n_kv % units:
-        raise ValueError(f"--tp {size} with --units {units}: the units must divide the {n_kv} KV heads "
-                         f"and --tp must divide the units")
+    if n_kv % units:
+        raise ValueError(f"--units {units}: must divide the model's {n_kv} KV heads")
+    if units % size:
+        raise ValueError(f"--units {units}: --tp {size} must divide it")
 
 
 @torch.no_grad()

@@ -38,15 +38,6 @@ class World:
         return self.tp_rank == 0 and self.rank != 0
 
 
-def launched() -> bool:
-    """True in a process started by torchrun (or --procs) as one of several ranks."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def rank_from_env() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
 def init(tp: int, device: torch.device, timeout_s: float) -> World:
     """Join the process group torchrun described in the environment and build the (dp, tp) mesh."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,105 @@
+"""What `minillama generate` calls to run as one process or as one rank of many.
+
+    here = join(args)                 # this process's place in the world (one process: a world of one)
+    place(model, args, here)          # the product units; a tensor-parallel rank keeps its shard
+    share(jobs, here, tokenizer)      # the documents this rank's data-parallel group answers
+    channel = here.channel(...)       # each finished answer: written (rank 0) or sent there
+    totals = here.finish(channel, stats)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import BadInput
+from ..generate import Stats
+from ..model import Llama
+from . import launched
+from . import tp as tensor_parallel
+from .dp import Channel, share_documents
+from .world import World, init, single
+
+
+@dataclass
+class Here:
+    world: World
+    units: int = 1
+    _channel: Channel | None = field(default=None, repr=False)
+
+    def channel(self, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[int], write) -> Channel:
+        self._channel = Channel(self.world, jobs, share, write if self.world.writes else None)
+        return self._channel
+
+    def failed(self, error: BaseException) -> None:
+        """This rank hit an error: rank 0 hears of it (it is rank 0's own to report otherwise)."""
+        if self._channel is not None and self.world.size > 1 and not self.world.writes:
+            message = " ".join(str(error).split()) or type(error).__name__
+            self._channel.error(message, 2 if isinstance(error, BadInput) else 1)
+
+    def finish(self, channel: Channel, stats: Stats) -> Stats:
+        """Wait (rank 0) for every group; the totals over the groups."""
+        mine = {"prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+                "forward_passes": stats.forward_passes, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s}
+        channel.done(mine)
+        totals = Stats(prefill_s=stats.prefill_s, decode_s=stats.decode_s, prompt_tokens=stats.prompt_tokens,
+                       generated_tokens=stats.generated_tokens, forward_passes=stats.forward_passes,
+                       peak_kv_bytes=stats.peak_kv_bytes)
+        for other in channel.remote_stats:  # the groups ran side by side: the slowest one's times
+            totals.prompt_tokens += other["prompt_tokens"]
+            totals.generated_tokens += other["generated_tokens"]
+            totals.forward_passes += other["forward_passes"]
+            if other["prefill_s"] + other["decode_s"] > totals.generate_s:
+                totals.prefill_s, totals.decode_s = other["prefill_s"], other["decode_s"]
+        if self.world.size > 1:
+            from .world import finish
+
+            finish()
+        return totals
+
+    def summary(self) -> dict[str, Any]:
+        if self.world.size == 1 and self.units == 1:
+            return {}
+        return {"ranks": self.world.size, "dp": self.world.dp, "tp": self.world.tp, "units": self.units}
+
+
+def join(args: argparse.Namespace) -> Here:
+    """One process, or this rank of the world torchrun (or --procs) started."""
+    if not launched():
+        return Here(single())
+    if args.device.startswith("cuda") and ":" not in args.device:
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per rank
+    try:
+        return Here(init(args.tp, torch.device(args.device), args.dist_timeout))
+    except (RuntimeError, ValueError) as e:
+        raise BadInput(f"cannot join the process group: {(str(e).splitlines() or [''])[0]}") from None
+
+
+def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
+    """Set the product units (--units); at --tp > 1 keep this rank's shard of the model."""
+    n_kv = model.config.num_key_value_heads
+    units = args.units or (n_kv if here.world.tp > 1 else 1)
+    try:
+        tensor_parallel.check_degree(n_kv, units, here.world.tp)
+        model.units = units
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    here.units = units
+    if here.world.tp > 1:
+        tensor_parallel.shard_(model, here.world.tp_group)
+
+
+def share(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0) -> list[int]:
+    """The documents of this rank's data-parallel group, balanced by token count (document, questions and
+    the answers' most tokens)."""
+    if here.world.dp == 1:
+        return list(range(len(jobs)))
+    costs = [len(tokenizer.encode(doc, parse_special=False))
+             + sum(len(tokenizer.encode(q, parse_special=False)) + max_new_tokens for q in questions)
+             for doc, questions in jobs]
+    shares = share_documents(costs, here.world.dp)
+    return shares[here.world.dp_rank]
