@@ -87,18 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true",
                    help="JSON Lines on stdout, one object per question; the last stderr line is a JSON summary")
     o.add_argument("--logprobs", action="store_true", help="also the log-probability of each generated token")
-    d = p.add_argument_group("more than one process (docs/distributed.md)")
-    d.add_argument("--procs", type=int, default=1, metavar="N",
-                   help="start N ranks on this machine (as torchrun --nproc-per-node N would): the documents "
-                        "split over the data-parallel groups, --tp ranks to a group (default: 1)")
-    d.add_argument("--tp", type=int, default=1, metavar="T",
-                   help="tensor parallel: the model's heads, MLP columns and vocabulary over T ranks; T divides "
-                        "the KV heads (default: 1)")
-    d.add_argument("--units", type=int, metavar="U",
-                   help="issue every product in U fixed shards of whole KV-head groups: every --tp dividing U "
-                        "gives the same bits (default: the KV heads when --tp > 1, else 1)")
-    d.add_argument("--dist-timeout", type=float, default=600, metavar="S",
-                   help="seconds a rank waits for another before the run ends with an error (default: 600)")
+    distributed.add_options(p)
     return p
 
 

@@ -248,3 +248,55 @@ def _rank_pid(parent: int, rank: int) -> int:
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
     assert len(ranks) > rank, f"no rank {rank} among the children of {parent}"
     return ranks[rank]
+
+
+def test_oracle_export_under_torchrun_with_tp(ckpt, tmp_path):
+    """`oracle export` on two tensor-parallel ranks writes the record of one process with the same units."""
+    from safetensors.torch import load_file
+
+    def export(out, *extra, nproc=0):
+        args = ["-m", "minillama", "oracle", "export", "--model", str(ckpt), "-n", "4", "--hidden",
+                "-o", str(out), *extra]
+        if nproc:
+            return torchrun(nproc, *args)
+        return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    for p in (export(tmp_path / "one.safetensors", "--units", "4"), export(tmp_path / "tp.safetensors", "--tp", "2",
+                                                                         nproc=2)):
+        assert p.returncode == 0, p.stderr[-3000:]
+    one, tp = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "tp.safetensors")
+    assert one.keys() == tp.keys() and any(k.endswith(".hidden") for k in one)
+    assert all(torch.equal(one[k], tp[k]) for k in one)
+    manifest = json.loads((tmp_path / "tp.json").read_text())
+    assert (manifest["tp"], manifest["units"], manifest["ranks"]) == (2, 4, 2)
+
+
+def test_shape_bench_runs_tensor_parallel_under_torchrun(tmp_path):
+    """`bench --shape ... --tp 2` (the command for a GPU machine) on two CPU ranks: rank 0 reports, the
+    sharded parallel run gives the tokens of the sharded independent run."""
+    p = torchrun(2, "-m", "minillama", "bench", "--shape", "tiny", "--tiny", "--tp", "2", "--repeats", "1",
+                 "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = json.loads((tmp_path / "shape_results.json").read_text())
+    assert data["meta"]["tp"] == 2
+    rec = {r["method"]: r for r in data["records"]}
+    assert rec["independent"]["same_tokens_as_parallel"] == rec["independent"]["questions_run"]
+
+
+@pytest.mark.slow
+def test_distributed_bench_quick(tmp_path):
+    """The distributed bench's smoke run: two ranks answer the same bytes as one; tensor-parallel memory per
+    rank is 1/tp of the sharded weights plus the replicated ones, and a rank sends nothing at tp=1."""
+    p = subprocess.run([sys.executable, "-m", "minillama.bench.distributed", "--quick", "--repeats", "1",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads((tmp_path / "distributed.json").read_text())
+    assert r["data_parallel"]["same_bytes"] and r["data_parallel"]["answers"] == 4
+    rows = {t["tp"]: t for t in r["tensor_parallel"]}
+    assert set(rows) == {1, 2} and rows[1]["bytes_sent_per_decode_step"] == 0 < rows[2]["bytes_sent_per_decode_step"]
+    for t in rows.values():
+        assert t["sharded_bytes_per_rank"] * t["tp"] == t["sharded_bytes_one_process"]
+        assert t["replicated_bytes_per_rank"] == t["replicated_bytes"]
+    assert rows[2]["kv_bytes_per_token_per_rank"] * 2 == rows[1]["kv_bytes_per_token_per_rank"]

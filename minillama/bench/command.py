@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="default: float32")
     d.add_argument("--tables", action="store_true", help="also the paper's Table 3 and Table 4 configurations")
     d.add_argument("--tiny", action="store_true", help="every size divided down: seconds on a CPU (tests)")
+    d.add_argument("--tp", type=int, default=1, help="tensor parallel over this many ranks (start them with torchrun "
+                   "--nproc-per-node N); minillama's methods only (default: 1)")
     ap.add_argument("--from-json", metavar="RESULTS", help="rewrite tables and plots from a results.json, run nothing")
     ap.add_argument("--readme", metavar="README", help="with --from-json: regenerate the performance table between "
                     "the README's bench-table markers")
@@ -175,7 +177,9 @@ def _shape_main(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.threads)
     hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
     data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, a.sample or 4, hf,
-                      log=lambda s: print(s, flush=True))
+                      log=lambda s: print(s, flush=True), tp=a.tp)
+    if data is None:  # a tensor-parallel rank other than 0: rank 0 reports
+        return 0
     data["meta"]["command"] = " ".join(["python -m minillama.bench", *sys.argv[1:]])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

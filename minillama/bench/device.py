@@ -238,12 +238,29 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables: bool, repeats: int, sample: int,
-               use_hf: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The whole run: rates, the headline with every method, the paper's tables with parallel alone."""
-    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+               use_hf: bool, log: Callable[[str], None] = print, tp: int = 1) -> dict[str, Any] | None:
+    """The whole run: rates, the headline with every method, the paper's tables with parallel alone.
+    tp > 1: this is one rank of torchrun's; the model is sharded (distributed/tp.py), rank 0 returns the
+    results and the others None."""
+    dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
+    here = None
+    if tp > 1:
+        import argparse
+
+        from ..distributed import parallel
+
+        opts = argparse.Namespace(tp=tp, units=None, device=device_name, dist_timeout=600.0)
+        here = parallel.join(opts)  # on a GPU machine, cuda:LOCAL_RANK
+        device_name, use_hf = opts.device, False
+        if here.world.rank != 0:
+            log = lambda s: None  # noqa: E731
+    device = torch.device(device_name)
     t0 = time.perf_counter()
     model, sd = random_model(config, device, dtype)
+    if here is not None:
+        parallel.place(model, opts, here)
+        del sd
     hf = hf_model(config, sd, device, dtype) if use_hf else None
     log(f"random {shape} on {device} in {dtype_name} (setup {time.perf_counter() - t0:.1f} s)")
     small = dict(n=256, mib=64) if tiny else dict(n=4096, mib=1024)
@@ -258,6 +275,12 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         for t in PAPER_TABLES:
             records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if here is not None:
+        from ..distributed.world import finish
+
+        finish()
+        if here.world.rank != 0:
+            return None
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
-                     "torch": torch.__version__, "threads": torch.get_num_threads(), **rates},
+                     "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},
             "records": records}

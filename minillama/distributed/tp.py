@@ -95,9 +95,15 @@ class TensorParallel:
         mine = F.pad(mine, (0, width - mine.shape[1])).contiguous()
         parts = mine.new_empty(self.size * mine.shape[0], width)
         dist.all_gather_single(parts, mine, group=self.group)
-        self.bytes_moved += mine.numel() * mine.element_size()
+        self.bytes_moved += (self.size - 1) * mine.numel() * mine.element_size()  # a ring passes each shard on
         parts = parts.view(self.size, mine.shape[0], width)
         return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(cols)], dim=1)
+
+
+class NoComm:
+    """One process: nothing is sent (for code that reads `bytes_moved` at every degree)."""
+
+    bytes_moved = 0
 
 
 def _tree_sum_range(partials: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
@@ -135,7 +141,7 @@ def shard_(model: Llama, group: dist.ProcessGroup, plain_all_reduce: bool = Fals
             elif module.split == "columns":
                 local = w[a:b].clone()  # row-major: each unit a contiguous block
             else:
-                local = w.t()[a:b].contiguous().t()  # column-major
+                local = w.t()[a:b].clone().t()  # column-major, its own storage
             module.weight = torch.nn.Parameter(local, requires_grad=False)
     for layer in model.model.layers:
         layer.self_attn.n_heads //= size

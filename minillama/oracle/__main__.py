@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import distributed
 from ..errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from ..generate import MODES
 from ..tokenizer import TokenizerError
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", "-o", required=True, metavar="OUT.safetensors",
                    help="the record; the manifest goes to OUT.json beside it")
     e.add_argument("--hidden", action="store_true", help="also every layer's hidden states (embeddings + blocks)")
+    distributed.add_options(e, procs=False)  # under torchrun: the reference model sharded (--tp)
     src = c.add_argument_group("what to compare")
     src.add_argument("--reference", metavar="REF.safetensors",
                      help="a record from `export` (default: run minillama now on --model and the prompts)")
@@ -171,7 +173,15 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
     if args.max_new_tokens < 1:
         raise BadInput("--max-new-tokens must be at least 1")
     path = _model_path(args)
+    here = None
+    if args.cmd == "export":
+        from ..distributed import parallel
+
+        distributed.check_options(args)
+        here = parallel.join(args)
     model = _load_reference_model(path, args)
+    if here is not None:
+        parallel.place(model, args, here)
     p = _prompts(args, path, model.config)
     context = model.config.max_position_embeddings
     for i, ids in enumerate(p["prompts"], 1):
@@ -180,6 +190,14 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
                            f"context ({context})")
     rec = export(model, p["prompts"], docs=p["docs"], max_new_tokens=args.max_new_tokens, mode=args.mode,
                  eos_ids=p["eos_ids"], hidden=hidden, questions=p["questions"], model_path=str(path))
+    if here is not None:
+        rec.manifest.update(here.summary())  # ranks, tp and units, when they are not one process's defaults
+        if here.world.size > 1:
+            from ..distributed.world import finish
+
+            finish()
+            if here.world.rank != 0:
+                return None, model  # every rank holds the same record; rank 0 writes it
     return rec, model
 
 
@@ -203,6 +221,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise BadInput(f"{out}: the record is a .safetensors file")
     _check_writable(out)  # before the model runs, not after
     rec, _ = _make_reference(args, hidden=args.hidden)
+    if rec is None:
+        return 0
     mpath = save(rec, out)
     for i, q in enumerate(rec.questions):
         print(f"q{i + 1}: {len(q.prompt_ids)} prompt tokens -> {len(q.token_ids)} tokens ({q.finish_reason}): "
@@ -329,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_device(args.device)
         return cmd_export(args) if args.cmd == "export" else cmd_compare(args)
     except (BadInput, RecordError, BackendError, WeightsError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if distributed.rank_from_env() == 0:  # under torchrun every rank meets it; one says so
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return quiet_exit_on_broken_pipe()
