@@ -130,6 +130,7 @@ class Engine:
                 "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
                 "cached_prefix_tokens": self.prefix.cached_tokens if self.prefix else 0,
                 "prefix_hit_tokens": self.prefix.hits if self.prefix else 0,
+                "evicted_blocks": self.prefix.evicted if self.prefix else 0,
                 "kv_bytes": self.cache.used_bytes()}
 
     # --- the engine thread --------------------------------------------------------------------------

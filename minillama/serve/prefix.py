@@ -55,6 +55,7 @@ class PrefixCache:
         self.blocks: dict[int, Block] = {}  # segment id -> block
         self.tick = 0
         self.hits = 0  # prompt tokens found already computed (for stats)
+        self.evicted = 0  # blocks released by `evict`
 
     def acquire(self, prompt: Sequence[int]) -> list[Block]:
         """The blocks of `prompt`'s whole KEY_BLOCK-token chunks, leaving its last token (whose logits the
@@ -94,6 +95,7 @@ class PrefixCache:
                 break
             self._drop(min(idle, key=lambda b: b.used))
             released += 1
+        self.evicted += released
         return released
 
     def clear(self) -> None:
