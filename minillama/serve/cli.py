@@ -11,12 +11,15 @@ Exit status 2 on bad input (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ..cli import DEFAULT_MAX_MEMORY_MB, DTYPES, _check_device, _load
 from ..errors import BadInput, OneLineParser
@@ -127,5 +130,28 @@ def _main(argv: Sequence[str] | None) -> int:
               "machine can use the server", file=sys.stderr)
     print(f"minillama serve: model {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
+    run(config, sock)
+    print("minillama serve: stopped", file=sys.stderr)
     return 0
+
+
+def run(config, sock: socket.socket) -> None:
+    """uvicorn's server on `sock`, whose Ctrl-C/SIGTERM is a normal end: once the requests in flight are
+    drained it returns (exit 0) rather than raising the signal again, as uvicorn does. A second Ctrl-C
+    stops at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+
+    Server(config).run(sockets=[sock])

@@ -42,7 +42,7 @@ class Block:
         depth, b = 0, self.parent
         while b is not None:
             depth, b = depth + 1, b.parent
-        return depth * KEY_BLOCK
+        return depth * len(self.tokens)  # every block has the same size
 
 
 class PrefixCache:
