@@ -151,7 +151,7 @@ def test_every_served_answer_equals_its_solo_run(model, seed):
         stats = httpx.get(url[:-3] + "/health").json()
     assert not bad, "\n".join(bad)
     assert seen.get("stop string") and seen.get("echo"), seen
-    assert stats["prefix_hit_tokens"] > 0, stats  # shared prefixes were reused
+    assert stats["prefix_hit_tokens"] > 0 and stats["evicted_blocks"] > 0, stats  # reused, and evicted
     assert stats["running"] == stats["waiting"] == 0
 
 

@@ -112,7 +112,7 @@ def test_a_client_that_goes_away_frees_its_slots(model):
         engine_bytes = h["kv_bytes"]
         per_token = model.llama.config.num_hidden_layers * model.llama.config.num_key_value_heads * \
             model.llama.config.head_dim * 4 * 2
-    assert h["running"] == 0 and h["decode_tokens"] < 2 * 250, h
+    assert h["running"] == 0 and h["decode_tokens"] < 249, h  # each asked for 249 decode steps
     assert engine_bytes == h["cached_prefix_tokens"] * per_token, h  # only the shared blocks stay
 
 

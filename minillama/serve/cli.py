@@ -113,12 +113,13 @@ def _main(argv: Sequence[str] | None) -> int:
         raise BadInput(f"minillama serve needs its extra: pip install 'minillama[serve]' ({e})") from None
     import torch
 
+    from ..weights import DEFAULT_MODEL_NAME
     from .engine import Engine
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)
     model = _load(args.model, args.device, getattr(torch, args.dtype))
-    name = args.served_model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
+    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
                     max_batch_tokens=args.max_batch_tokens, max_memory_bytes=int(args.max_memory * 2**20),
