@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
