@@ -1,9 +1,10 @@
-"""The `minillama` command (also `python -m minillama`): one entry point for the four tools.
+"""The `minillama` command (also `python -m minillama`): one entry point for the five tools.
 
     minillama generate --doc doc.txt --questions q.txt    # = python -m minillama.generate
     minillama weights fetch                               # = python -m minillama.weights
     minillama oracle compare --backend transformers       # = python -m minillama.oracle
     minillama bench --quick                               # = python -m minillama.bench
+    minillama serve --model PATH                          # = python -m minillama.serve
 
 Each subcommand hands the rest of the command line to that tool's own `main()`, imported only when it
 is chosen, so `minillama --help` starts without loading torch.
@@ -21,6 +22,7 @@ COMMANDS = {
     "weights": ("minillama.weights", "fetch the default model, convert checkpoints, describe them"),
     "oracle": ("minillama.oracle.__main__", "check another backend against minillama, step by step and layer by layer"),
     "bench": ("minillama.bench", "parallel prompting against the other methods, side by side"),
+    "serve": ("minillama.serve.cli", "an OpenAI-compatible server, each answer bit-identical to its solo run"),
 }
 
 USAGE = "usage: minillama {" + ",".join(COMMANDS) + "} [options]  (minillama COMMAND --help for a command's options)"

@@ -1,0 +1,5 @@
+"""`minillama serve`: an OpenAI-compatible server whose answers do not depend on who else is asking.
+
+engine.py batches requests continuously and reuses cached prompt prefixes (prefix.py); app.py is the HTTP
+layer and the OpenAI schema; cli.py the command line. docs/serve.md describes the promise and its tests.
+"""

@@ -1,0 +1,158 @@
+"""`minillama serve` (also `python -m minillama.serve`): the command line of the OpenAI-compatible server.
+
+    minillama serve --model path/to/ckpt                 # http://127.0.0.1:8000/v1
+    minillama serve --host 0.0.0.0 --api-key SECRET      # reachable from elsewhere: ask for a key
+
+Model loading, device checks and the one-line errors are the generate command's (cli.py). Ctrl-C or
+SIGTERM stops taking connections, lets the requests in flight finish (at most --drain seconds), and exits 0.
+Exit status 2 on bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from ..cli import DEFAULT_MAX_MEMORY_MB, DTYPES, _check_device, _load
+from ..errors import BadInput, OneLineParser
+
+API_KEY_ENV = "MINILLAMA_API_KEY"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="minillama serve", allow_abbrev=False,
+                      description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
+                                  "/health) whose answers are bit-identical to each request run alone, "
+                                  "whatever else it is serving.")
+    p.add_argument("--model", "-m", metavar="PATH", help="HF or Meta directory, or .gguf file (default: the default model)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default: float32)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free port)")
+    p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, if set)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: the "
+                   "checkpoint's file or directory name)")
+    p.add_argument("--max-memory", type=float, default=DEFAULT_MAX_MEMORY_MB, metavar="MB",
+                   help="KV cache budget in MiB: requests wait past it, cached prefixes are evicted "
+                        "least-recently-used (default: %(default)g; 0: no bound)")
+    p.add_argument("--max-running", type=int, default=64, metavar="N", help="most sequences decoded together (default: 64)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="most sequences waiting; past it requests get HTTP 429 (default: 256)")
+    p.add_argument("--max-batch-tokens", type=int, default=512, metavar="N",
+                   help="most prompt tokens per forward pass; longer prompts take several (default: 512)")
+    p.add_argument("--max-tokens", type=int, default=4096, metavar="N", help="most new tokens one choice may ask for (default: 4096)")
+    p.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES", help="largest request body (default: 1 MiB)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole (no shared prefixes)")
+    p.add_argument("--drain", type=float, default=30.0, metavar="S",
+                   help="on Ctrl-C/SIGTERM, seconds to let requests in flight finish (default: 30)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("max_running", "max_queue", "max_batch_tokens", "max_tokens", "max_body"):
+        if getattr(args, name) < 1:
+            raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+        raise BadInput(f"--port must be in 0 .. 65535, got {args.port}")
+    if not (args.max_memory >= 0) or math.isinf(args.max_memory):
+        raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
+    if not (args.drain >= 0) or math.isinf(args.drain):
+        raise BadInput(f"--drain must be a number of seconds >= 0, got {args.drain}")
+    if args.api_key is not None and not args.api_key:
+        raise BadInput("--api-key must not be empty")
+    _check_device(args.device)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a taken port is a one-line error at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise BadInput(f"--host {host}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise BadInput(f"--host {host} --port {port}: cannot bind ({e.strerror or e})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    _check(args)
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as e:
+        raise BadInput(f"minillama serve needs its extra: pip install 'minillama[serve]' ({e})") from None
+    import torch
+
+    from ..weights import DEFAULT_MODEL_NAME
+    from .engine import Engine
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    sock = bind(args.host, args.port)
+    model = _load(args.model, args.device, getattr(torch, args.dtype))
+    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
+    eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
+    engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
+                    max_batch_tokens=args.max_batch_tokens, max_memory_bytes=int(args.max_memory * 2**20),
+                    prefix_cache=not args.no_prefix_cache)
+    app = build_app(model, engine, name, max_tokens=args.max_tokens, api_key=api_key, max_body_bytes=args.max_body)
+    host, port = sock.getsockname()[:2]
+    if api_key is None and args.host not in LOOPBACK:
+        print(f"warning: --host {args.host} without --api-key (or ${API_KEY_ENV}): anyone who can reach this "
+              "machine can use the server", file=sys.stderr)
+    print(f"minillama serve: model {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
+    run(config, sock)
+    print("minillama serve: stopped", file=sys.stderr)
+    return 0
+
+
+def run(config, sock: socket.socket) -> None:
+    """uvicorn's server on `sock`, whose Ctrl-C/SIGTERM is a normal end: once the requests in flight are
+    drained it returns (exit 0) rather than raising the signal again, as uvicorn does. A second Ctrl-C
+    stops at once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in old.items():
+                    signal.signal(s, handler)
+
+    Server(config).run(sockets=[sock])

@@ -1,0 +1,320 @@
+"""Continuous batching: one thread owns the model and the KV cache and runs one forward pass per step.
+
+Each step packs, in one `model(tokens, positions, segments, cache)` call, the next token of every running
+sequence (decode) with the prompt tokens of sequences that arrived since (prefill, up to `max_batch_tokens`
+of them; a long prompt is fed over several steps), exactly as parallel mode packs a document's questions.
+A prompt's whole leading blocks come from the prefix cache (prefix.py) when an earlier prompt computed
+them; its other tokens go into its own segment, where its answer grows. Tokens are picked by
+`generate._take`, with each sequence's own random stream `question_generator(seed, index)`, so a
+sequence's tokens and log-probs are those of `generate([prompt], params, mode="independent")` (index 0;
+choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
+
+The HTTP side (app.py) talks to the engine only through `submit` and `cancel`; the engine reports each
+sequence's progress through the sequence's `emit` callback, from its own thread.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import torch
+
+from ..generate import SamplingParams, _Question, _take
+from ..model import Llama
+from .prefix import Block, PrefixCache
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the queue holds (HTTP 429)."""
+
+
+class Stopped(Exception):
+    """The engine is shutting down or has stopped (HTTP 503)."""
+
+
+@dataclass
+class Event:
+    """What one step did for one sequence: its new token (None for a prompt-only step) and, at the end,
+    its finish reason. `prompt_logprobs` (echo) come once, with the first event."""
+
+    token: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None  # the top-k (token id, log-prob) at this token
+    finish_reason: str | None = None
+    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of one request: its prompt, sampling parameters and where its events go."""
+
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None]
+    index: int = 0  # its random stream: question_generator(params.seed, index)
+    top_k: int = 0  # top log-probs wanted per token (0: none)
+    echo: bool = False  # the prompt's own log-probs are wanted (no prefix reuse: every row is computed)
+    # engine state
+    q: _Question | None = field(default=None, repr=False)
+    blocks: list[Block] = field(default_factory=list)
+    segment: int = -1
+    tail: list[int] = field(default_factory=list)  # prompt tokens in its own segment
+    fed: int = 0  # of them, computed (or scheduled)
+    prompt_rows: list[torch.Tensor] = field(default_factory=list)  # echo: log-softmax rows, in order
+    cancelled: bool = False
+    finished: bool = False
+
+
+class Engine:
+    """The model's one owner. `start()` runs the loop in a thread; `stop()` ends it (running sequences
+    finish with an error event)."""
+
+    def __init__(self, model: Llama, eos_ids: Seq[int], max_running: int = 64, max_queue: int = 256,
+                 max_batch_tokens: int = 512, max_memory_bytes: int = 0, prefix_cache: bool = True):
+        self.model = model
+        self.eos = set(eos_ids)
+        self.max_running, self.max_queue = max_running, max_queue
+        self.max_batch_tokens = max(1, max_batch_tokens)
+        self.budget = max_memory_bytes
+        self.cache = model.new_cache(256)
+        self.prefix = PrefixCache(self.cache) if prefix_cache else None
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.lock = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.steps = self.prefill_tokens = self.decode_tokens = 0
+        c = model.config
+        self.kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * \
+            torch.finfo(model.dtype).bits // 8
+
+    # --- the HTTP side's calls (any thread) -----------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue a request's sequences (all or none). Raises QueueFull or Stopped."""
+        with self.lock:
+            if self.stopping:
+                raise Stopped("the server is shutting down")
+            if len(self.waiting) + len(seqs) > self.max_queue:
+                raise QueueFull(f"the server is busy: {len(self.waiting)} sequences are waiting "
+                                f"(--max-queue {self.max_queue}); retry later")
+            self.waiting.extend(seqs)
+            self.lock.notify()
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        """The client went away: its sequences leave at the next step and free their slots."""
+        with self.lock:
+            for s in seqs:
+                s.cancelled = True
+            self.lock.notify()
+
+    def start(self) -> "Engine":
+        self.thread = threading.Thread(target=self._loop, name="minillama-engine", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def stats(self) -> dict[str, int]:
+        return {"running": len(self.running), "waiting": len(self.waiting), "steps": self.steps,
+                "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+                "cached_prefix_tokens": self.prefix.cached_tokens if self.prefix else 0,
+                "prefix_hit_tokens": self.prefix.hits if self.prefix else 0,
+                "evicted_blocks": self.prefix.evicted if self.prefix else 0,
+                "kv_bytes": self.cache.used_bytes()}
+
+    # --- the engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.stopping and not self.waiting and not self.running:
+                    self.lock.wait()
+                if self.stopping:
+                    break
+                self._admit()
+            try:
+                self._step()
+            except Exception:  # a bug: report it, fail what is running, keep serving
+                traceback.print_exc(file=sys.stderr)
+                for s in self.running:
+                    self._finish(s, Event(error="internal error in the engine (see the server's log)"))
+                self.running = []
+                self.cache = self.model.new_cache(256)
+                self.prefix = PrefixCache(self.cache) if self.prefix is not None else None
+        with self.lock:
+            for s in self.running + self.waiting:
+                if not s.finished:
+                    s.finished = True
+                    s.emit(Event(error="the server is shutting down"))
+            self.running, self.waiting = [], []
+
+    def _admit(self) -> None:
+        """Move waiting sequences to running while there is room (called with the lock held)."""
+        self.waiting = [s for s in self.waiting if not s.cancelled]
+        while self.waiting and len(self.running) < self.max_running:
+            s = self.waiting[0]
+            need = self.kv_per_token * (len(s.prompt) + s.params.max_new_tokens)
+            if self.running and self.budget and self.cache.used_bytes() + need > self.budget:
+                if self.prefix is None or not self.prefix.evict(max(self.budget - need, 1)):
+                    break
+                continue
+            self.waiting.pop(0)
+            self._place(s)
+            self.running.append(s)
+
+    def _place(self, s: Sequence) -> None:
+        s.q = _Question(s.index, s.params, self.eos)
+        s.blocks = self.prefix.acquire(s.prompt) if self.prefix is not None and not s.echo else []
+        cut = len(s.blocks) * (self.prefix.block if self.prefix else 0)
+        s.tail = s.prompt[cut:]
+        s.segment = self.cache.new_segment(s.blocks[-1].segment if s.blocks else None)
+        s.q.segment = s.segment
+
+    def _step(self) -> None:
+        with self.lock:
+            for s in self.running:
+                if s.cancelled and not s.finished:
+                    self._finish(s, None)
+            self.running = [s for s in self.running if not s.finished]
+        if not self.running:
+            return
+        toks: list[int] = []
+        poss: list[int] = []
+        segs: list[int] = []
+        rows: list[int] = []  # rows whose logits are wanted
+        decode: list[Sequence] = []
+        prefilled: list[tuple[Sequence, int, int]] = []  # (sequence, its first wanted row, row count)
+
+        def put(sid: int, start: int, ids: Seq[int]) -> None:
+            toks.extend(ids)
+            segs.extend([sid] * len(ids))
+            poss.extend(range(start, start + len(ids)))
+
+        for s in self.running:  # decode: one token each
+            if s.fed == len(s.tail) and not s.q.done:
+                put(s.segment, s.q.next_pos, [s.q.answer.token_ids[-1]])
+                rows.append(len(toks) - 1)
+                decode.append(s)
+        budget = self.max_batch_tokens
+        for s in self.running:  # prefill, in arrival order, parents before children
+            if budget <= 0:
+                break
+            if s.fed == len(s.tail):
+                continue
+            blocked = False
+            for b in s.blocks:
+                if not b.ready:
+                    take = min(budget, len(b.tokens) - b.filled)
+                    put(b.segment, b.position + b.filled, b.tokens[b.filled:b.filled + take])
+                    b.filled += take
+                    budget -= take
+                    if not b.ready:
+                        blocked = True
+                        break
+            if blocked or budget <= 0:
+                continue
+            take = min(budget, len(s.tail) - s.fed)
+            start = len(s.prompt) - len(s.tail)
+            first = len(toks)
+            put(s.segment, start + s.fed, s.tail[s.fed:s.fed + take])
+            s.fed += take
+            budget -= take
+            if s.echo:
+                rows.extend(range(first, len(toks)))
+                prefilled.append((s, len(rows) - take, take))
+            elif s.fed == len(s.tail):
+                rows.append(len(toks) - 1)
+                prefilled.append((s, len(rows) - 1, 1))
+        if not toks:
+            return
+        logits = self.model(torch.tensor(toks), torch.tensor(poss), torch.tensor(segs), self.cache,
+                            logits_rows=torch.tensor(rows, dtype=torch.long))  # (len(rows), vocab)
+        self.steps += 1
+        self.decode_tokens += len(decode)
+        self.prefill_tokens += len(toks) - len(decode)
+        self._take(logits, decode, prefilled)
+        with self.lock:
+            self.running = [s for s in self.running if not s.finished]
+            if self.prefix is not None and self.budget:
+                self.prefix.evict(self.budget)
+
+    def _take(self, logits: torch.Tensor, decode: list[Sequence], prefilled: list[tuple[Sequence, int, int]]) -> None:
+        """Pick the next token of every sequence that has one this step, then report to each.
+        logits: (rows, vocab); decode sequence i owns row i, prefilled ones (sequence, first row, count)."""
+        max_pos = self.model.config.max_position_embeddings
+        picks: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
+        for s in decode:
+            s.q.next_pos += 1
+        for s, first, count in prefilled:
+            if s.echo:  # every prompt row, kept until the prompt is complete
+                s.prompt_rows.append(torch.log_softmax(logits[first:first + count].float(), -1))
+            if s.fed < len(s.tail):
+                continue
+            s.q.next_pos = len(s.prompt)
+            if s.q.done:  # max_tokens 0: the prompt only
+                self._finish(s, Event(finish_reason="length", prompt_logprobs=self._prompt_logprobs(s)))
+                continue
+            picks.append((s, first + count - 1))
+        if not picks:
+            return
+        qs = [s.q for s, _ in picks]
+        chosen = logits[torch.tensor([r for _, r in picks])]  # (Q, vocab)
+        _take(qs, chosen, max_pos)
+        want_top = [i for i, (s, _) in enumerate(picks) if s.top_k]
+        top: dict[int, list[tuple[int, float]]] = {}
+        if want_top:
+            lp = torch.log_softmax(chosen[torch.tensor(want_top)].float(), -1)  # row-wise: the bits of _take's
+            k = max(picks[i][0].top_k for i in want_top)
+            vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            for j, i in enumerate(want_top):
+                kk = picks[i][0].top_k
+                top[i] = list(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist()))
+        for i, (s, _) in enumerate(picks):
+            a = s.q.answer
+            ev = Event(a.token_ids[-1], a.logprobs[-1], top.get(i))
+            if len(a.token_ids) == 1 and s.echo:
+                ev.prompt_logprobs = self._prompt_logprobs(s)
+            if s.q.done:
+                ev.finish_reason = a.finish_reason
+                self._finish(s, ev)
+            else:
+                s.emit(ev)
+
+    def _prompt_logprobs(self, s: Sequence) -> list[tuple[float | None, list[tuple[int, float]]]] | None:
+        """Echo: each prompt token's log-prob given the tokens before it (None for the first), with the
+        top-k at its position."""
+        if not s.echo:
+            return None
+        lp = torch.cat(s.prompt_rows)  # (P, vocab): row t predicts prompt token t + 1
+        s.prompt_rows = []
+        nxt = torch.tensor(s.prompt[1:], dtype=torch.long)
+        chosen = lp[:-1].gather(1, nxt[:, None])[:, 0].tolist() if len(nxt) else []
+        out: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
+        if s.top_k and len(nxt):
+            vals, ids = lp[:-1].topk(min(s.top_k, lp.shape[-1]), dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        else:
+            tops = [[] for _ in chosen]
+        out.extend(zip(chosen, tops))
+        return out
+
+    def _finish(self, s: Sequence, ev: Event | None) -> None:
+        """Free the sequence's own segment and its hold on the prefix blocks; send its last event."""
+        if s.finished:
+            return
+        s.finished = True
+        if s.segment in self.cache.segments:
+            self.cache.release(s.segment)
+        if self.prefix is not None and s.blocks:
+            self.prefix.release(s.blocks)
+        if ev is not None:
+            s.emit(ev)

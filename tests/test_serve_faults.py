@@ -1,0 +1,228 @@
+"""`minillama serve` under limits and faults: 400s that name the field, a full queue (429) that loses and
+corrupts nothing, clients that go away mid-answer, SIGTERM while answering, bad command lines, and the
+prefix cache's least-recently-used eviction."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from minillama import api
+from minillama.serve.prefix import PrefixCache
+from _serve_harness import LONG_DOC, serving, solo, write_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return api.load(ckpt)
+
+
+BAD = [  # (route, body, HTTP status, the field the error names)
+    ("/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/completions", {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/completions", {"prompt": "x", "max_tokens": 500}, 400, "max_tokens"),  # past the context
+    ("/completions", {"prompt": [1] * 600}, 400, "prompt"),
+    ("/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ("/completions", {"prompt": "x", "stop": ""}, 400, "stop"),
+    ("/completions", {"prompt": "x", "seed": 1.5}, 400, "seed"),
+    ("/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/chat/completions", {"messages": []}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+]
+
+
+def test_bad_requests_are_refused_naming_the_field(model):
+    with serving(model, api_key="sesame") as url, httpx.Client(timeout=60) as c:
+        auth = {"Authorization": "Bearer sesame"}
+        for route, body, status, param in BAD:
+            r = c.post(url + route, json=body, headers=auth)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), (body, r.text)
+            assert param in r.json()["error"]["message"], r.text
+        r = c.post(url + "/completions", content=b"{nope", headers=auth)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "body")
+        r = c.post(url + "/completions", content=b" " * (65 << 10), headers=auth)
+        assert (r.status_code, r.json()["error"]["param"]) == (413, "body")
+        assert c.post(url + "/completions", json={"prompt": "x"}).status_code == 401
+        assert c.get(url + "/models").status_code == 401
+        assert c.get(url + "/models", headers=auth).json()["data"][0]["id"] == "tiny"
+        assert c.post(url + "/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth).status_code == 200
+
+
+def test_a_burst_past_the_queue_gets_429_and_the_rest_are_exact(model):
+    """Requests past --max-queue are refused at once with 429; bad requests in the burst get 400; every
+    answered request still has the bits of its solo run."""
+    bodies = [{"prompt": f"{LONG_DOC} {i}", "max_tokens": 6, "ignore_eos": True, "logprobs": 0,
+               "return_tokens_as_token_ids": True, "temperature": 0.0 if i % 2 else 1.0, "seed": i}
+              for i in range(24)]
+    bodies[5] = {"prompt": "x", "top_p": 7}
+    with serving(model, max_running=2, max_queue=3) as url, httpx.Client(timeout=120) as c:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda b: c.post(url + "/completions", json=b), bodies))
+        health = c.get(url[:-3] + "/health").json()
+    codes = [r.status_code for r in replies]
+    assert codes[5] == 400 and 429 in codes and codes.count(200) >= 3, codes
+    assert all("--max-queue" in r.json()["error"]["message"] for r in replies if r.status_code == 429)
+    for body, r in zip(bodies, replies):
+        if r.status_code == 200:
+            a = solo(model, model.tokenizer.encode(body["prompt"], add_special=True, parse_special=False), 1, body)[0]
+            lp = r.json()["choices"][0]["logprobs"]
+            assert ([int(t[9:]) for t in lp["tokens"]], lp["token_logprobs"]) == (a.token_ids, a.logprobs)
+    assert health["running"] == health["waiting"] == 0
+
+
+def test_a_client_that_goes_away_frees_its_slots(model):
+    """Mid-stream and while waiting for a whole answer: the engine drops the request at its next step,
+    long before the 250 tokens asked for, and keeps only the cached prefix blocks."""
+    body = {"prompt": LONG_DOC, "max_tokens": 250, "ignore_eos": True, "temperature": 0}
+    with serving(model) as url, httpx.Client(timeout=120) as c:
+        with c.stream("POST", url + "/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(url + "/completions", json=body, timeout=0.5)
+        t0 = time.monotonic()
+        while (h := c.get(url[:-3] + "/health").json())["running"] and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        engine_bytes = h["kv_bytes"]
+        per_token = model.llama.config.num_hidden_layers * model.llama.config.num_key_value_heads * \
+            model.llama.config.head_dim * 4 * 2
+    assert h["running"] == 0 and h["decode_tokens"] < 249, h  # each asked for 249 decode steps
+    assert engine_bytes == h["cached_prefix_tokens"] * per_token, h  # only the shared blocks stay
+
+
+def test_prefix_blocks_are_shared_and_evicted_least_recently_used(model):
+    cache = model.llama.new_cache()
+    prefix = PrefixCache(cache, block=4)
+    a = prefix.acquire(list(range(10)))  # blocks [0..3], [4..7]; tokens 8, 9 are the request's own
+    b = prefix.acquire(list(range(8)) + [50, 51])
+    assert len(a) == 2 and a == b and a[0].refs == 2
+    c = prefix.acquire([0, 1, 2, 3, 9, 9, 9, 9, 9])
+    assert c[0] is a[0] and c[1] is not a[1]
+    assert c[1].segment in cache.segments and cache.segments[c[1].segment].parent == a[0].segment
+    for blocks in (a, b, c):  # fill them, as the engine would, then let them go
+        for blk in blocks:
+            if not blk.filled:
+                cache.append(torch.full((4,), blk.segment), torch.arange(blk.position, blk.position + 4))
+                blk.filled = 4
+    prefix.release(c)
+    prefix.release(a)
+    prefix.release(b)  # [4..7] is now the most recently used leaf, [9, 9, 9, 9] the least
+    per_block = cache.used_bytes() // 3
+    assert prefix.evict(2 * per_block) == 1 and c[1].segment not in cache.segments
+    assert prefix.evict(per_block) == 1 and a[1].segment not in cache.segments
+    assert prefix.evict(1) == 1 and not cache.segments and not prefix.roots
+
+
+def start_server(ckpt, *extra: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "minillama.serve", "--model", str(ckpt), "--port", "0", *extra],
+                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    line = p.stderr.readline()
+    assert "http://" in line, line + p.stderr.read()
+    return p, line.split()[-1].strip()
+
+
+def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
+    p, url = start_server(ckpt)
+    try:
+        chunks: list[str] = []
+
+        def read():
+            body = {"prompt": LONG_DOC, "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": True}
+            with httpx.stream("POST", url + "/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+
+        failed: list[BaseException] = []
+
+        def read_safely():
+            try:
+                read()
+            except BaseException as e:  # reported below, with what the server said
+                failed.append(e)
+
+        reader = threading.Thread(target=read_safely)
+        reader.start()
+        t0 = time.monotonic()
+        while not chunks and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        reader.join(120)
+        code = p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err = p.stderr.read()
+    assert code == 0 and not failed, (code, failed, err)
+    assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length"
+    assert "Traceback" not in err and err.strip().endswith("stopped"), err
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--port", "70000"], "--port must be in 0 .. 65535"),
+    (["--max-queue", "0"], "--max-queue must be at least 1"),
+    (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt: no such file or directory"),
+    (["--host", "256.1.1.1"], "--host 256.1.1.1"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_command_lines_are_one_line_errors(args, says):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "minillama", "serve", *args], capture_output=True, text=True,
+                       cwd=ROOT, env=env, timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
+
+
+def test_a_taken_port_is_a_one_line_error(ckpt):
+    p, url = start_server(ckpt)
+    try:
+        port = url.rsplit(":", 1)[1].split("/")[0]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        q = subprocess.run([sys.executable, "-m", "minillama.serve", "--model", str(ckpt), "--port", port],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        assert q.returncode == 2 and "cannot bind" in q.stderr and q.stderr.count("\n") == 1, q.stderr
+    finally:
+        p.terminate()
+        assert p.wait(60) == 0
+
+
+@pytest.mark.slow
+def test_the_serve_bench_runs_and_finds_every_answer_identical(ckpt, tmp_path):
+    """A small bench round trip (its numbers are the bench's to report, not a test's to assert)."""
+    from minillama.serve.bench import percentile
+
+    assert (percentile([3, 1, 2, 4], 50), percentile([3, 1, 2, 4], 99), percentile(list(range(100)), 50)) == (2, 4, 49)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "minillama.serve.bench", "--model", str(ckpt), "--doc-tokens", "80",
+                        "--questions", "4", "--new-tokens", "3", "--clients", "1,4", "--json", str(tmp_path / "b.json")],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    rounds = json.loads((tmp_path / "b.json").read_text())["rounds"]
+    assert [(r["clients"], r["answered"], r["identical"]) for r in rounds] == [(1, 4, 4), (4, 4, 4)]
