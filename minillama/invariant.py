@@ -116,14 +116,20 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
 class TiledLinear(nn.Linear):
     """`nn.Linear` whose product is row-invariant: forward hooks, names and checkpoints are nn.Linear's."""
 
-    def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, **kw):
-        super().__init__(in_features, out_features, bias=False, **kw)
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, bias: bool = False,
+                 **kw):
+        super().__init__(in_features, out_features, bias=bias, **kw)
         self.kernels = kernels if kernels is not None else Kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.kernels.invariant:
-            return F.linear(x, self.weight)
-        return tiled_linear(x, self.weight, self.kernels.tiles_for(x.device).rows)
+            return self._add_bias(F.linear(x, self.weight))
+        return self._add_bias(tiled_linear(x, self.weight, self.kernels.tiles_for(x.device).rows))
+
+    def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
+        """out + bias, after the product: one IEEE addition per element of whole rows, so row-invariant
+        (a fused addmm would tie the bias into the product's kernel and its signature)."""
+        return out if self.bias is None else out + self.bias
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = True, tile: int | None = None) -> torch.Tensor:
