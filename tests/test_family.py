@@ -245,3 +245,24 @@ def test_yarn_attention_factor_is_hfs():
     assert attention_scaling(c) == pytest.approx(0.1 * math.log(4.0) + 1.0)
     c = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={**YARN, "attention_factor": 1.5})
     assert attention_scaling(c) == 1.5
+
+
+def test_the_qwen2_gguf_layout_is_the_one_transformers_reads(tmp_path):
+    """The test writer's qwen2 layout (rotate-half Q/K, biases as `attn_*.bias`) checked by an independent
+    reader: transformers' own GGUF loader gives back HF's model. (Its loader drops llama biases, ignores
+    RoPE scaling and misreads Qwen3's head_dim, so it checks only this architecture.)"""
+    from _ckpt_writers import byte_bpe_tokenizer, gguf_tokenizer_metadata
+
+    saved = BASE["vocab_size"]
+    BASE["vocab_size"] = 320  # the tokenizer's vocabulary, which transformers' loader needs
+    try:
+        model = hf_checkpoint("qwen2", tmp_path / "hf")
+    finally:
+        BASE["vocab_size"] = saved
+    config, sd = load_state_dict(tmp_path / "hf")
+    write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(byte_bpe_tokenizer(vocab=320)))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(3, 320, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (theirs(ids).logits - model(ids).logits).abs().max().item() <= 1e-5
