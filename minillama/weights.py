@@ -946,7 +946,12 @@ def _one_line(s: str) -> str:
 
 def _print_info(d: dict[str, Any]) -> None:
     c = d["config"]
-    print(f"{d['path']}: {d['format']} checkpoint, {d['parameters'] / 1e6:.1f}M parameters")
+    switches = [  # the family's (family.py), where set
+        "biases q/k/v/o" if c["attention_bias"] else "biases q/k/v" if c["model_type"] == "qwen2" else "",
+        "mlp biases" if c["mlp_bias"] else "", "q/k norm" if c["model_type"] == "qwen3" else "",
+        f"sliding window {c['sliding_window']}" if c["sliding_window"] else ""]
+    print(f"{d['path']}: {d['format']} checkpoint, {', '.join([c['model_type'], *filter(None, switches)])}, "
+          f"{d['parameters'] / 1e6:.1f}M parameters")
     print(f"  layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, ffn {c['intermediate_size']}, "
           f"heads {c['num_attention_heads']} (kv {c['num_key_value_heads']}, head dim {c['head_dim']}), "
           f"vocab {c['vocab_size']}")

@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 from _ckpt_writers import write_gguf  # noqa: E402
 from minillama import family  # noqa: E402
 from minillama.config import LlamaConfig  # noqa: E402
-from minillama.weights import (WeightsError, build_model, hf_config, llama3_rope_factors,  # noqa: E402
-                               llama3_scaling_from_factors, load_state_dict)
+from minillama.weights import (WeightsError, build_model, expected_shapes, hf_config,  # noqa: E402
+                               llama3_rope_factors, llama3_scaling_from_factors, load_state_dict)
 
 SEQ = 150  # past every window below and past yarn's original context (64)
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -123,27 +123,27 @@ def test_gguf_matches_transformers(tmp_path, name):
     assert diff <= 1e-5 and same_argmax, (name, diff, same_argmax)
 
 
-def test_a_switch_turned_off_is_caught():
-    """Negative control: the comparison notices each switch when minillama's model drops it."""
-    import tempfile
-
-    for name, drop in [("llama-attention-bias", dict(attention_bias=False)), ("qwen3", dict(model_type="llama")),
-                       ("mistral-window-40", dict(sliding_window=None)),
-                       ("llama-yarn", dict(rope_scaling={"rope_type": "linear", "factor": 4.0}))]:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = hf_checkpoint(name, Path(tmp))
-            config, sd = load_state_dict(Path(tmp))
-            for k, v in drop.items():
-                setattr(config, k, v)
-            config.__post_init__()
-            from minillama.weights import expected_shapes
-
-            ours = build_model(config, {k: v for k, v in sd.items() if k in expected_shapes(config)
-                                        or k == "lm_head.weight"})
-            ids = torch.randint(3, 101, (SEQ,), generator=torch.Generator().manual_seed(1))
-            with torch.no_grad():
-                diff = (ours(ids) - model(ids[None]).logits[0]).abs().max().item()
-            assert diff > 1e-3, (name, diff)
+@pytest.mark.parametrize("name, drop", [
+    ("llama-attention-bias", dict(attention_bias=False)), ("llama-mlp-bias", dict(mlp_bias=False)),
+    ("qwen2", dict(model_type="llama")), ("qwen3", dict(model_type="llama")),
+    ("mistral-window-40", dict(sliding_window=None)), ("qwen2-window-all-layers", dict(sliding_window=None)),
+    ("llama-yarn", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    ("llama-linear", dict(rope_scaling=None)),
+])
+def test_a_switch_turned_off_is_caught(tmp_path, name, drop):
+    """Negative control: the comparison notices each switch when minillama's model drops it (its tensors
+    left out)."""
+    model = hf_checkpoint(name, tmp_path)
+    config, sd = load_state_dict(tmp_path)
+    for k, v in drop.items():
+        setattr(config, k, v)
+    config.__post_init__()
+    want = expected_shapes(config)
+    ours = build_model(config, {k: v for k, v in sd.items() if k in want or k == "lm_head.weight"})
+    ids = torch.randint(3, 101, (SEQ,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(ids) - model(ids[None]).logits[0]).abs().max().item()
+    assert diff > 1e-3, (name, diff)
 
 
 def test_defaults_of_each_model_type_are_hf_defaults():
@@ -219,6 +219,7 @@ def test_llama3_gguf_with_one_frequency_in_the_band(tmp_path):
 
 def test_conversions_of_the_family_load_in_transformers(tmp_path):
     """`weights convert` of a Qwen3 and a windowed Mistral writes a directory HF reads as the same model."""
+    from minillama import weights
     from minillama.weights import convert
 
     for name in ("qwen3-head-dim-8-bias", "mistral-window-40", "qwen2-window-all-layers"):
@@ -230,6 +231,7 @@ def test_conversions_of_the_family_load_in_transformers(tmp_path):
         ids = torch.randint(3, 101, (1, SEQ), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             assert torch.equal(again(ids).logits, model(ids).logits), name
+        assert weights.info(out)["config"]["model_type"] == name.split("-")[0]
 
 
 def _tiny_tokenizer_json() -> str:
