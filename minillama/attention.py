@@ -98,8 +98,9 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     q: (Hkv, N * G, D) query rows (row n * G + i is query head i of token n); k_cache, v_cache: (Hkv, S, D);
     positions[n] and key_slots[n] (the cache slots of positions 0 .. positions[n] of token n's chain);
-    `window`: the sliding window, None for none. Returns (Hkv, N * G, D). The row is placed in a tile of zeros, and the tile in a batch of dummy items,
-    so that every product has the shape the fast kernel gives it: the bits are the same.
+    `window`: the sliding window, None for none. Returns (Hkv, N * G, D). The row is placed in a tile of
+    zeros, and the tile in a batch of dummy items, so that every product has the shape the fast kernel gives
+    it: the bits are the same.
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -187,8 +188,9 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
         by_seg.setdefault(sid, []).append(i)
 
     # A query at position p sees whole blocks w .. f - 1 and part of the blocks holding p and its first
-    # visible position, unless they are whole (visible_blocks). Whole block b belongs to the chain segment holding its last position bB + B - 1 (its
-    # "owner"): the queries of all segments under that owner see the same keys there, so they share tiles.
+    # visible position, unless they are whole (visible_blocks). Whole block b belongs to the chain segment
+    # holding its last position bB + B - 1 (its "owner"): the queries of all segments under that owner see
+    # the same keys there, so they share tiles.
     whole: dict[tuple[int, int], list[int]] = {}  # (owner, block) -> tokens that see it whole
     partial: dict[tuple[int, int], list[int]] = {}  # (segment, block) -> tokens that see part of it
     for sid, idx in by_seg.items():

@@ -324,7 +324,8 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
         if c.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (E,)
         if c.mlp_bias:
-            shapes.update({p + "mlp.gate_proj.bias": (F,), p + "mlp.up_proj.bias": (F,), p + "mlp.down_proj.bias": (E,)})
+            shapes.update({p + "mlp.gate_proj.bias": (F,), p + "mlp.up_proj.bias": (F,),
+                           p + "mlp.down_proj.bias": (E,)})
         if c.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
     return shapes
@@ -661,10 +662,12 @@ def llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float
         a_lo = float(scaled.max()) if scaled.size else 0.0
         if band.sum() == 1:
             ab, sb = float(a[band][0]), float(s[0])
-            width = 0.5 * min((ab - a_lo) / sb if sb > 0 else math.inf, (a_hi - ab) / (1 - sb) if sb < 1 else math.inf)
+            width = 0.5 * min((ab - a_lo) / sb if sb > 0 else math.inf,
+                              (a_hi - ab) / (1 - sb) if sb < 1 else math.inf)
             lo, hi = ab - sb * width, ab + (1 - sb) * width
         else:
-            lo, hi = (a_lo + (a_hi - a_lo) / 3, a_lo + 2 * (a_hi - a_lo) / 3) if a_hi < math.inf else (2 * a_lo, 4 * a_lo)
+            span = a_hi - a_lo if a_hi < math.inf else 3 * a_lo  # no band: any lo < hi between the two sides
+            lo, hi = a_lo + span / 3, a_lo + 2 * span / 3
     if factor > 1 and 0 < lo < hi < math.inf:
         scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
                    "original_max_position_embeddings": old}
