@@ -153,7 +153,11 @@ def test_defaults_of_each_model_type_are_hf_defaults():
         for key, value in family.HF_DEFAULTS[model_type].items():
             assert getattr(hf, key) == value, (model_type, key)
         ours = LlamaConfig.from_dict(family.hf_fields({"model_type": model_type}))
-        assert ours.sliding_window == hf.sliding_window, model_type
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
+                    "bos_token_id", "eos_token_id", "sliding_window"):
+            assert getattr(ours, key) == getattr(hf, key), (model_type, key)
+        assert ours.rope_theta == hf.rope_parameters["rope_theta"], model_type
         assert ours.head_dim == getattr(hf, "head_dim", hf.hidden_size // hf.num_attention_heads), model_type
 
 
