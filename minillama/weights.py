@@ -621,6 +621,13 @@ def _gguf_rope_scaling(key: Any, rope_factors: np.ndarray | None, head_dim: int,
         for name in ("beta_fast", "beta_slow"):
             if key(f"rope.scaling.yarn_{name}") is not None:
                 out[name] = float(key(f"rope.scaling.yarn_{name}"))
+        # llama.cpp's own yarn knobs, at the values that leave HF's yarn as it is; anything else is refused.
+        neutral = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0),
+                   "yarn_log_multiplier": (0.0,)}
+        for name, ok in neutral.items():
+            if key(f"rope.scaling.{name}") not in (None, *ok):
+                raise WeightsError(f"{source}: rope.scaling.{name} {key(f'rope.scaling.{name}')} is not "
+                                   "supported (only HF's yarn)")
         return out
     if kind != "none":
         raise WeightsError(f"{source}: rope.scaling.type {kind!r} is not supported "

@@ -272,3 +272,18 @@ def test_the_qwen2_gguf_layout_is_the_one_transformers_reads(tmp_path):
     ids = torch.randint(3, 320, (1, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (theirs(ids).logits - model(ids).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rope, extra, match", [
+    (YARN, {"llama.rope.scaling.yarn_log_multiplier": 0.1}, r"rope\.scaling\.yarn_log_multiplier 0\.1"),
+    (YARN, {"llama.rope.scaling.attn_factor": 1.5}, r"rope\.scaling\.attn_factor 1\.5"),
+    (None, {"llama.rope.scaling.type": "longrope"}, r"rope\.scaling\.type 'longrope' is not supported"),
+    (None, {"llama.attention.sliding_window": 64}, r"llama\.attention\.sliding_window is not supported"),
+])
+def test_gguf_fields_minillama_does_not_implement_are_refused_in_one_line(tmp_path, rope, extra, match):
+    config = LlamaConfig(**BASE, rope_scaling=rope)
+    sd = {k: torch.ones(s) for k, s in expected_shapes(config).items()}
+    path = write_gguf(tmp_path / "m.gguf", config, sd, None, extra=extra)
+    with pytest.raises(WeightsError, match=match) as e:
+        load_state_dict(path)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
