@@ -9,7 +9,12 @@ The segment rule (cache.py has the segments). A query token q sees key token k w
     visible(q, k) = k.segment in chain(q.segment)  and  k.position <= q.position
 
 where chain(s) is s and its ancestors. A question sees its whole document and its own earlier tokens;
-a document never sees its questions; unrelated prompts (separate roots) never see each other.
+a document never sees its questions; unrelated prompts (separate roots) never see each other. A model
+with a sliding window W (Mistral) adds one more edge, HF's convention:
+
+    ... and  q.position - k.position < W
+
+so a query at position p sees the positions max(0, p - W + 1) .. p of its chain.
 
 Why not one masked softmax over the packed sequence: a reduction over a longer row with -inf holes uses
 another summation order than the reduction over the question's own prompt, and the last bits differ
@@ -17,11 +22,14 @@ another summation order than the reduction over the question's own prompt, and t
 cut into blocks at positions 0, B, 2B, ...:
 
 1. every (row, block) pair is one row of a fixed-shape product: a tile of T query rows against the B keys
-   of one block. Blocks the row sees whole use tiles of `Tiles.full` rows; the block holding the row's own
-   position, masked, tiles of `Tiles.part` rows. Which kind a pair is depends on the row's position only.
+   of one block. Blocks the row sees whole use tiles of `Tiles.full` rows; a block the row sees in part,
+   masked, tiles of `Tiles.part` rows: the block holding the row's own position (cut on the right) and,
+   with a window, the block holding its first visible position (cut on the left; one block may be cut on
+   both sides). Which kind a pair is depends on the row's position only; blocks wholly before the window
+   are not visited.
 2. the row's maximum score over all its keys is exact (a maximum does not depend on order);
 3. each block gives exp(score - max), its sum and its weighted values; the blocks are added onto zero one
-   after another in block order.
+   after another: the whole blocks in block order, then the cut blocks in block order.
 
 All of this depends only on the row's own logical sequence, so a question gets the same bits packed with a
 thousand others as alone. `reference_attention` does exactly this, one row and one block at a time;
@@ -76,14 +84,23 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
 
 # --- the reference: one query row at a time ------------------------------------------------------------
 
+def visible_blocks(p: int, window: int | None) -> tuple[range, list[int]]:
+    """The blocks a query at position p visits: (whole blocks, cut blocks), each in block order."""
+    B = KEY_BLOCK
+    first = 0 if window is None else max(0, p - window + 1)  # the first visible position
+    whole = range(-(-first // B), (p + 1) // B)
+    return whole, [b for b in sorted({first // B, p // B}) if b not in whole]
+
+
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
-                        key_slots: list[list[int]], tiles: Tiles) -> torch.Tensor:
+                        key_slots: list[list[int]], tiles: Tiles, window: int | None = None) -> torch.Tensor:
     """The blocked rule written for a reader: each query row alone, its logical blocks in order.
 
     q: (Hkv, N * G, D) query rows (row n * G + i is query head i of token n); k_cache, v_cache: (Hkv, S, D);
-    positions[n] and key_slots[n] (the cache slots of positions 0 .. positions[n] of token n's chain).
-    Returns (Hkv, N * G, D). The row is placed in a tile of zeros, and the tile in a batch of dummy items,
-    so that every product has the shape the fast kernel gives it: the bits are the same.
+    positions[n] and key_slots[n] (the cache slots of positions 0 .. positions[n] of token n's chain);
+    `window`: the sliding window, None for none. Returns (Hkv, N * G, D). The row is placed in a tile of
+    zeros, and the tile in a batch of dummy items, so that every product has the shape the fast kernel gives
+    it: the bits are the same.
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -93,10 +110,11 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         for row in range(r):
             n = row // g
             p, slots = positions[n], key_slots[n]
-            n_blocks = p // B + 1
+            first = 0 if window is None else max(0, p - window + 1)
+            whole_blocks, cut_blocks = visible_blocks(p, window)
             scores, values = [], []
-            for b in range(n_blocks):
-                whole = b * B + B - 1 <= p  # the row sees every key of block b
+            for b in [*whole_blocks, *cut_blocks]:  # the order the blocks are added in
+                whole = b in whole_blocks  # the row sees every key of block b
                 t, batch = (tiles.full, tiles.full_batch) if whole else (tiles.part, tiles.part_batch)
                 blk = torch.tensor(slots[b * B:b * B + B] + [PAD_SLOT] * max(0, b * B + B - len(slots)))
                 qt = q.new_zeros(batch, t, d, dtype=acc)
@@ -105,7 +123,8 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 kb[0] = k_cache[h, blk].to(acc)
                 vb = torch.zeros_like(kb)
                 vb[0] = v_cache[h, blk].to(acc)
-                hidden = None if whole else (torch.arange(b * B, b * B + B) > p).expand(batch, t, B)
+                key_pos = torch.arange(b * B, b * B + B)
+                hidden = None if whole else ((key_pos > p) | (key_pos < first)).expand(batch, t, B)
                 scores.append(_block_scores(qt, kb, batch, hidden))
                 values.append(vb)
             m = _finite(torch.stack([s[0, 0].max() for s in scores]).max())  # the row's exact maximum
@@ -151,10 +170,11 @@ class AttentionPlan:
 
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
-                   n_rows: int, tiles: Tiles, dense: bool = False) -> AttentionPlan:
+                   n_rows: int, tiles: Tiles, dense: bool = False, window: int | None = None) -> AttentionPlan:
     """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
 
-    `n_rows` >= N is the padded token count the model runs (model.py says why).
+    `n_rows` >= N is the padded token count the model runs (model.py says why); `window`: the sliding
+    window (config.sliding_window), None for none.
     """
     device = cache.k.device
     seg_list, pos_list = segments.tolist(), positions.tolist()
@@ -167,9 +187,10 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     for i, sid in enumerate(seg_list):
         by_seg.setdefault(sid, []).append(i)
 
-    # A query at position p sees f = (p + 1) // B whole blocks, 0 .. f - 1, and, unless p ends a block, part
-    # of block f. Whole block b belongs to the chain segment holding its last position bB + B - 1 (its
-    # "owner"): the queries of all segments under that owner see the same keys there, so they share tiles.
+    # A query at position p sees whole blocks w .. f - 1 and part of the blocks holding p and its first
+    # visible position, unless they are whole (visible_blocks). Whole block b belongs to the chain segment
+    # holding its last position bB + B - 1 (its "owner"): the queries of all segments under that owner see
+    # the same keys there, so they share tiles.
     whole: dict[tuple[int, int], list[int]] = {}  # (owner, block) -> tokens that see it whole
     partial: dict[tuple[int, int], list[int]] = {}  # (segment, block) -> tokens that see part of it
     for sid, idx in by_seg.items():
@@ -179,13 +200,12 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
             if seg.start is not None:
                 owners.append((c, seg.start // B, seg.end // B if c != sid else 1 << 62))
         for i in idx:
-            p = pos_list[i]
-            f = (p + 1) // B
+            whole_blocks, cut_blocks = visible_blocks(pos_list[i], window)
             for c, a, e in owners:
-                for b in range(a, min(e, f)):
+                for b in range(max(a, whole_blocks.start), min(e, whole_blocks.stop)):
                     whole.setdefault((c, b), []).append(i)
-            if (p + 1) % B:
-                partial.setdefault((sid, p // B), []).append(i)
+            for b in cut_blocks:
+                partial.setdefault((sid, b), []).append(i)
 
     chain_slots: dict[int, list[int]] = {}
 
@@ -217,7 +237,11 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
             row_pos = torch.full((hkv, stride), -1, dtype=torch.long)  # spare and padded rows: position -1
             row_pos[:, :len(pos_list) * G] = positions.repeat_interleave(G)
             kp = torch.cat(key_pos + [torch.full((pad, B), NEVER, dtype=torch.long)])
-            hidden = (kp[:, None, :] > row_pos.view(-1)[rows_t][:, :, None]).to(device)  # (I, T, B)
+            rp = row_pos.view(-1)[rows_t][:, :, None]  # (I, T, 1)
+            hidden = kp[:, None, :] > rp  # (I, T, B)
+            if window is not None:  # cut on the left too (padding keys, at NEVER, stay hidden)
+                hidden |= kp[:, None, :] <= rp - window
+            hidden = hidden.to(device)
         return Items(rows_t.to(device), keys_t.to(device), hidden, bounds)
 
     plan = AttentionPlan(positions=positions, group_size=G,
@@ -225,13 +249,13 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
                          partial=items(partial, tiles.part, tiles.part_batch, masked=True))
     if dense:
         chains = {sid: cache.chain(sid) for sid in by_seg}
-        plan.visible = _dense_visibility(cache, chains, seg_list, positions.cpu()).to(device)
+        plan.visible = _dense_visibility(cache, chains, seg_list, positions.cpu(), window).to(device)
     return plan
 
 
 def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], seg_list: list[int],
-                      positions: torch.Tensor) -> torch.Tensor:
-    """(N, S) bool: the segment rule written out over every cache slot."""
+                      positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(N, S) bool: the segment rule (and the window) written out over every cache slot."""
     s = cache.k.shape[2]
     slot_seg = torch.full((s,), -1, dtype=torch.long)
     slot_pos = torch.full((s,), -1, dtype=torch.long)
@@ -242,7 +266,8 @@ def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], seg_list: li
             slot_pos[idx] = torch.arange(seg.start, seg.end)
     in_chain = {sid: torch.isin(slot_seg, torch.tensor(ch)) for sid, ch in chains.items()}
     rows = torch.stack([in_chain[sid] for sid in seg_list])  # (N, S)
-    return rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
+    seen = rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
+    return seen if window is None else seen & (slot_pos[None, :] > positions[:, None] - window)
 
 
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, terms: torch.Tensor, index_add: bool) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .family import MODEL_TYPES, check_rope_scaling, hf_extra, hf_fields
+
 
 @dataclass
 class LlamaConfig:
@@ -32,6 +34,11 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
+    # The family (family.py): which HF class the checkpoint follows, and its switches.
+    model_type: str = "llama"  # "llama", "mistral", "qwen2" (q/k/v biases) or "qwen3" (per-head q/k norm)
+    attention_bias: bool = False  # biases on q, k, v and o
+    mlp_bias: bool = False  # biases on gate, up and down
+    sliding_window: int | None = None  # a key is visible to a query less than this many positions after it
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -46,9 +53,22 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+            check_rope_scaling(self.rope_scaling)
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q, k and v projections carry biases (Qwen2 always; others with attention_bias)."""
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """q and k are RMS-normalised per head before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -58,8 +78,8 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["architectures"] = ["LlamaForCausalLM"]
-        d["model_type"] = "llama"
+        d["architectures"] = [MODEL_TYPES[self.model_type]]
+        d.update(hf_extra(self.model_type, self.sliding_window))
         return d
 
     @classmethod
@@ -78,9 +98,10 @@ class LlamaConfig:
     @classmethod
     def from_hf_json(cls, path: str | Path) -> "LlamaConfig":
         d = json.loads(Path(path).read_text())
-        model_type = d.get("model_type", "llama")
-        if model_type != "llama":
-            raise ValueError(f"{path}: unsupported model_type {model_type!r} (supported: llama)")
+        try:
+            d = hf_fields(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         return cls.from_dict(d)
 
     @classmethod

@@ -182,9 +182,9 @@ class TiledLinear(nn.Linear):
     `kernels.comm` finishes the tree across ranks and gathers the LM head's vocabulary shards.
     """
 
-    def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, *,
+    def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, bias: bool = False, *,
                  split: str = "columns", gather: bool = False, **kw):
-        super().__init__(in_features, out_features, bias=False, **kw)
+        super().__init__(in_features, out_features, bias=bias, **kw)
         if split not in ("columns", "rows"):
             raise ValueError(f"split must be 'columns' or 'rows', got {split!r}")
         self.kernels = kernels if kernels is not None else Kernels()
@@ -195,23 +195,27 @@ class TiledLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in_features) -> (..., out_features), or this process's units of them (q, k, v, gate, up)."""
         k = self.kernels
+        rows = self.split == "rows"
         if not k.invariant:
             out = F.linear(x, self.weight)
+            if rows and k.comm is not None:
+                out = k.comm.all_reduce(out)  # the plain path only: a sum whose order the collective picks
         elif k.units == 1:
-            return tiled_linear(x, self.weight, k.tiles_for(x.device).rows)
+            out = tiled_linear(x, self.weight, k.tiles_for(x.device).rows)
+        elif rows:
+            tile = k.tiles_for(x.device).rows
+            partials = [tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], tile) for a, b in self.unit_bounds()]
+            out = tree_sum(partials) if k.comm is None else k.comm.tree_sum(partials)
         else:
             tile = k.tiles_for(x.device).rows
-            if self.split == "columns":
-                out = torch.cat([tiled_linear(x, self.weight[a:b], tile) for a, b in self.unit_bounds()], dim=-1)
-            else:
-                partials = [tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], tile)
-                            for a, b in self.unit_bounds()]
-                return tree_sum(partials) if k.comm is None else k.comm.tree_sum(partials)
-        if k.comm is None:
-            return out
-        if self.split == "rows":
-            return k.comm.all_reduce(out)  # the plain path only: a sum whose order the collective picks
-        return k.comm.gather_columns(out, self.total) if self.gather else out
+            out = torch.cat([tiled_linear(x, self.weight[a:b], tile) for a, b in self.unit_bounds()], dim=-1)
+        out = self._add_bias(out)  # a row split's whole bias after the sum, a column split's own features' before
+        return k.comm.gather_columns(out, self.total) if self.gather and k.comm is not None else out
+
+    def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
+        """out + bias, after the product: one IEEE addition per element of whole rows, so row-invariant
+        (a fused addmm would tie the bias into the product's kernel and its signature)."""
+        return out if self.bias is None else out + self.bias
 
     def unit_bounds(self) -> list[tuple[int, int]]:
         """Where each of this process's units sits along the split dimension of its (local) weight."""

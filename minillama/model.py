@@ -29,7 +29,7 @@ from .attention import AttentionPlan, blocked_attention, masked_attention, plan_
 from .cache import KVCache
 from .config import LlamaConfig
 from .invariant import Kernels, TiledLinear, Tiles
-from .rope import apply_rope_folded, inv_frequencies, rope_cos_sin, signed_sin
+from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -46,13 +46,14 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with biases when `mlp_bias`."""
 
     def __init__(self, config: LlamaConfig, kernels: Kernels):
         super().__init__()
-        self.gate_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels)
-        self.up_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels)
-        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, kernels, split="rows")
+        b = config.mlp_bias
+        self.gate_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels, bias=b)
+        self.up_proj = TiledLinear(config.hidden_size, config.intermediate_size, kernels, bias=b)
+        self.down_proj = TiledLinear(config.intermediate_size, config.hidden_size, kernels, bias=b, split="rows")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, hidden) -> (N, hidden)."""
@@ -60,7 +61,11 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: H query heads share Hkv key/value heads, G = H / Hkv each."""
+    """Grouped-query attention: H query heads share Hkv key/value heads, G = H / Hkv each.
+
+    Family switches (family.py): biases on q/k/v (and o), and Qwen3's per-head RMSNorm of q and k, row-wise
+    over each head's D values before RoPE (invariant as it is, like every row-wise op).
+    """
 
     def __init__(self, config: LlamaConfig, layer: int, kernels: Kernels):
         super().__init__()
@@ -70,10 +75,15 @@ class Attention(nn.Module):
         # With kernels.units = U, unit u of q holds the query heads of KV heads u*Hkv/U .., of k and v those KV
         # heads, of o the inputs those query heads produce: a tensor-parallel rank holds whole units, and
         # n_heads, n_kv are then the rank's own (distributed/tp.py).
-        self.q_proj = TiledLinear(config.hidden_size, self.n_heads * self.head_dim, kernels)
-        self.k_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels)
-        self.v_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels)
-        self.o_proj = TiledLinear(self.n_heads * self.head_dim, config.hidden_size, kernels, split="rows")
+        qkv = config.qkv_bias
+        self.q_proj = TiledLinear(config.hidden_size, self.n_heads * self.head_dim, kernels, bias=qkv)
+        self.k_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels, bias=qkv)
+        self.v_proj = TiledLinear(config.hidden_size, self.n_kv * self.head_dim, kernels, bias=qkv)
+        self.o_proj = TiledLinear(self.n_heads * self.head_dim, config.hidden_size, kernels, bias=config.attention_bias,
+                                  split="rows")
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -84,6 +94,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, self.n_heads, d)
         k = self.k_proj(x).view(n, hkv, d)
         v = self.v_proj(x).view(n, hkv, d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_folded(q, cos, sin), apply_rope_folded(k, cos, sin)
         cache.write(self.layer, slots, k[:slots.shape[0]], v[:slots.shape[0]])
         # Query head h = j * G + i uses KV head j (HF's repeat_kv); row n * G + i of KV head j is token n.
@@ -217,7 +229,8 @@ class Llama(nn.Module):
         g = self.config.num_attention_heads // self.config.num_key_value_heads
         segments, positions = segments.cpu(), positions.cpu()  # the plan is made on the host
         slots = cache.append(segments, positions)  # (n,) a slot for each new token
-        plan = plan_attention(cache, segments, positions, g, rows, tiles, dense=not self.invariant)
+        plan = plan_attention(cache, segments, positions, g, rows, tiles, dense=not self.invariant,
+                              window=self.config.sliding_window)
         pad = rows - n
         tokens = F.pad(tokens.to(self.device), (0, pad))
         positions = F.pad(positions.to(self.device), (0, pad))
@@ -235,6 +248,6 @@ class Llama(nn.Module):
         key = (self.device, dtype)
         if getattr(self, "_rope", (None,))[0] != key:
             positions = torch.arange(self.config.max_position_embeddings, device=self.device)
-            cos, sin = rope_cos_sin(positions, inv_frequencies(self.config), dtype)
+            cos, sin = rope_cos_sin(positions, inv_frequencies(self.config), dtype, attention_scaling(self.config))
             self._rope = (key, (cos, signed_sin(sin)))
         return self._rope[1]

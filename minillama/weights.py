@@ -7,7 +7,7 @@ rotate-half RoPE layout, so the model sees one layout whatever the source:
   Loaded as it is.
 - Meta directory: params.json, consolidated.NN.pth (model-parallel shards are concatenated along the
   dimension Meta split them on), tokenizer.model.
-- GGUF file (llama.cpp), architecture llama: the config is the `llama.*` metadata, tensors are
+- GGUF file (llama.cpp), architecture llama, qwen2 or qwen3: the config is the `ARCH.*` metadata, tensors are
   dequantized with `gguf.quants.dequantize` (llama.cpp's own reference), the tokenizer is the
   `tokenizer.ggml.*` metadata.
 
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from minillama.config import LlamaConfig
+from minillama.family import GGUF_ARCHS, hf_fields
 from minillama.errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
 from minillama.tokenizer import Tokenizer, TokenizerError, load_tokenizer as _load_tokenizer
 from minillama.tokenizer import tokenizer_from_gguf_metadata
@@ -234,11 +235,11 @@ def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     Meta's and llama.cpp's RoPE rotate adjacent pairs (x[2j], x[2j+1]) of each head; HF's (and
     minillama's) rotate (x[j], x[j + D/2]). Reading each head's D rows as (D/2, 2) and writing them as
     (2, D/2) moves row 2j to j and row 2j+1 to D/2 + j, so the same weights give the same attention.
-    n_heads: query heads for Q, key/value heads for K. w: (n_heads * D, hidden).
+    n_heads: query heads for Q, key/value heads for K. w: (n_heads * D, hidden), or a bias (n_heads * D,).
     """
-    rows, cols = w.shape
-    # (rows, cols) -> (H, D/2, 2, cols) -> (H, 2, D/2, cols) -> (rows, cols)
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows, rest = w.shape[0], tuple(w.shape[1:])
+    # (rows, *rest) -> (H, D/2, 2, *rest) -> (H, 2, D/2, *rest) -> (rows, *rest)
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,6 +276,16 @@ GGUF_NAMES: dict[str, str | None] = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    # The family (family.py): biases, Qwen3's per-head q/k norms.
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.bias": "model.layers.{i}.self_attn.o_proj.bias",
+    "blk.{i}.ffn_gate.bias": "model.layers.{i}.mlp.gate_proj.bias",
+    "blk.{i}.ffn_up.bias": "model.layers.{i}.mlp.up_proj.bias",
+    "blk.{i}.ffn_down.bias": "model.layers.{i}.mlp.down_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
 # HF checkpoints already use HF names; older ones also carry RoPE's inverse frequencies.
 HF_NAMES: dict[str, str | None] = {n: n for n in GGUF_NAMES.values() if n is not None}
@@ -307,6 +318,16 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (F, E), p + "mlp.up_proj.weight": (F, E),
             p + "mlp.down_proj.weight": (E, F),
         })
+        if c.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if c.attention_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (E,)
+        if c.mlp_bias:
+            shapes.update({p + "mlp.gate_proj.bias": (F,), p + "mlp.up_proj.bias": (F,),
+                           p + "mlp.down_proj.bias": (E,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (c.head_dim,), p + "self_attn.k_norm.weight": (c.head_dim,)})
     return shapes
 
 
@@ -379,19 +400,16 @@ def _is_hf_dir(d: Path) -> bool:
 
 
 def hf_config(path: str | Path) -> LlamaConfig:
-    """LlamaConfig from an HF config.json, refusing Llama variants minillama does not implement."""
+    """LlamaConfig from an HF config.json (Llama, Mistral, Qwen2, Qwen3: family.py), refusing variants
+    minillama does not implement."""
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise WeightsError(f"{path}: not readable JSON ({e})") from None
-    model_type = d.get("model_type", "llama")
-    if model_type != "llama":
-        raise WeightsError(f"{path}: unsupported architecture {model_type!r} (supported: llama)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if d.get(flag):
-            raise WeightsError(f"{path}: {flag}=true is not supported")
-    if d.get("hidden_act", "silu") != "silu":
-        raise WeightsError(f"{path}: hidden_act {d['hidden_act']!r} is not supported (supported: silu)")
+    try:
+        d = hf_fields(d)
+    except ValueError as e:
+        raise WeightsError(f"{path}: {e}") from None
     params = d.get("rope_parameters")  # transformers 5 writes RoPE settings here
     if isinstance(params, dict):
         d.setdefault("rope_theta", params.get("rope_theta", 10000.0))
@@ -495,9 +513,13 @@ def _read_meta_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
 
 
 def _unpermute_qk(name: str, t: torch.Tensor, c: LlamaConfig) -> torch.Tensor:
-    if name.endswith("q_proj.weight"):
+    """Q and K rows (weights and biases) to rotate-half order. Only `llama` is stored interleaved: llama.cpp
+    runs qwen2 and qwen3 with rotate-half ("NeoX") RoPE, so their converter keeps HF's order."""
+    if c.model_type != "llama":
+        return t
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
         return interleaved_to_half(t, c.num_attention_heads)
-    if name.endswith("k_proj.weight"):
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
         return interleaved_to_half(t, c.num_key_value_heads)
     return t
 
@@ -538,19 +560,19 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
 
 def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path,
                 rope_factors: np.ndarray | None = None) -> LlamaConfig:
-    """LlamaConfig from GGUF metadata (llama.cpp's `llama.*` keys)."""
+    """LlamaConfig from GGUF metadata (llama.cpp's `ARCH.*` keys; ARCH llama, qwen2 or qwen3)."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise WeightsError(f"{source}: unsupported architecture {arch!r} (supported: llama)")
+    if arch not in GGUF_ARCHS:
+        raise WeightsError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
 
     def key(name: str, default: Any = None) -> Any:
-        return meta.get(f"llama.{name}", default)
+        return meta.get(f"{arch}.{name}", default)
 
     def f32(x: float) -> float:
         return float(str(np.float32(x)))  # GGUF stores float32: 1e-5 reads back as 9.99999974e-06
 
     if key("expert_count", 0):
-        raise WeightsError(f"{source}: mixture-of-experts llama (llama.expert_count) is not supported")
+        raise WeightsError(f"{source}: mixture-of-experts {arch} ({arch}.expert_count) is not supported")
     hidden, heads = key("embedding_length"), key("attention.head_count")
     if hidden is None or heads is None or key("block_count") is None:
         raise WeightsError(f"{source}: incomplete llama metadata (embedding_length, attention.head_count, "
@@ -561,10 +583,10 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path
                            f"head dim {head_dim}) is not supported")
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
     theta = f32(key("rope.freq_base", 10000.0))
-    scaling_type = key("rope.scaling.type", "none")
-    if scaling_type != "none" or key("rope.scale_linear") not in (None, 1.0):
-        raise WeightsError(f"{source}: RoPE scaling {scaling_type!r} is not supported (supported: llama3)")
-    scaling = None if rope_factors is None else llama3_scaling_from_factors(rope_factors, head_dim, theta, source)
+    scaling = _gguf_rope_scaling(key, rope_factors, head_dim, theta, source)
+    if key("attention.sliding_window"):
+        raise WeightsError(f"{source}: {arch}.attention.sliding_window is not supported in GGUF files "
+                           "(an HF directory's sliding_window is)")
     try:
         return LlamaConfig(
             vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
@@ -572,12 +594,45 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path
             num_key_value_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
             rms_norm_eps=f32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
             rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensor_names,
-            max_position_embeddings=key("context_length", 2048),
+            max_position_embeddings=key("context_length", 2048), model_type=GGUF_ARCHS[arch],
+            attention_bias=any(n.endswith("attn_output.bias") for n in tensor_names),
+            mlp_bias=any(n.endswith("ffn_gate.bias") for n in tensor_names),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         )
     except (TypeError, ValueError) as e:
         raise WeightsError(f"{source}: {e}") from None
+
+
+def _gguf_rope_scaling(key: Any, rope_factors: np.ndarray | None, head_dim: int, theta: float,
+                       source: str | Path) -> dict[str, Any] | None:
+    """HF's rope_scaling from what llama.cpp's converter writes: `rope.scaling.type` linear or yarn with
+    `rope.scaling.factor` (and yarn's original context), or Llama 3's factors in a `rope_freqs` tensor."""
+    kind = key("rope.scaling.type", "none")
+    factor = key("rope.scaling.factor", key("rope.scale_linear", 1.0))
+    if kind == "none" and factor not in (None, 1.0):  # older files: rope.scale_linear alone
+        kind = "linear"
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        out = {"rope_type": "yarn", "factor": float(factor)}
+        if key("rope.scaling.original_context_length"):
+            out["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        for name in ("beta_fast", "beta_slow"):
+            if key(f"rope.scaling.yarn_{name}") is not None:
+                out[name] = float(key(f"rope.scaling.yarn_{name}"))
+        # llama.cpp's own yarn knobs, at the values that leave HF's yarn as it is; anything else is refused.
+        neutral = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0),
+                   "yarn_log_multiplier": (0.0,)}
+        for name, ok in neutral.items():
+            if key(f"rope.scaling.{name}") not in (None, *ok):
+                raise WeightsError(f"{source}: rope.scaling.{name} {key(f'rope.scaling.{name}')} is not "
+                                   "supported (only HF's yarn)")
+        return out
+    if kind != "none":
+        raise WeightsError(f"{source}: rope.scaling.type {kind!r} is not supported "
+                           "(supported: linear, yarn, and llama3's rope_freqs)")
+    return None if rope_factors is None else llama3_scaling_from_factors(rope_factors, head_dim, theta, source)
 
 
 def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, theta: float) -> np.ndarray:
@@ -594,17 +649,35 @@ def llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float
                                 source: str | Path) -> dict[str, Any]:
     """The Llama 3 `rope_scaling` a GGUF `rope_freqs` tensor was written from. The factors only fix
     the ratios of original_max_position_embeddings to the two frequency factors, so 8192 (Llama 3's)
-    is taken and the factors solved from the smoothly interpolated band; checked by recomputing."""
+    is taken and the factors solved from the smoothly interpolated band; checked by recomputing.
+
+    A band of two or more frequencies fixes both factors. With one frequency (or none) in the band, many
+    pairs give the same factors, so the same model: one is taken with the band's frequency as far from
+    either edge as its neighbours allow."""
     f = np.asarray(factors, dtype=np.float64)
     factor, old = float(f.max()), 8192
     a = old / (2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     band = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    s = (1 / f[band] - 1 / factor) / (1 - 1 / factor)  # smooth, linear in a: s = (a - lo) / (hi - lo)
     if factor > 1 and band.sum() >= 2:
-        s = (1 / f[band] - 1 / factor) / (1 - 1 / factor)  # smooth, linear in a: s = (a - lo) / (hi - lo)
         slope, icept = np.polyfit(a[band], s, 1)
-        lo, hi = -icept / slope, (1 - icept) / slope
-        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(f"{lo:.6g}"),
-                   "high_freq_factor": float(f"{hi:.6g}"), "original_max_position_embeddings": old}
+        lo, hi = float(f"{-icept / slope:.6g}"), float(f"{(1 - icept) / slope:.6g}")
+    elif factor > 1:
+        # Kept frequencies need a > hi, fully scaled ones a < lo, the band's lo <= a <= hi.
+        kept, scaled = a[f <= 1 + 1e-6], a[f >= factor * (1 - 1e-6)]
+        a_hi = float(kept.min()) if kept.size else math.inf
+        a_lo = float(scaled.max()) if scaled.size else 0.0
+        if band.sum() == 1:
+            ab, sb = float(a[band][0]), float(s[0])
+            width = 0.5 * min((ab - a_lo) / sb if sb > 0 else math.inf,
+                              (a_hi - ab) / (1 - sb) if sb < 1 else math.inf)
+            lo, hi = ab - sb * width, ab + (1 - sb) * width
+        else:
+            span = a_hi - a_lo if a_hi < math.inf else 3 * a_lo  # no band: any lo < hi between the two sides
+            lo, hi = a_lo + span / 3, a_lo + 2 * span / 3
+    if factor > 1 and 0 < lo < hi < math.inf:
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
+                   "original_max_position_embeddings": old}
         if np.allclose(llama3_rope_factors(scaling, head_dim, theta), f, rtol=1e-5, atol=0):
             return scaling
     raise WeightsError(f"{source}: rope_freqs.weight does not follow Llama 3 RoPE scaling; not supported")
@@ -696,7 +769,7 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
     except OSError as e:
         raise WeightsError(f"{out}: cannot write ({e.strerror or e})") from None
     try:
-        cfg = {**config.to_dict(), "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        cfg = {**config.to_dict(), "hidden_act": "silu",
                "torch_dtype": stored.pop() if len(stored) == 1 else "float32"}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -883,7 +956,12 @@ def _one_line(s: str) -> str:
 
 def _print_info(d: dict[str, Any]) -> None:
     c = d["config"]
-    print(f"{d['path']}: {d['format']} checkpoint, {d['parameters'] / 1e6:.1f}M parameters")
+    switches = [  # the family's (family.py), where set
+        "biases q/k/v/o" if c["attention_bias"] else "biases q/k/v" if c["model_type"] == "qwen2" else "",
+        "mlp biases" if c["mlp_bias"] else "", "q/k norm" if c["model_type"] == "qwen3" else "",
+        f"sliding window {c['sliding_window']}" if c["sliding_window"] else ""]
+    print(f"{d['path']}: {d['format']} checkpoint, {', '.join([c['model_type'], *filter(None, switches)])}, "
+          f"{d['parameters'] / 1e6:.1f}M parameters")
     print(f"  layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, ffn {c['intermediate_size']}, "
           f"heads {c['num_attention_heads']} (kv {c['num_key_value_heads']}, head dim {c['head_dim']}), "
           f"vocab {c['vocab_size']}")

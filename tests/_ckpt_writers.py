@@ -51,23 +51,24 @@ def random_state_dict(config: LlamaConfig, seed: int = 0) -> dict[str, torch.Ten
 
 
 def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of `weights.interleaved_to_half`: rotate-half rows back to Meta/GGUF order."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    """Inverse of `weights.interleaved_to_half`: rotate-half rows (or a bias) back to Meta/GGUF order."""
+    rows, rest = w.shape[0], tuple(w.shape[1:])
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def _source_layout(config: LlamaConfig, sd: dict[str, torch.Tensor], table: dict[str, str | None]
-                   ) -> dict[str, torch.Tensor]:
-    """HF state dict -> source names (inverse of a weights.py name map), Q/K rows interleaved."""
+def _source_layout(config: LlamaConfig, sd: dict[str, torch.Tensor], table: dict[str, str | None],
+                   interleave: bool = True) -> dict[str, torch.Tensor]:
+    """HF state dict -> source names (inverse of a weights.py name map), Q/K rows (and biases) interleaved
+    unless `interleave` is False (llama.cpp's qwen2 and qwen3 keep rotate-half order)."""
     inverse = {v: k for k, v in table.items() if v is not None}
     out = {}
     for name, t in sd.items():
         m = re.search(r"\.(\d+)\.", name)
         key = name.replace(m.group(0), ".{i}.", 1) if m else name
         src = inverse[key].format(i=m.group(1)) if m else inverse[key]
-        if name.endswith("q_proj.weight"):
+        if interleave and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = half_to_interleaved(t, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif interleave and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = half_to_interleaved(t, config.num_key_value_heads)
         out[src] = t
     return out
@@ -171,16 +172,19 @@ def sp_gguf_tokenizer_metadata(sp_model: bytes) -> dict[str, Any]:
 
 
 def write_gguf(path: Path, config: LlamaConfig, sd: dict[str, torch.Tensor], tok_meta: dict[str, Any] | None,
-               qtype: Any = None, arch: str = "llama", raw: dict[str, tuple[np.ndarray, Any]] | None = None,
+               qtype: Any = None, arch: str | None = None, raw: dict[str, tuple[np.ndarray, Any]] | None = None,
                extra: dict[str, Any] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
-    """A llama GGUF: 2-D weights in `qtype` (default F32), norms F32. `raw` replaces named tensors by
-    given (bytes, type) pairs, e.g. random K-quant blocks."""
+    """A GGUF as llama.cpp's converter writes it: 2-D weights in `qtype` (default F32), norms and biases
+    F32. The architecture follows the config's model type (Llama and Mistral: `llama`) unless `arch` is
+    given; linear and yarn RoPE scaling go into `rope.scaling.*`. `raw` replaces named tensors by given
+    (bytes, type) pairs, e.g. random K-quant blocks."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
     from minillama.weights import GGUF_NAMES
 
     qtype = Q.F32 if qtype is None else qtype
+    arch = arch or {"mistral": "llama"}.get(config.model_type, config.model_type)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
@@ -189,9 +193,18 @@ def write_gguf(path: Path, config: LlamaConfig, sd: dict[str, torch.Tensor], tok
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_rope_dimension_count(config.head_dim)
+    if config.head_dim != config.hidden_size // config.num_attention_heads:  # as the converter writes head_dim
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(config.rope_theta)
     w.add_vocab_size(config.vocab_size)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(scaling["rope_type"]))
+        w.add_rope_scaling_factor(scaling["factor"])
+        if "original_max_position_embeddings" in scaling:
+            w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     for key, value in (extra or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
@@ -214,7 +227,7 @@ def write_gguf(path: Path, config: LlamaConfig, sd: dict[str, torch.Tensor], tok
         w.add_add_bos_token(tok_meta["add_bos"])
         if tok_meta.get("chat_template"):
             w.add_chat_template(tok_meta["chat_template"])
-    src = _source_layout(config, sd, GGUF_NAMES)
+    src = _source_layout(config, sd, GGUF_NAMES, interleave=arch == "llama")
     if rope_freqs is not None:
         src["rope_freqs.weight"] = torch.from_numpy(rope_freqs.astype(np.float32))
     for name, t in src.items():

@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/_dist_worker.py OUT --tp T [--plain]
 
-Every rank builds the same tiny model (8 KV heads), sets `units = 8`, shards it over its tensor-parallel group
+Every rank builds the same tiny model (8 KV heads, biases, a sliding window), sets `units = 8`, shards it over its tensor-parallel group
 and then (a) runs the parity property (parallel == independent, every step's logits torch.equal) on random
 layouts drawn by hypothesis, derandomized so that every rank draws the same examples, in float32 and bfloat16;
 (b) answers one fixed workload and (c) checks prefill == decode. Rank 0 saves what it found to OUT for the
@@ -28,7 +28,10 @@ from minillama.generate import SamplingParams, generate  # noqa: E402
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model  # noqa: E402
 
 KV_HEADS = 8
-CONFIG = dict(layers=2, heads=16, kv_heads=KV_HEADS, head_dim=8, tied=False)
+# biases on every projection (a column split's shard with its features, a row split's added after the sum) and
+# a sliding window shorter than the prompts
+CONFIG = dict(layers=2, heads=16, kv_heads=KV_HEADS, head_dim=8, tied=False, attention_bias=True, mlp_bias=True,
+              window=40)
 
 
 def build(dtype: torch.dtype, seed: int = 0, group=None, plain: bool = False):

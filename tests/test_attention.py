@@ -21,6 +21,8 @@ TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, full=8, part=8, f
                                                        full_chunk=2, part_chunk=4)])
 # CPU_TILES' products, one batch per chunk and nothing kept whole: every pass past one batch is chunked.
 CHUNKED = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
+# Sliding windows (Mistral's rule): none, inside one block, at and around a block's size, several blocks.
+WINDOWS = st.sampled_from([None, None, 1, 7, 63, 64, 65, 130])
 
 
 def layout(config, doc, qs, others, dtype=torch.float32, decode=False):
@@ -59,19 +61,20 @@ def fill(cache, n_rows, g, seed, dtype=torch.float32):
 @settings(max_examples=40, deadline=None)
 @given(doc=st.integers(0, 200), qs=st.lists(st.integers(1, 70), min_size=1, max_size=6),
        others=st.lists(st.integers(1, 90), max_size=2), g=st.sampled_from([1, 3]), seed=st.integers(0, 99),
-       tiles=TILES)
-def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles):
+       tiles=TILES, window=WINDOWS)
+def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles, window):
     config = tiny_config(heads=2 * g, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, doc, qs, others, torch.float64)
     n = len(segs)
-    plan = plan_attention(cache, segs, poss, g, n_rows=n, tiles=tiles, dense=True)
+    plan = plan_attention(cache, segs, poss, g, n_rows=n, tiles=tiles, dense=True, window=window)
     q = fill(cache, n, g, seed, torch.float64)
     got = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
 
-    # Reference: per query, softmax over exactly the keys the segment rule allows, in float64.
+    # Reference: per query, softmax over exactly the keys the segment rule (and window) allow, in float64.
     for t in range(n):
         sid, p = int(segs[t]), int(poss[t])
-        keys = cache.chain_slots(sid)[:p + 1]
+        first = 0 if window is None else max(0, p - window + 1)  # q.position - k.position < window
+        keys = cache.chain_slots(sid)[first:p + 1]
         assert plan.visible[t].nonzero().flatten().tolist() == sorted(keys)
         k, v = cache.k[0][:, keys], cache.v[0][:, keys]  # (Hkv, K, D)
         for j in range(g):
@@ -84,18 +87,18 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles)
 @settings(max_examples=30, deadline=None)
 @given(doc=st.integers(0, 140), qs=st.lists(st.integers(1, 40), min_size=1, max_size=3),
        others=st.lists(st.integers(1, 70), max_size=1), g=st.sampled_from([1, 2]), seed=st.integers(0, 99),
-       tiles=TILES, decode=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_fast_kernel_equals_the_one_row_reference_to_the_bit(doc, qs, others, g, seed, tiles, decode, dtype):
+       tiles=TILES, decode=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), window=WINDOWS)
+def test_fast_kernel_equals_the_one_row_reference_to_the_bit(doc, qs, others, g, seed, tiles, decode, dtype, window):
     """`blocked_attention` batches what `reference_attention` does one row and one block at a time."""
     config = tiny_config(heads=2 * g, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, doc, qs, others, dtype, decode)
     n = len(segs)
     rows = -(-n // tiles.rows) * tiles.rows  # padded as the model pads
-    plan = plan_attention(cache, segs, poss, g, n_rows=rows, tiles=tiles)
+    plan = plan_attention(cache, segs, poss, g, n_rows=rows, tiles=tiles, window=window)
     q = fill(cache, rows, g, seed, dtype)
     fast = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)[:, :n * g]
     slow = reference_attention(q[:, :n * g], cache.k[0], cache.v[0], poss.tolist(),
-                               [cache.chain_slots(int(s))[:int(p) + 1] for s, p in zip(segs, poss)], tiles)
+                               [cache.chain_slots(int(s))[:int(p) + 1] for s, p in zip(segs, poss)], tiles, window)
     assert torch.equal(fast, slow)
 
 
@@ -232,3 +235,31 @@ def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():
     assert gpu_way.index_add and not CPU_TILES.index_add
     assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_TILES),
                        blocked_attention(q, cache.k[0], cache.v[0], plan, gpu_way))
+
+
+def test_a_window_cuts_blocks_on_the_left_and_skips_blocks_before_it():
+    """Position 150 with a window of 100 sees 51 .. 150: block 0 cut on the left (51 .. 63), block 1 whole,
+    block 2 cut on the right (128 .. 150); with a window of 23, blocks 0 and 1 are not visited at all."""
+    from minillama.attention import visible_blocks
+
+    assert visible_blocks(150, None) == (range(0, 2), [2])
+    whole, cut = visible_blocks(150, 100)  # first visible position 51
+    assert list(whole) == [1] and cut == [0, 2]
+    assert visible_blocks(150, 23) == (range(3, 2), [2])  # 128 .. 150: one block, cut on the right only
+    assert visible_blocks(140, 5) == (range(3, 2), [2])  # 136 .. 140: one block cut on both sides
+    assert visible_blocks(127, 64) == (range(1, 2), [])  # 64 .. 127: exactly one whole block
+    assert visible_blocks(127, 65) == (range(1, 2), [0])  # 63 .. 127: one key of block 0
+
+
+def test_the_reference_without_the_window_differs():
+    """Negative control: the window changes the answer, so a kernel that ignored it would be caught."""
+    config = tiny_config(heads=2, kv_heads=2, head_dim=8)
+    cache, segs, poss = layout(config, 150, [20], [])
+    n = len(segs)
+    plan = plan_attention(cache, segs, poss, 1, n_rows=n, tiles=SMALL_TILES, window=40)
+    q = fill(cache, n, 1, 0)
+    windowed = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)
+    full = blocked_attention(q, cache.k[0], cache.v[0], plan_attention(cache, segs, poss, 1, n, SMALL_TILES),
+                             SMALL_TILES)
+    assert torch.equal(windowed[:, :40], full[:, :40])  # the first 40 positions see the same keys
+    assert ((windowed[:, 40:] - full[:, 40:]).abs().amax(dim=-1) > 0).all()  # every later row differs

@@ -226,7 +226,8 @@ def test_f32_gguf_holds_the_hf_directory_tensors(tmp_path, bpe, tied, llama3):
     from gguf import GGMLQuantizationType as Q
 
     from minillama.bench.gguf_f32 import tokenizer_fields, write_f32_gguf
-    from minillama.weights import GGUF_NAMES, llama3_rope_factors, load_state_dict, load_tokenizer, read_gguf
+    from minillama.weights import (GGUF_NAMES, expected_shapes, llama3_rope_factors, load_state_dict, load_tokenizer,
+                                   read_gguf)
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192} if llama3 else None
@@ -242,8 +243,9 @@ def test_f32_gguf_holds_the_hf_directory_tensors(tmp_path, bpe, tied, llama3):
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
     assert all(t.tensor_type == GGMLQuantizationType.F32 for t in reader.tensors)
+    want = expected_shapes(c)  # a plain Llama: none of the family's biases or norms
     expected = {g.replace("{i}", str(i)) for g, hf in GGUF_NAMES.items() if hf is not None and "{i}" in g
-                for i in range(c.num_hidden_layers)} | {"token_embd.weight", "output_norm.weight"}
+                for i in range(c.num_hidden_layers) if hf.format(i=i) in want} | {"token_embd.weight", "output_norm.weight"}
     expected |= set() if tied else {"output.weight"}
     expected |= {"rope_freqs.weight"} if llama3 else set()
     assert set(tensors) == expected

@@ -1,7 +1,8 @@
 """The headline property: parallel prompting gives every question exactly the bits of its stand-alone run.
 
 Random tiny models (1-3 layers, MHA and GQA, several head dims, RoPE theta and Llama-3 scaling, tied or
-not) and random layouts (documents of 0 to a few hundred tokens, 1 to 20 questions of 1 to 60 tokens,
+not; about half of them one of the family: Mistral with sliding windows of 1 to 200 tokens, Qwen2, Qwen3,
+attention and MLP biases, linear and yarn RoPE; tests/tiny.py) and random layouts (documents of 0 to a few hundred tokens, 1 to 20 questions of 1 to 60 tokens,
 duplicates, several documents per pack, chunked prefill, waves of questions, EOS at random steps, greedy
 and sampled). Tokens, finish reasons, log-probs and every step's logits must be torch.equal.
 """

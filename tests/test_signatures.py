@@ -66,7 +66,13 @@ def answer(model, prompts, docs, params, layout) -> set[tuple]:
 
 
 CONFIG = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True)
-MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0)}
+# The family's switches bring no product of their own: a window (blocks cut on the left, blocks skipped)
+# reuses the masked tiles, biases and q/k norms are elementwise and row-wise.
+WINDOWED = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True, model_type="mistral", window=70)
+QWEN = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, model_type="qwen3", attention_bias=True, rope="yarn")
+MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0),
+          "window, default tiles": tiny_model(WINDOWED, 0, tiles=None), "window, small tiles": tiny_model(WINDOWED, 0),
+          "qwen3 with biases": tiny_model(QWEN, 0)}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

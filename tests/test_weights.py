@@ -337,12 +337,12 @@ def test_truncated_gguf_tensor_data(tmp_path, config, sd, bpe):
 
 
 def test_unsupported_architecture(tmp_path, config, sd, bpe, hf_tok):
-    p = write_gguf(tmp_path / "q.gguf", config, sd, gguf_tokenizer_metadata(bpe), arch="qwen2")
-    _raises(r"q\.gguf: unsupported architecture 'qwen2'", load_state_dict, p)
+    p = write_gguf(tmp_path / "q.gguf", config, sd, gguf_tokenizer_metadata(bpe), arch="gemma")
+    _raises(r"q\.gguf: unsupported architecture 'gemma'", load_state_dict, p)
     d = write_hf_dir(tmp_path / "hf", config, sd, hf_tok)
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
-    _raises(r"config\.json: unsupported architecture 'mistral'", load_state_dict, d)
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma"}))
+    _raises(r"config\.json: unsupported model_type 'gemma'", load_state_dict, d)
 
 
 def test_unsupported_quantization_type(tmp_path, config, sd, bpe):
@@ -374,10 +374,13 @@ def test_unknown_tensor_names_raise(tmp_path, config, sd, hf_tok):
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(d / "model.safetensors"))
+    save_file({**tensors, "model.layers.0.self_attn.q_proj.lora_A": torch.zeros(64)}, str(d / "model.safetensors"))
+    _raises(r"model\.safetensors: unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.lora_A'", load_state_dict, d)
+    # A bias the config does not declare (attention_bias false) is refused, not dropped.
     save_file({**tensors, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}, str(d / "model.safetensors"))
-    _raises(r"model\.safetensors: unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'", load_state_dict, d)
-    with pytest.raises(WeightsError, match="unexpected tensor 'blk.0.attn_q.bias'"):
-        weights.map_name("blk.0.attn_q.bias", weights.GGUF_NAMES, "x.gguf")
+    _raises(r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' for this config", load_state_dict, d)
+    with pytest.raises(WeightsError, match="unexpected tensor 'blk.0.attn_q.lora'"):
+        weights.map_name("blk.0.attn_q.lora", weights.GGUF_NAMES, "x.gguf")
 
 
 def test_not_a_checkpoint(tmp_path):

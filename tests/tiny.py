@@ -22,9 +22,15 @@ DEVICE = torch.device(os.environ.get("MINILLAMA_TEST_DEVICE", "cpu"))
 SMALL_TILES = Tiles(rows=16, full=16, part=4, full_batch=4, part_batch=16, full_chunk=8, part_chunk=32)
 
 
+# RoPE scalings for the property: (name, rope_scaling).
+ROPES = {"none": None, "linear": {"rope_type": "linear", "factor": 4.0},
+         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
+
+
 def tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, theta=10000.0, llama3=False, tied=False,
-                vocab=VOCAB, max_pos=2048) -> LlamaConfig:
-    scaling = None
+                vocab=VOCAB, max_pos=2048, model_type="llama", attention_bias=False, mlp_bias=False,
+                window=None, rope="none") -> LlamaConfig:
+    scaling = ROPES[rope]
     if llama3:
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 64}
@@ -32,7 +38,8 @@ def tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, theta=10000.0, llama3
         vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=3 * heads * head_dim,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=tied, max_position_embeddings=max_pos,
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=1, eos_token_id=2, model_type=model_type, attention_bias=attention_bias, mlp_bias=mlp_bias,
+        sliding_window=window,
     )
 
 
@@ -47,6 +54,8 @@ def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32, tiles: T
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(0.25 * torch.randn(p.shape, generator=g))
             else:
@@ -56,13 +65,20 @@ def tiny_model(config: LlamaConfig, seed: int = 0, dtype=torch.float32, tiles: T
 
 @st.composite
 def configs(draw) -> LlamaConfig:
+    """Llama with or without Llama-3 scaling, about half the time one of the family (family.py): Mistral
+    with windows that cut blocks anywhere, Qwen2, Qwen3, biases, linear and yarn RoPE."""
     kv = draw(st.sampled_from([1, 2, 3]))
     group = draw(st.sampled_from([1, 2, 3]))  # 1: MHA
+    model_type = draw(st.sampled_from(["llama", "llama", "mistral", "qwen2", "qwen3"]))
+    rope = "none" if model_type == "llama" and draw(st.booleans()) else draw(st.sampled_from(sorted(ROPES)))
     return tiny_config(
         layers=draw(st.integers(1, 3)), heads=kv * group, kv_heads=kv,
         head_dim=draw(st.sampled_from([4, 8, 16])),
-        theta=draw(st.sampled_from([10000.0, 500000.0, 100.0])), llama3=draw(st.booleans()),
-        tied=draw(st.booleans()),
+        theta=draw(st.sampled_from([10000.0, 500000.0, 100.0])), llama3=rope == "none" and draw(st.booleans()),
+        tied=draw(st.booleans()), model_type=model_type, rope=rope,
+        attention_bias=model_type in ("llama", "qwen3") and draw(st.booleans()),
+        mlp_bias=model_type == "llama" and draw(st.booleans()),
+        window=draw(st.sampled_from([1, 5, 63, 64, 65, 100, 200])) if model_type == "mistral" else None,
     )
 
 

@@ -100,8 +100,7 @@ def hf_model(config: LlamaConfig, sd: dict[str, torch.Tensor], device: torch.dev
     """HF transformers' LlamaForCausalLM (sdpa) holding the same tensors."""
     import transformers
 
-    hf_config = transformers.LlamaConfig(**config.to_dict(), hidden_act="silu", attention_bias=False,
-                                         mlp_bias=False)
+    hf_config = transformers.LlamaConfig(**{**config.to_dict(), "hidden_act": "silu"})
     hf_config._attn_implementation = "sdpa"
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in the run's dtype on the device: an 8B model never exists in fp32

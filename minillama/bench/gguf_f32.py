@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..config import LlamaConfig
-from ..weights import GGUF_NAMES, StateDict, default_gguf_path, default_model_dir, llama3_rope_factors, load_state_dict
+from ..weights import GGUF_NAMES, StateDict, WeightsError, default_gguf_path, default_model_dir, llama3_rope_factors, load_state_dict
 
 # HF name -> GGUF name, "{i}" the layer index (the inverse of the reader's map).
 TO_GGUF = {hf: g for g, hf in GGUF_NAMES.items() if hf is not None}
@@ -68,6 +68,10 @@ def write_f32_gguf(config: LlamaConfig, state_dict: StateDict, out: str | Path,
 
     c = config
     out = Path(out)
+    if c.model_type != "llama" or c.attention_bias or c.mlp_bias or c.sliding_window is not None or \
+            (c.rope_scaling or {}).get("rope_type", "llama3") != "llama3":
+        raise WeightsError(f"{out}: the F32 GGUF is written for plain Llama checkpoints (model_type llama, no "
+                           "biases, no window, Llama 3 or no RoPE scaling)")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     os.close(fd)

@@ -143,6 +143,8 @@ def shard_(model: Llama, group: dist.ProcessGroup, plain_all_reduce: bool = Fals
             else:
                 local = w.t()[a:b].clone().t()  # column-major, its own storage
             module.weight = torch.nn.Parameter(local, requires_grad=False)
+            if module.bias is not None and module.split == "columns":  # a row split's bias is added whole
+                module.bias = torch.nn.Parameter(module.bias[a:b].clone(), requires_grad=False)
     for layer in model.model.layers:
         layer.self_attn.n_heads //= size
         layer.self_attn.n_kv //= size

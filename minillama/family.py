@@ -1,0 +1,106 @@
+"""The Llama family minillama runs: which checkpoints it reads as one decoder, and how their configs map.
+
+Llama, Mistral, Qwen2 and Qwen3 are the same decoder with a few switches (`LlamaConfig`):
+
+- `attention_bias`: biases on q, k, v and o (HF Llama's and Qwen3's flag); Qwen2 always has biases on q, k
+  and v and none on o;
+- `mlp_bias`: biases on gate, up and down (HF Llama's flag);
+- Qwen3: a per-head RMSNorm of q and of k, after the projection and before RoPE;
+- `sliding_window` W: a query sees only the keys with `query.position - key.position < W` (HF's mask
+  `kv_idx > q_idx - W`): Mistral's, and Qwen's when `use_sliding_window` covers every layer.
+
+A field a model type's HF class does not read is ignored here too (HF Mistral has no biases whatever its
+config.json says); a value minillama does not implement is refused in one line naming the field.
+Nothing here imports the rest of minillama: config.py and weights.py call in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# HF model type -> the HF class a conversion names in `architectures`.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+# GGUF architecture (llama.cpp's converter: Llama and Mistral are written as `llama`) -> model type.
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# RoPE types and the keys each needs beside `rope_type` (HF's `rope_scaling` / `rope_parameters`).
+ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings"),
+              "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",)}
+ACTIVATIONS = ("silu", "swish")  # HF maps both names to nn.SiLU
+
+# What HF's config class takes for a field config.json leaves out, where it differs from HF Llama's.
+# (tests/test_family.py holds each value against transformers' own classes.)
+_QWEN = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-6,
+         "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"intermediate_size": 14336, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128},
+}
+# The bias flags each HF class reads (the others ignore them).
+_READS = {"llama": ("attention_bias", "mlp_bias"), "mistral": (), "qwen2": (), "qwen3": ("attention_bias",)}
+
+
+def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """config.json's dict as minillama's fields: the model type's defaults, the flags its HF class reads,
+    one sliding window or none. Raises ValueError naming the field minillama does not implement."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+    model_type = d.get("model_type", "llama")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+    act = d.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    out = {**HF_DEFAULTS[model_type], **d, "model_type": model_type}
+    for flag in ("attention_bias", "mlp_bias"):
+        out[flag] = bool(d.get(flag, False)) if flag in _READS[model_type] else False
+    out["sliding_window"] = _window(out, model_type)
+    return out
+
+
+def _window(d: dict[str, Any], model_type: str) -> int | None:
+    """The one window all layers share, or None. Qwen's layers i >= max_window_layers slide (or
+    `layer_types` says which); a mix of windowed and full layers is refused."""
+    if model_type == "mistral":
+        return d.get("sliding_window")
+    if model_type == "llama" or not d.get("use_sliding_window", False):
+        return None
+    window = d.get("sliding_window", 4096)
+    if window is None:
+        return None
+    n = d.get("num_hidden_layers", 32)
+    first = d.get("max_window_layers", 28)
+    kinds = d.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if set(kinds) == {"full_attention"}:
+        return None
+    if set(kinds) == {"sliding_attention"}:
+        return window
+    raise ValueError("use_sliding_window with windowed and full layers mixed (max_window_layers / layer_types) "
+                     "is not supported: minillama runs one window for every layer")
+
+
+def hf_extra(model_type: str, sliding_window: int | None) -> dict[str, Any]:
+    """Fields a conversion's config.json needs so that HF reads the same window (Qwen: every layer slides)."""
+    if model_type in ("qwen2", "qwen3"):
+        return {"use_sliding_window": sliding_window is not None, "max_window_layers": 0}
+    return {}
+
+
+def check_rope_scaling(scaling: dict[str, Any]) -> None:
+    """Raise ValueError naming the problem unless minillama implements this RoPE scaling."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    missing = [k for k in ROPE_TYPES[kind] if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling {kind!r} lacks {', '.join(missing)}")
+    if kind in ("linear", "dynamic", "yarn") and not (isinstance(scaling["factor"], (int, float))
+                                                      and scaling["factor"] >= 1):
+        raise ValueError(f"rope_scaling factor {scaling['factor']!r} must be a number >= 1")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("rope_scaling partial_rotary_factor != 1 (partial RoPE) is not supported")
