@@ -129,7 +129,9 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     n_questions = sum(len(q) for _, q in jobs)
     t0 = time.perf_counter()
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
-    model = _load(args.model, args.device, getattr(torch, args.dtype))
+    # a tensor-parallel rank reads the checkpoint on the host (memory-mapped where it can) and moves only its
+    # shard to the device
+    model = _load(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens)

@@ -79,8 +79,13 @@ def join(args: argparse.Namespace) -> Here:
         raise BadInput(f"cannot join the process group: {(str(e).splitlines() or [''])[0]}") from None
 
 
+def load_device(args: argparse.Namespace, here: Here) -> str:
+    """Where to load the checkpoint: a tensor-parallel rank loads on the host and `place` moves its shard."""
+    return "cpu" if here.world.tp > 1 else args.device
+
+
 def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
-    """Set the product units (--units); at --tp > 1 keep this rank's shard of the model."""
+    """Set the product units (--units); at --tp > 1 keep this rank's shard of the model, on args.device."""
     n_kv = model.config.num_key_value_heads
     units = args.units or (n_kv if here.world.tp > 1 else 1)
     try:
@@ -91,6 +96,7 @@ def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
     here.units = units
     if here.world.tp > 1:
         tensor_parallel.shard_(model, here.world.tp_group)
+        model.to(args.device)
 
 
 def share(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0) -> list[int]:

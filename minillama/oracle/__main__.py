@@ -111,9 +111,9 @@ def _model_path(args: argparse.Namespace) -> Path:
     return Path(args.model) if args.model else fetch_default()
 
 
-def _load_reference_model(path: Path, args: argparse.Namespace):
+def _load_reference_model(path: Path, args: argparse.Namespace, device: str | None = None):
     config, sd = load_state_dict(path)
-    return build_model(config, sd, args.device, DTYPES[args.dtype])
+    return build_model(config, sd, device or args.device, DTYPES[args.dtype])
 
 
 def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
 
         distributed.check_options(args)
         here = parallel.join(args)
-    model = _load_reference_model(path, args)
+    model = _load_reference_model(path, args, here and parallel.load_device(args, here))
     if here is not None:
         parallel.place(model, args, here)
     p = _prompts(args, path, model.config)
