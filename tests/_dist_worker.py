@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
+from minillama.audit import ProductSignatures  # noqa: E402
 from minillama.distributed import tp as tensor_parallel  # noqa: E402
 from minillama.distributed import world as worlds  # noqa: E402
 from minillama.generate import SamplingParams, generate  # noqa: E402
@@ -52,6 +53,13 @@ def fixed_workload() -> tuple[list[list[int]], SamplingParams]:
 def answers_of(model) -> list[list[torch.Tensor]]:
     prompts, params = fixed_workload()
     return [a.logits for a in generate(model, prompts, params, mode="parallel")]
+
+
+def product_signatures(model) -> set[tuple]:
+    """Every matrix product's signature (op, shapes, strides, dtype, alignment) while answering the workload."""
+    with ProductSignatures() as seen:
+        answers_of(model)
+    return seen.signatures
 
 
 def prefill_equals_decode(model) -> bool:
@@ -100,6 +108,7 @@ def main() -> None:
         results[f"logits_{dtype}"] = answers_of(model)
         results[f"prefill_equals_decode_{dtype}"] = prefill_equals_decode(model)
         results[f"bytes_{dtype}"] = model.kernels.comm.bytes_moved if model.kernels.comm else 0
+        results[f"signatures_{dtype}"] = product_signatures(model)
         if not args.plain:
             parity_property(world.tp_group, dtype, args.examples)
             results[f"parity_{dtype}"] = args.examples

@@ -41,15 +41,21 @@ def one_process():
     return {dtype: worker.answers_of(worker.build(dtype)) for dtype in (torch.float32, torch.bfloat16)}
 
 
+@pytest.fixture(scope="module")
+def one_process_signatures():
+    return {dtype: worker.product_signatures(worker.build(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+
+
 def same_logits(a, b) -> bool:
     return all(torch.equal(x, y) for qa, qb in zip(a, b, strict=True) for x, y in zip(qa, qb, strict=True))
 
 
 @pytest.mark.parametrize("nproc,tp", [(2, 2), (4, 4), (4, 2)])
-def test_tensor_parallel_parity_and_degree_invariance(tmp_path, one_process, nproc, tp):
+def test_tensor_parallel_parity_and_degree_invariance(tmp_path, one_process, one_process_signatures, nproc, tp):
     """At tp=2, tp=4, and two data-parallel groups of tp=2: the parity property (parallel == independent) in
-    float32 and bfloat16, prefill == decode, every rank holding the same answers, and the logits equal to the
-    bit to one process's (tp=1 == tp=2 == tp=4)."""
+    float32 and bfloat16, prefill == decode, every rank holding the same answers, the logits equal to the
+    bit to one process's (tp=1 == tp=2 == tp=4), and every product a rank issues has a signature one process
+    issues too (the property that carries the argument to devices this machine cannot run)."""
     r = run_worker(tmp_path, nproc, tp)
     assert (r["world"], r["tp"]) == (nproc, tp)
     assert r["ranks_agree"]
@@ -58,6 +64,7 @@ def test_tensor_parallel_parity_and_degree_invariance(tmp_path, one_process, npr
         assert r[f"prefill_equals_decode_{dtype}"], f"{dtype}: a generated token's logits differ from prefill's"
         assert same_logits(one_process[dtype], r[f"logits_{dtype}"]), f"{dtype}: tp={tp} differs from one process"
         assert r[f"bytes_{dtype}"] > 0
+        assert r[f"signatures_{dtype}"] <= one_process_signatures[dtype], "a product signature one process never issues"
 
 
 def test_negative_control_all_reduce_breaks_degree_invariance(tmp_path, one_process):
