@@ -50,11 +50,11 @@ def same_logits(a, b) -> bool:
     return all(torch.equal(x, y) for qa, qb in zip(a, b, strict=True) for x, y in zip(qa, qb, strict=True))
 
 
-@pytest.mark.parametrize("nproc,tp", [(2, 2), (4, 4), (4, 2)])
+@pytest.mark.parametrize("nproc,tp", [(2, 2), (4, 4), (4, 2), (8, 8)])
 def test_tensor_parallel_parity_and_degree_invariance(tmp_path, one_process, one_process_signatures, nproc, tp):
-    """At tp=2, tp=4, and two data-parallel groups of tp=2: the parity property (parallel == independent) in
+    """At tp=2, 4 and 8, and two data-parallel groups of tp=2: the parity property (parallel == independent) in
     float32 and bfloat16, prefill == decode, every rank holding the same answers, the logits equal to the
-    bit to one process's (tp=1 == tp=2 == tp=4), and every product a rank issues has a signature one process
+    bit to one process's (tp=1 == 2 == 4 == 8), and every product a rank issues has a signature one process
     issues too (the property that carries the argument to devices this machine cannot run)."""
     r = run_worker(tmp_path, nproc, tp)
     assert (r["world"], r["tp"]) == (nproc, tp)
