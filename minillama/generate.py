@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import KVCache
+from .errors import BadInput
 from .model import Llama
 
 MODES = ("parallel", "independent", "seqbatch")
@@ -89,6 +90,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return int(torch.argmax(logits))  # first maximal index
     x = logits.float().cpu() / params.temperature
+    if torch.isnan(x).any():
+        raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
+                       "weights hold NaN or inf)")
+    if not torch.isfinite(x.max()):  # a tiny temperature overflowed: divide the gaps to the maximum instead,
+        x = logits.double().cpu()  # in float64, where a subnormal temperature is still not 0
+        x = (x - x.max()) / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -21,15 +21,15 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
+from ..errors import BadInput, OneLineParser, run_command
+from ..files import json_text
 from ..generate import MODES
-from ..tokenizer import TokenizerError
-from ..weights import WeightsError, build_model, fetch_default, load_state_dict, load_tokenizer
-from .backends import BACKENDS, BackendError, LlamaCppBackend, MinillamaBackend, load_backend
+from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
+from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
 from .diff import (BACKEND_PRESETS, PRESETS, Comparison, Tolerances, compare, diff_hidden, diff_layers, report,
                    run_backend)
 from .server import OpenAIBackend
-from .record import RecordError, Record, export, load, save
+from .record import Record, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
                "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
@@ -303,7 +303,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     c = Comparison({"describe": _describe_reference(ref), **{k: v for k, v in ref.manifest.items()
                                                            if k in ("model", "versions", "minillama_commit")}},
                    {"describe": cand.manifest.get("describe", "")}, tol, results)
-    print(json.dumps(c.to_json(), indent=1) if args.json else report(c))
+    print(json_text(c.to_json(), indent=1) if args.json else report(c))
     return 0 if c.passed else 1
 
 
@@ -324,15 +324,14 @@ def _check_device(name: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
+    """Exit status (`errors.run_command`): 0 every question passes, 1 one fails, 2 bad input or a file
+    that cannot be written (one line on stderr), 130 Ctrl-C; a bug is a traceback."""
+    def body() -> int:
         args = build_parser().parse_args(argv)
         _check_device(args.device)
         return cmd_export(args) if args.cmd == "export" else cmd_compare(args)
-    except (BadInput, RecordError, BackendError, WeightsError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return quiet_exit_on_broken_pipe()
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,542 @@
+"""No traceback and no silently wrong answer: configs read as HF reads them, the API checks what the CLI
+checks, every file write and every tool's options fail in one line, and refusals cost one pass.
+
+Each class of fault is held by a parametrized test over every place of that kind: every config field
+HF defaults, every bad config value, every API option, every command line tool, every kind of write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _ckpt_writers import byte_bpe_tokenizer, random_state_dict, tiny_config as ckpt_config  # noqa: E402
+from minillama import api, checks, cli, errors, files  # noqa: E402
+from minillama.config import LlamaConfig  # noqa: E402
+from minillama.tokenizer import HFTokenizer  # noqa: E402
+from minillama.weights import WeightsError, hf_config, load_model, save_hf_dir  # noqa: E402
+from test_api import DOC, QUESTIONS, tiny_loaded, tiny_tokenizer  # noqa: E402
+from tiny import tiny_config, tiny_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_tool(tool: str, *args, limit_file_bytes: int | None = None, env: dict | None = None, preexec=None,
+             **kw) -> subprocess.CompletedProcess:
+    """`python -m minillama TOOL ...` in a fresh process; with `limit_file_bytes`, every write past that
+    size fails as on a full disk (EFBIG, from RLIMIT_FSIZE); `preexec` runs in the child first."""
+    def before() -> None:
+        if limit_file_bytes is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_bytes, limit_file_bytes))
+        if preexec is not None:
+            preexec()
+
+    if "stdout" not in kw and "stderr" not in kw:
+        kw["capture_output"] = True
+    return subprocess.run([sys.executable, "-m", "minillama", tool, *map(str, args)], text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=600,
+                          preexec_fn=before, **kw)
+
+
+def one_line_error(p: subprocess.CompletedProcess | tuple[int, str], code: int = 2) -> str:
+    rc, err = (p.returncode, p.stderr) if isinstance(p, subprocess.CompletedProcess) else p
+    assert rc == code, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), err
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    tok = tiny_tokenizer()
+    config = tiny_config(vocab=tok.vocab_size, max_pos=512, tied=True)
+    return save_hf_dir(config, tiny_model(config, seed=1).state_dict(), tok, tmp_path_factory.mktemp("c") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("in")
+    (d / "doc.txt").write_text(DOC + "\n")
+    (d / "q.txt").write_text("\n".join(QUESTIONS) + "\n")
+    return {"doc": d / "doc.txt", "questions": d / "q.txt", "dir": d}
+
+
+# --- silently wrong: config defaults and tied heads, as HF reads them ------------------------------------
+
+HF_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+             "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id"]
+
+
+def _hf_value(hc, field: str):
+    if field == "rope_theta":
+        return hc.rope_parameters["rope_theta"]
+    if field == "rope_scaling":  # HF's "default" rope type is no scaling
+        rp = {k: v for k, v in hc.rope_parameters.items() if k != "rope_theta"}
+        return None if rp.get("rope_type", "default") == "default" else rp
+    return getattr(hc, field)
+
+
+def test_every_config_field_defaults_as_transformers_llamaconfig():
+    import dataclasses
+
+    import transformers
+
+    ours = LlamaConfig()
+    assert {f.name for f in dataclasses.fields(LlamaConfig)} == set(HF_FIELDS)  # a new field joins the test
+    hf = transformers.LlamaConfig()
+    for field in HF_FIELDS:
+        assert getattr(ours, field) == _hf_value(hf, field), field
+
+
+@pytest.mark.parametrize("field", HF_FIELDS)
+def test_a_config_json_without_a_field_reads_as_transformers_reads_it(tmp_path, field):
+    import transformers
+
+    d = {**ckpt_config(vocab=320).to_dict(), "rope_theta": 50000.0}
+    del d[field]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ours = hf_config(tmp_path / "config.json")
+    hf = transformers.LlamaConfig.from_json_file(str(tmp_path / "config.json"))
+    assert getattr(ours, field) == _hf_value(hf, field)
+
+
+def _untied_dir(tmp_path: Path, same: bool) -> tuple[Path, dict]:
+    from safetensors.torch import save_file
+
+    config = ckpt_config(vocab=320, tied=False)
+    sd = random_state_dict(config, seed=3)
+    if same:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    d = save_hf_dir(config, sd, byte_bpe_tokenizer_hf(), tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d, sd
+
+
+def byte_bpe_tokenizer_hf() -> HFTokenizer:
+    return HFTokenizer(byte_bpe_tokenizer(320), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
+
+
+def test_a_tied_config_with_a_different_stored_head_keeps_the_head_as_transformers_does(tmp_path, capsys):
+    import transformers
+
+    d, sd = _untied_dir(tmp_path, same=False)
+    model, _ = load_model(d)
+    err = capsys.readouterr().err
+    assert "warning:" in err and "lm_head.weight differs" in err and len(err.strip().splitlines()) == 1
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager")
+    assert torch.equal(ref.lm_head.weight, sd["lm_head.weight"])  # what HF does: the stored head
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor([ids])).logits[0]
+        cache = model.new_cache()
+        s = cache.new_segment()
+        got = model(torch.tensor(ids), torch.arange(len(ids)), torch.full((len(ids),), s), cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_tied_config_with_an_equal_stored_head_stays_tied_quietly(tmp_path, capsys):
+    d, _ = _untied_dir(tmp_path, same=True)
+    model, _ = load_model(d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert capsys.readouterr().err == ""
+
+
+# --- silently wrong: the Python API checks what the command line checks ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def model() -> api.LoadedModel:
+    return tiny_loaded()
+
+
+def test_one_stop_string_is_one_stop_string(model):
+    tok = model.tokenizer
+    text = "the bridge over the town"
+    ids = tok.encode(text)
+    params = api.sampling_params(stop="town", tokenizer=tok)  # read letter by letter, "t" would stop it
+    assert [params.stop(ids[:n]) for n in range(1, len(ids) + 1)] == \
+        ["town" in tok.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert api.answer_text(tok, ids, set(), stop="town") == "the bridge over the "
+    one = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=8, ignore_eos=True, stop="\x05\x05")
+    listed = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=8, ignore_eos=True, stop=["\x05\x05"])
+    assert one == listed
+
+
+BAD_OPTIONS = [
+    ({"parallel_size": -1}, ValueError, "parallel_size"), ({"parallel_size": 0}, ValueError, "parallel_size"),
+    ({"batch_docs": -1}, ValueError, "batch_docs"), ({"batch_docs": 2.5}, TypeError, "batch_docs"),
+    ({"max_new_tokens": -1}, ValueError, "max_new_tokens"), ({"max_new_tokens": 4.0}, TypeError, "max_new_tokens"),
+    ({"temperature": float("nan")}, ValueError, "temperature"), ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"temperature": float("inf")}, ValueError, "temperature"), ({"top_k": -3}, ValueError, "top_k"),
+    ({"top_p": 0.0}, ValueError, "top_p"), ({"top_p": 1.5}, ValueError, "top_p"), ({"seed": 1.5}, TypeError, "seed"),
+    ({"stop": [""]}, ValueError, "stop"), ({"stop": ""}, ValueError, "stop"), ({"stop": [3]}, TypeError, "stop"),
+    ({"stop": "\ud800"}, ValueError, "surrogate"), ({"mode": "fast"}, ValueError, "mode"),
+    ({"ignore_eos": "yes"}, TypeError, "ignore_eos"), ({"chat_template": None}, TypeError, "chat_template"),
+    ({"system": b"be brief"}, TypeError, "system"), ({"prefill_chunk": 0}, ValueError, "prefill_chunk"),
+    ({"keep_logits": 1}, TypeError, "keep_logits"), ({"on_token": 3}, TypeError, "on_token"),
+]
+
+
+@pytest.mark.parametrize("bad,kind,word", BAD_OPTIONS, ids=[str(b) for b, _, _ in BAD_OPTIONS])
+def test_every_bad_api_option_raises_naming_it(model, bad, kind, word):
+    with pytest.raises(kind, match=re.escape(word)):
+        api.ask(model, DOC, QUESTIONS[:1], **{"max_new_tokens": 2, **bad})
+
+
+BAD_JOBS = [
+    ([(b"bytes doc", ["q"])], TypeError, "bytes; decode"), ([("", ["q"])], ValueError, "document 1 is empty"),
+    ([("  \n", ["q"])], ValueError, "empty"), ([(DOC, [])], ValueError, "no questions"),
+    ([(DOC, "one string")], TypeError, "list of strings"), ([(DOC, ["q", b"x"])], TypeError, "question 2"),
+    ([(DOC, ["q", " "])], ValueError, "question 2 is empty"), ([(DOC, ["\udcff"])], ValueError, "surrogate"),
+    ([("\ud83d half", ["q"])], ValueError, "surrogate"), ([(DOC,)], TypeError, "pair"), ("text", TypeError, "jobs"),
+]
+
+
+@pytest.mark.parametrize("jobs,kind,word", BAD_JOBS, ids=[repr(j)[:30] for j, _, _ in BAD_JOBS])
+def test_bad_documents_and_questions_raise_naming_them(model, jobs, kind, word):
+    with pytest.raises(kind, match=re.escape(word)):
+        api.ask_many(model, jobs, max_new_tokens=2)
+
+
+def test_the_cli_and_the_api_refuse_with_the_same_check(ckpt, inputs, model, capsys):
+    for api_opt, cli_opt in [({"parallel_size": 0}, ["--parallel-size", "0"]), ({"top_p": 1.5}, ["--top-p", "1.5"]),
+                             ({"batch_docs": -1}, ["--batch-docs", "-1"])]:
+        with pytest.raises(ValueError) as e:
+            api.ask(model, DOC, QUESTIONS[:1], **api_opt)
+        code = cli.main([str(a) for a in ["--model", ckpt, "--doc", inputs["doc"], "--questions",
+                                          inputs["questions"], *cli_opt]])
+        line = one_line_error((code, capsys.readouterr().err))
+        name = next(iter(api_opt))
+        assert line == "error: " + str(e.value).replace(name, "--" + name.replace("_", "-"))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324])
+def test_a_tiny_temperature_samples_the_greedy_token(model, temperature):
+    greedy = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=6)
+    tiny = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=6, temperature=temperature, top_k=5, top_p=0.9)
+    assert [r.token_ids for r in tiny] == [r.token_ids for r in greedy]
+
+
+# --- the cost of saying no ---------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the characters it is asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text, *a, **k):
+        self.chars += len(text)
+        return self.tok.encode(text, *a, **k)
+
+    def encode_chat(self, messages, *a, **k):
+        self.chars += sum(len(m["content"]) for m in messages)
+        return self.tok.encode_chat(messages, *a, **k)
+
+
+@pytest.mark.parametrize("size", [5_000_000, 3_000])
+def test_refusing_a_long_document_costs_at_most_one_pass(size):
+    small = tiny_loaded(max_pos=256)
+    counting = CountingTokenizer(small.tokenizer)
+    doc = ("The bridge was built in 1932. " * (size // 30 + 1))[:size]
+    with pytest.raises(api.PromptTooLong, match="context is 256"):
+        api.ask(api.LoadedModel(small.llama, counting), doc, QUESTIONS * 3, max_new_tokens=2)
+    if size > 1_000_000:
+        assert counting.chars == 0  # refused from the length of the text alone
+    else:  # near the context, the one tokenized prompt decides: not every question's prompt
+        assert len(doc) <= counting.chars <= len(doc) + 200
+
+
+def test_the_cli_refuses_a_huge_document_before_tokenizing_it(ckpt, inputs, capsys, monkeypatch):
+    big = inputs["dir"] / "big.txt"
+    big.write_text("word " * 2_000_000)
+    seen = []
+    monkeypatch.setattr(HFTokenizer, "encode", lambda self, text, *a, **k: seen.append(len(text)) or [0])
+    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", big, "--questions", inputs["questions"]]])
+    assert "context is 512" in one_line_error((code, capsys.readouterr().err))
+    assert sum(seen) < 1000  # the template's few words, never the document
+
+
+# --- malformed configs: every field's type and range, named, before anything is allocated -----------------
+
+BAD_CONFIGS = {
+    "a list": ([1, 2], "JSON object"),
+    "string eps": ({"rms_norm_eps": "1e-5"}, "rms_norm_eps"),
+    "zero eps": ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    "nan theta": ({"rope_theta": float("nan")}, "rope_theta"),
+    "huge context": ({"max_position_embeddings": 10**12}, "max_position_embeddings"),
+    "negative vocab": ({"vocab_size": -5}, "vocab_size"),
+    "float hidden": ({"hidden_size": 64.5}, "hidden_size"),
+    "absurd layers": ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+    "bool heads": ({"num_attention_heads": True}, "num_attention_heads"),
+    "string tie": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    "rope_scaling a list": ({"rope_scaling": [8.0]}, "rope_scaling"),
+    "llama3 missing keys": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    "llama3 bad band": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                          "high_freq_factor": 1.0, "original_max_position_embeddings": 64}},
+                        "high_freq_factor"),
+    "string eos": ({"eos_token_id": "</s>"}, "eos_token_id"),
+    "deeply nested": (None, "not readable JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_every_bad_config_value_is_one_line_naming_the_field(ckpt, tmp_path, case):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    change, word = BAD_CONFIGS[case]
+    if change is None:
+        (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(change if isinstance(change, list) else {**cfg, **change}))
+    with pytest.raises(WeightsError, match=re.escape(word)):
+        load_model(d)
+    assert word in one_line_error(run_tool("weights", "info", d))
+
+
+def test_integer_weights_are_refused(ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(WeightsError, match="model.norm.weight holds int32; weights must be floating point"):
+        load_model(d)
+
+
+# --- every write can meet a full disk; closed streams -------------------------------------------------
+
+
+def test_every_file_write_goes_through_files_write_file():
+    """Writes anywhere else would meet a full disk with an error type no front end catches."""
+    allowed = {("minillama/weights.py", 'open(lock_path, "a")'),  # the lock file: flock, nothing written
+               ("minillama/weights.py", 'open(part, "wb")')}  # inside a write_file callable
+    pattern = re.compile(r"\.write_text\(|\.write_bytes\(|\.mkdir\(|open\([^)]*[\"'][wax]b?[\"']|\.savefig\(\w+ /"
+                         r"|save_file\([^)]*str\((?!f\))")
+    found = []
+    for path in sorted((ROOT / "minillama").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel == "minillama/files.py":
+            continue
+        for line in path.read_text().splitlines():
+            m = pattern.search(line)
+            if m and not any(rel == f and s in line for f, s in allowed):
+                found.append(f"{rel}: {line.strip()}")
+    assert found == []
+
+
+def test_write_file_is_atomic_and_one_line_on_a_full_disk(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("before")
+    code = ("import sys; from minillama import files, errors; "
+            f"sys.exit(errors.run_command(lambda: files.write_file({str(target)!r}, 'x' * 100000) and 0))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       preexec_fn=lambda: (signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+                                           resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))))
+    assert "out.json: cannot write (File too large)" in one_line_error(p)
+    assert target.read_text() == "before" and sorted(os.listdir(tmp_path)) == ["out.json"]
+
+
+def test_convert_on_a_full_disk_is_one_line(ckpt, tmp_path):
+    p = run_tool("weights", "convert", ckpt, tmp_path / "out", limit_file_bytes=20_000)
+    assert "cannot write the conversion (File too large)" in one_line_error(p)
+    assert not (tmp_path / "out").exists()
+
+
+def test_oracle_export_on_a_full_disk_is_one_line(ckpt, inputs, tmp_path):
+    p = run_tool("oracle", "export", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                 "-n", "2", "-o", tmp_path / "ref.safetensors", limit_file_bytes=2_000)
+    assert "ref.safetensors: cannot write (File too large)" in one_line_error(p)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_bench_outputs_on_a_full_disk_are_one_line(tmp_path):
+    p = run_tool("bench", "--from-json", ROOT / "docs/bench/results.json", "--out", tmp_path / "b",
+                 limit_file_bytes=2_000)
+    assert "cannot write (File too large)" in one_line_error(p)
+
+
+def test_answers_to_a_full_stdout_are_one_line(ckpt, inputs):
+    with open("/dev/full", "w") as full:
+        p = run_tool("generate", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                     "-n", "2", stdout=full, stderr=subprocess.PIPE)
+    assert "No space left on device" in one_line_error(p)
+
+
+@pytest.mark.parametrize("tool", [["generate", "--doc", "-", "--questions", "Q"], ["weights", "info", "."],
+                                  ["oracle", "compare", "--candidate", "x.jsonl", "--reference", "y"],
+                                  ["bench", "--from-json", "x.json"]])
+def test_a_closed_stdout_is_one_line(tool, tmp_path):
+    p = run_tool(*tool, preexec=lambda: os.close(1), stderr=subprocess.PIPE)
+    assert one_line_error(p) == "error: standard output is closed; the output would be lost"
+
+
+def test_a_closed_stdin_is_one_line(ckpt, inputs):
+    p = run_tool("generate", "--model", ckpt, "--doc", "-", "--questions", inputs["questions"],
+                 preexec=lambda: os.close(0))
+    assert one_line_error(p) == "error: --doc -: standard input is closed"
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_fetch_into_an_unusable_weights_folder_is_one_line(tmp_path, where):
+    f = tmp_path / "f"
+    f.write_text("x")
+    wdir = f if where == "a file" else f / "sub"
+    p = run_tool("weights", "fetch", env={"MINILLAMA_WEIGHTS_DIR": str(wdir)})
+    assert "MINILLAMA_WEIGHTS_DIR" in one_line_error(p) and str(wdir) in p.stderr
+
+
+# --- malformed input files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line,word", [("[" * 100_000, "nested too deeply"),
+                                       ('{"doc": "a \\ud800 b", "questions": ["q"]}', "surrogate U+D800"),
+                                       ('{"doc": "d", "questions": ["\\udfff"]}', "surrogate U+DFFF")])
+def test_jsonl_lines_that_are_not_text_are_one_line(ckpt, inputs, capsys, line, word):
+    f = inputs["dir"] / "bad.jsonl"
+    f.write_text(json.dumps({"doc": DOC, "questions": ["q"]}) + "\n" + line + "\n")
+    code = cli.main(["--model", str(ckpt), "--input", str(f)])
+    err = one_line_error((code, capsys.readouterr().err))
+    assert "line 2" in err and word in err
+
+
+def test_nan_weights_write_valid_json_and_warn(ckpt, inputs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "nan"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.norm.weight"][:] = float("nan")
+    save_file(sd, str(d / "model.safetensors"))
+    p = run_tool("generate", "--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2",
+                 "--json", "--logprobs")
+    assert p.returncode == 0, p.stderr
+
+    def strict(x):
+        raise ValueError(f"not JSON: {x}")
+
+    rows = [json.loads(line, parse_constant=strict) for line in p.stdout.splitlines()]
+    assert len(rows) == len(QUESTIONS) and all(x is None for r in rows for x in r["logprobs"])
+    assert sum("warning:" in line and "not finite" in line for line in p.stderr.splitlines()) == 1
+    p = run_tool("generate", "--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2",
+                 "--temperature", "0.7")
+    assert "logits hold NaN" in one_line_error(p)
+
+
+# --- one runner for every tool: the exit statuses --------------------------------------------------------
+
+
+def _tool_bodies(monkeypatch):
+    """Each tool's main() with its body replaced by `raise_it`."""
+    import minillama.bench.command as bench
+    import minillama.oracle.__main__ as oracle
+    import minillama.weights as weights
+
+    def patch(raise_it):
+        monkeypatch.setattr(cli, "_main", lambda argv: raise_it())
+        monkeypatch.setattr(weights, "_main", lambda argv: raise_it())
+        monkeypatch.setattr(oracle, "build_parser", raise_it)
+        monkeypatch.setattr(bench, "_main", lambda argv: raise_it())
+        return {"generate": cli.main, "weights": weights.main, "oracle": oracle.main, "bench": bench.main}
+
+    return patch
+
+
+def _raiser(e: BaseException):
+    def raise_it(*a, **k):
+        raise e
+    return raise_it
+
+
+@pytest.mark.parametrize("exc,code,stderr", [
+    (errors.BadInput("bad value"), 2, "error: bad value\n"),
+    (WeightsError("x.gguf: corrupt\nfile"), 2, "error: x.gguf: corrupt file\n"),
+    (errors.CannotWrite("out", "No space left on device"), 2,
+     "error: out: cannot write (No space left on device)\n"),
+    (PermissionError(13, "Permission denied", "/ro/file"), 2, "error: /ro/file: Permission denied\n"),
+    (KeyboardInterrupt(), 130, "interrupted\n"),
+    (BrokenPipeError(), 141, ""),
+])
+def test_every_tool_maps_errors_to_the_same_exit_status(monkeypatch, capsys, exc, code, stderr):
+    for name, main in _tool_bodies(monkeypatch)(_raiser(exc)).items():
+        assert main([]) == code, name
+        assert capsys.readouterr().err == stderr, name
+
+
+def test_a_bug_is_a_traceback_in_every_tool(monkeypatch):
+    for name, main in _tool_bodies(monkeypatch)(_raiser(ValueError("a bug in minillama"))).items():
+        with pytest.raises(ValueError, match="a bug"):
+            main([])
+
+
+# --- the bench's own options -------------------------------------------------------------------------
+
+
+def test_bench_options_are_one_line(tmp_path, capsys):
+    from minillama.bench.command import main
+
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    (tmp_path / "file").write_text("x")
+    out = ["--out", str(tmp_path / "o")]
+    cases = {
+        "--from-json " + str(tmp_path / "missing.json"): "no such file",
+        "--from-json " + str(tmp_path / "bad.json"): "not JSON",
+        "--from-json " + str(tmp_path / "deep.json"): "not JSON",
+        "--from-json " + str(tmp_path / "other.json"): "not a bench results.json",
+        "--quick --only headlines": "--only: unknown sweep(s) headlines",
+        "--quick --only ,": "--only: no sweep named",
+        "--quick --threads -2": "--threads must be at least 1",
+        "--quick --repeats 0": "--repeats must be at least 1",
+        "--quick --sample -1": "--sample must be at least 0",
+        "--quick --threads two": "--threads",
+        "--quick --methods telepathy": "unknown method(s) telepathy",
+    }
+    for args, word in cases.items():
+        line = one_line_error((main(args.split() + out), capsys.readouterr().err))
+        assert word in line, (args, line)
+    line = one_line_error((main(["--quick", "--out", str(tmp_path / "file" / "o")]), capsys.readouterr().err))
+    assert "cannot make the folder" in line
+    line = one_line_error((main(["--quick", "--out", str(tmp_path / "file")]), capsys.readouterr().err))
+    assert "exists and is not a folder" in line
+
+
+def test_json_text_is_valid_json_for_non_finite_numbers():
+    text = files.json_text({"a": [1.0, float("nan"), float("inf")], "b": {"c": -float("inf")}})
+    assert json.loads(text) == {"a": [1.0, None, None], "b": {"c": None}}
+    assert files.json_text({"a": 0.1}) == json.dumps({"a": 0.1})
+
+
+def test_check_options_spells_names_the_callers_way():
+    with pytest.raises(errors.BadInput, match="^--max-new-tokens must be >= 0, got -1$"):
+        checks.check_options(max_new_tokens=-1, spell=lambda n: "--" + n.replace("_", "-"))
