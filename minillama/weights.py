@@ -645,6 +645,14 @@ def _rope_factors(reader: Any) -> np.ndarray | None:
     return None if t is None else dequantize(t.data, t.tensor_type).reshape(-1)
 
 
+def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Path, reader: Any) -> LlamaConfig:
+    """`gguf_config`, with metadata of the wrong type (a string where a count belongs) as WeightsError."""
+    try:
+        return gguf_config(meta, names, source, _rope_factors(reader))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise WeightsError(f"{source}: llama metadata of the wrong type or value ({e})") from None
+
+
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
     """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file."""
     from gguf.quants import dequantize
@@ -656,7 +664,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]
         if t.tensor_type not in supported:
             raise WeightsError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
                                f"(supported: {', '.join(sorted(q.name for q in supported))})")
-    config = gguf_config(meta, {t.name for t in reader.tensors}, path, _rope_factors(reader))
+    config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)
     sd: StateDict = {}
     for t in reader.tensors:
         name = map_name(t.name, GGUF_NAMES, path)
@@ -838,7 +846,7 @@ def info(path: str | Path) -> dict[str, Any]:
         meta = gguf_metadata(reader)
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
-        config = gguf_config(meta, {t.name for t in reader.tensors}, p, _rope_factors(reader))
+        config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, p, reader)
         n_tensors = len(reader.tensors)
         try:
             tok: Tokenizer | None = tokenizer_from_gguf_metadata(meta, str(p))

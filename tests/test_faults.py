@@ -540,3 +540,14 @@ def test_json_text_is_valid_json_for_non_finite_numbers():
 def test_check_options_spells_names_the_callers_way():
     with pytest.raises(errors.BadInput, match="^--max-new-tokens must be >= 0, got -1$"):
         checks.check_options(max_new_tokens=-1, spell=lambda n: "--" + n.replace("_", "-"))
+
+
+def test_a_gguf_with_a_huge_context_is_refused_naming_the_field(tmp_path):
+    from _ckpt_writers import gguf_tokenizer_metadata, write_gguf
+
+    config = ckpt_config(vocab=320)
+    sd = random_state_dict(config)
+    config.max_position_embeddings = 2**31  # past the check: what a broken or hostile file can say
+    path = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(byte_bpe_tokenizer(320)))
+    with pytest.raises(WeightsError, match="max_position_embeddings must be in 1 .. 4194304"):
+        load_model(path)

@@ -121,9 +121,11 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
             raise BadInput("give --prompt-ids or --doc/--questions, not both")
         prompts, docs = [], []
         try:
-            lines = Path(args.prompt_ids).read_text().splitlines()
+            lines = Path(args.prompt_ids).read_text(encoding="utf-8").splitlines()
         except OSError as e:
             raise BadInput(f"{args.prompt_ids}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{args.prompt_ids}: not UTF-8 text (invalid byte at offset {e.start})") from None
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -229,7 +231,7 @@ def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
              if getattr(args, k) is not None}
     values = {**{k: getattr(base, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")},
               **given}
-    if min(values.values()) < 0 or args.top_k < 1:
+    if not all(v >= 0 for v in values.values()) or args.top_k < 1:  # NaN is not >= 0
         raise BadInput("tolerances must be >= 0 and --top-k >= 1")
     changed = [k for k, v in given.items() if v != getattr(base, k)]
     name = base.preset + (f" with {', '.join('--' + k.replace('_', '-') for k in changed)} set" if changed else "")
