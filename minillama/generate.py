@@ -236,6 +236,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     stats = stats if stats is not None else Stats()
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs), ("prefill_chunk", prefill_chunk)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")  # else answers come back empty
     if not prompts:
         return []
     max_pos = model.config.max_position_embeddings

@@ -312,3 +312,12 @@ def test_arguments_that_are_not_utf8_are_one_line(ckpt, inputs, capsys, option):
     code = cli.main([str(a) for a in ["--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
                                       *option]])
     assert "lone surrogate" in one_line_error((code, capsys.readouterr().err))
+
+
+@pytest.mark.parametrize("bad", [{"parallel_size": -1}, {"batch_docs": 0}, {"prefill_chunk": -5},
+                                 {"parallel_size": 1.5}])
+def test_generate_on_token_ids_refuses_sizes_that_would_answer_nothing(model, bad):
+    from minillama.generate import generate
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        generate(model.llama, [[5, 6, 7], [5, 6, 8]], **bad)
