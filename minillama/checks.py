@@ -12,6 +12,7 @@ wrong type, in one line.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from typing import Any, Callable, Sequence
 
@@ -24,11 +25,11 @@ class BadType(BadInput, TypeError):
 
 
 def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy's integers too
 
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def check_options(*, mode: Any = "parallel", max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any = 0,
