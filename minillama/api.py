@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .checks import BadType, check_jobs, check_options, too_long
+from .errors import BadInput
 from .generate import SamplingParams, Stats, generate
 from .model import Llama
 from .tokenizer import Tokenizer
@@ -62,7 +64,7 @@ class Reply:
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # with keep_logits
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(BadInput):
     """A prompt that does not fit in the model's context (nothing is truncated silently)."""
 
 
@@ -108,13 +110,13 @@ def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None
 
 
 def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    seed: int = 0, ignore_eos: bool = False, stop: Sequence[str] = (),
+                    seed: int = 0, ignore_eos: bool = False, stop: str | Sequence[str] = (),
                     tokenizer: Tokenizer | None = None, keep_logits: bool = False) -> SamplingParams:
-    """SamplingParams with stop strings turned into a stop callback (it needs the tokenizer).
-    Raises ValueError on a bad value, e.g. a negative token count or top_p outside (0, 1]."""
-    stop = tuple(stop)
-    if any(not s for s in stop):
-        raise ValueError("a stop string must not be empty")
+    """SamplingParams with stop strings (one string, or a list of them) turned into a stop callback (it
+    needs the tokenizer). Raises ValueError on a bad value, e.g. a negative token count or top_p outside
+    (0, 1], naming the option (`checks.check_options`)."""
+    stop = check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, ignore_eos=ignore_eos, stop=stop, keep_logits=keep_logits)
     if stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer")
     check = None
@@ -130,8 +132,9 @@ def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: i
 
 
 def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[int],
-                stop: Sequence[str] = ()) -> str:
+                stop: str | Sequence[str] = ()) -> str:
     """The text of an answer: a final stop token (EOS, stop id) left out, cut before the first stop string."""
+    stop = (stop,) if isinstance(stop, str) else stop
     ids = list(token_ids)
     if ids and ids[-1] in stop_ids:
         ids = ids[:-1]
@@ -148,7 +151,7 @@ def ask(model: LoadedModel, doc: str, questions: Sequence[str], **options: Any) 
 def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, mode: str = "parallel",
              system: str | None = None, chat_template: bool = True, max_new_tokens: int = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             ignore_eos: bool = False, stop: Sequence[str] = (), keep_logits: bool = False,
+             ignore_eos: bool = False, stop: str | Sequence[str] = (), keep_logits: bool = False,
              parallel_size: int | None = None, batch_docs: int | None = None, prefill_chunk: int = 512,
              on_token: Callable[[int], None] | None = None, stats: Stats | None = None,
              on_reply: Callable[[int, Reply], None] | None = None,
@@ -162,13 +165,23 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
     questions over all jobs, in job order. first_question[d] (default: the count before job d) numbers job
     d's first question's random stream: a share of a larger run (a data-parallel rank's) keeps its streams.
 
-    Raises ValueError on bad options and PromptTooLong when a prompt does not fit in the context.
+    Every option and input is checked first, as the command line checks them (`checks.py`): ValueError
+    (TypeError for a value of the wrong type, such as bytes for a document) names the bad one;
+    PromptTooLong when a prompt does not fit in the context, found from the text's length where it
+    can be (one pass over the input, not a tokenization of every question's prompt).
     """
     llama, tok = model
+    stop = check_options(mode=mode, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         top_p=top_p, seed=seed, ignore_eos=ignore_eos, stop=stop, parallel_size=parallel_size,
+                         batch_docs=batch_docs, prefill_chunk=prefill_chunk, system=system,
+                         chat_template=chat_template, keep_logits=keep_logits)
+    for name, f in (("on_token", on_token), ("on_reply", on_reply)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be a function or None")
+    jobs = check_jobs(jobs)
     params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop, tok,
                              keep_logits)
-    prompts, docs, where = build_prompts(tok, jobs, system, chat_template)
-    check_context(prompts, where, llama.config.max_position_embeddings)
+    prompts, docs, where = build_prompts(tok, jobs, system, chat_template, llama.config.max_position_embeddings)
     eos = list(dict.fromkeys([*tok.eos_ids, *llama.config.eos_token_ids]))
     stop_ids = set(params.stop_token_ids) | (set() if ignore_eos else set(eos))
 
@@ -189,17 +202,27 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
 
 
 def build_prompts(tokenizer: Tokenizer, jobs: Sequence[tuple[str, Sequence[str]]], system: str | None = None,
-                  chat_template: bool = True) -> tuple[list[list[int]], list[int], list[tuple[int, int]]]:
+                  chat_template: bool = True, context: int | None = None
+                  ) -> tuple[list[list[int]], list[int], list[tuple[int, int]]]:
     """Every question's prompt ids, in job order, with its document index and its (document, question)
-    position: the three lists `generate()` and the output need."""
+    position: the three lists `generate()` and the output need. With `context`, a prompt that leaves no
+    room to generate one token raises PromptTooLong: first judged from the text's length alone
+    (`checks.too_long`), then each prompt as soon as it is tokenized, so a refusal costs about one
+    pass over the input."""
+    for d, (_, questions) in enumerate(jobs, 1):
+        if isinstance(questions, str):
+            raise BadType(f"the questions of document {d} must be a list of strings, not one string")
+    why = None if context is None else too_long(tokenizer, jobs, context)
+    if why is not None:
+        raise PromptTooLong(why)
     prompts, docs, where = [], [], []
     for d, (doc, questions) in enumerate(jobs):
-        if isinstance(questions, str):
-            raise TypeError("questions must be a list of strings, not one string")
         for qi, q in enumerate(questions):
             prompts.append(prompt_ids(tokenizer, doc, q, system, chat_template))
             docs.append(d)
             where.append((d, qi))
+            if context is not None:
+                check_context(prompts[-1:], where[-1:], context)
     return prompts, docs, where
 
 

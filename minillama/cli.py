@@ -14,8 +14,8 @@ written so far stay written); 141 when the reader of stdout goes away; 1 on a bu
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import re
 import math
 import sys
 import time
@@ -30,7 +30,9 @@ except ImportError:
 
 from . import api
 from . import distributed
-from .errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
+from .checks import check_jobs, check_options as check_api_options, too_long
+from .errors import BadInput, OneLineParser, one_line, run_command
+from .files import json_text
 from .generate import MODES, Stats, StreamTooLong
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -92,21 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return _guarded(_main, argv)
+    """Exit status: see `errors.run_command` (0, 2 bad input, 130 Ctrl-C, 141 closed pipe, 1 a bug)."""
+    return run_command(lambda: _main(argv))
 
 
-def _guarded(run, *args) -> int:
-    try:
-        return run(*args)
-    except BadInput as e:
-        if distributed.rank_from_env() == 0:  # every rank checks the same things; one says so
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `... | head -1`: the reader has all it wants
-        return quiet_exit_on_broken_pipe()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+def _rank(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
+    """One rank that --procs started: `answer`, with the exit statuses of `main`."""
+    return run_command(lambda: answer(args, jobs))
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -116,7 +110,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.procs > 1:
         from .distributed import launch
 
-        return launch.run(args, jobs, functools.partial(_guarded, answer))
+        return launch.run(args, jobs, _rank)
     return answer(args, jobs)
 
 
@@ -134,6 +128,9 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     model = _load(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
+    why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
+    if why is not None:
+        raise BadInput(why)
     share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens)
     plan = plan_waves(model, [jobs[d] for d in share], args)
 
@@ -169,7 +166,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
                "parallel_size": plan.parallel_size or max(len(q) for _, q in jobs),
                "batch_docs": plan.batch_docs or len(jobs), "max_memory_mb": args.max_memory,
                "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
-    print(json.dumps(summary) if args.json else summary_line(summary), file=sys.stderr)
+    print(json_text(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
 
 
@@ -182,8 +179,8 @@ def _ask(model, jobs, share, args, plan, progress, stats, channel) -> None:
             ignore_eos=args.ignore_eos, stop=args.stop, parallel_size=plan.parallel_size,
             batch_docs=plan.batch_docs, on_token=progress.update, stats=stats, on_reply=channel.on_reply,
             first_question=channel.first_question)
-    except api.PromptTooLong as e:
-        raise BadInput(str(e)) from None
+    except api.PromptTooLong as e:  # numbered within this rank's share: say which input document it is
+        raise BadInput(re.sub(r"^document (\d+)", lambda m: f"document {share[int(m[1]) - 1] + 1}", str(e))) from None
     except StreamTooLong as e:
         raise BadInput(f"{e}; use --mode parallel or fewer questions per document") from None
 
@@ -199,22 +196,13 @@ def check_options(args: argparse.Namespace) -> None:
         raise BadInput("give --doc DOC and --questions QUESTIONS, or --input FILE.jsonl")
     if args.doc == "-" and args.questions == "-":
         raise BadInput("--doc and --questions cannot both read standard input")
-    for name in ("parallel_size", "batch_docs"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {v}")
     if not (args.max_memory >= 0) or math.isinf(args.max_memory):
         raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
-    if math.isnan(args.temperature):  # SamplingParams says so too; name the option here
-        raise BadInput("--temperature must be a finite number >= 0, got nan")
-    try:
-        api.sampling_params(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                            args.ignore_eos)
-    except ValueError as e:
-        raise BadInput(str(e).replace("max_new_tokens", "--max-new-tokens").replace("top_k", "--top-k")
-                       .replace("top_p", "--top-p").replace("temperature", "--temperature")) from None
-    if any(not s for s in args.stop):
-        raise BadInput("--stop must not be empty")
+    check_api_options(  # the API's own checks, naming the options as the command line spells them
+        mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
+        parallel_size=args.parallel_size, batch_docs=args.batch_docs, system=args.system,
+        chat_template=not args.no_chat_template, spell=lambda name: "--" + name.replace("_", "-"))
     _check_device(args.device)
     distributed.check_options(args)
 
@@ -234,6 +222,8 @@ def _check_device(device: str) -> None:
 def read_text(path: str, what: str) -> str:
     """A UTF-8 text file (or standard input for '-'), whole, with Windows line endings (\\r\\n) made \\n.
     A leading byte-order mark is dropped."""
+    if path == "-" and sys.stdin is None:
+        raise BadInput(f"{what} -: standard input is closed")
     try:
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except FileNotFoundError:
@@ -275,6 +265,8 @@ def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             obj = json.loads(line)
         except ValueError as e:
             raise BadInput(f"{where}: not JSON ({e})") from None
+        except RecursionError:
+            raise BadInput(f"{where}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict):
             raise BadInput(f'{where}: expected an object {{"doc": ..., "questions": [...]}}')
         extra = sorted(set(obj) - {"doc", "questions"})
@@ -288,6 +280,10 @@ def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         for k, q in enumerate(questions):
             if not isinstance(q, str) or not q.strip():
                 raise BadInput(f'{where}: question {k + 1} must be a non-empty string')
+        try:
+            check_jobs([(doc, questions)])  # what the API refuses too: text that is not text
+        except BadInput as e:
+            raise BadInput(f"{where}: {str(e).split(': ', 1)[-1]}") from None
         jobs.append((doc, questions))
     if not jobs:
         raise BadInput(f"--input {args.input}: no documents")
@@ -303,13 +299,9 @@ def _load(path: str | None, device: str, dtype: Any) -> api.LoadedModel:
     try:
         return api.load(path, device=device, dtype=dtype)
     except (WeightsError, TokenizerError) as e:
-        raise BadInput(_one_line(f"--model {path or '(default)'}: {e}")) from None
+        raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None
     except OSError as e:  # unreadable files
-        raise BadInput(_one_line(f"--model {path or '(default)'}: {e}")) from None
-
-
-def _one_line(s: str) -> str:
-    return " ".join(s.split())
+        raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None
 
 
 # --- output ---------------------------------------------------------------------------------------
@@ -332,7 +324,7 @@ class AnswerWriter:
         self.out, self.args, self.n_docs, self.context, self.progress = out, args, n_docs, context, progress
         self.written = 0
         self.waiting: dict[int, api.Reply] = {}
-        self.warned = False
+        self.warned = self.warned_nan = False
 
     def __call__(self, i: int, reply: api.Reply) -> None:
         self._warn_if_cut_short(reply)
@@ -346,8 +338,14 @@ class AnswerWriter:
         self.out.flush()
 
     def _write(self, r: api.Reply) -> None:
+        if not self.warned_nan and not all(math.isfinite(x) for x in r.logprobs):
+            self.warned_nan = True
+            print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: the model's logits "
+                  "are not finite (NaN or inf: the checkpoint's weights are broken), so its answers mean nothing"
+                  + ("; such log-probs are written as null" if self.args.json else "") + "; this warning is "
+                  "shown once", file=sys.stderr, flush=True)
         if self.args.json:
-            self.out.write(json.dumps(reply_json(r, self.args.logprobs), ensure_ascii=False) + "\n")
+            self.out.write(json_text(reply_json(r, self.args.logprobs), ensure_ascii=False) + "\n")
             return
         if self.n_docs > 1 and r.question_index == 0:
             self.out.write(f"=== document {r.doc_index + 1} ===\n\n")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ class LlamaConfig:
     num_attention_heads: int = 32
     num_key_value_heads: int | None = None  # None: same as num_attention_heads (MHA)
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-6  # HF LlamaConfig's default (a config.json without it means this)
     rope_theta: float = 10000.0
     # None, or HF's dict: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}.
@@ -41,6 +43,7 @@ class LlamaConfig:
     sliding_window: int | None = None  # a key is visible to a query less than this many positions after it
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -84,6 +87,8 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object, got a {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         out = {k: v for k, v in d.items() if k in names}
         # transformers 5 writes RoPE settings as one `rope_parameters` dict (theta included).
@@ -108,6 +113,8 @@ class LlamaConfig:
     def from_meta_params(cls, path: str | Path, vocab_size: int | None = None) -> "LlamaConfig":
         """Meta's params.json: dim, n_layers, n_heads, n_kv_heads, multiple_of, ffn_dim_multiplier, ..."""
         p = json.loads(Path(path).read_text())
+        if not isinstance(p, dict):
+            raise ValueError(f"params.json must be a JSON object, got a {type(p).__name__}")
         dim, n_heads = p["dim"], p["n_heads"]
         hidden = int(2 * (4 * dim) / 3)  # Meta's FeedForward sizing rule
         if p.get("ffn_dim_multiplier") is not None:
@@ -131,3 +138,77 @@ class LlamaConfig:
             rms_norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 10000.0),
             rope_scaling=scaling, max_position_embeddings=p.get("max_seq_len", 4096),
         )
+
+
+# The largest context minillama builds: the RoPE table holds cos and sin for every position (2 x context x
+# head_dim floats, made once per model), so an absurd context would allocate terabytes before any check.
+MAX_CONTEXT = 1 << 22
+MAX_SIZE = (1 << 31) - 1  # any width, vocabulary or count of heads: tensors index with int32 offsets
+MAX_LAYERS = 4096
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy's integers too
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _count(name: str, x: Any, lo: int, hi: int = MAX_SIZE, optional: bool = False) -> None:
+    if x is None and optional:
+        return
+    if not _is_int(x):
+        raise ValueError(f"{name} must be an integer, got {x!r}")
+    if not lo <= x <= hi:
+        raise ValueError(f"{name} must be in {lo} .. {hi}, got {x}")
+
+
+def _positive(name: str, x: Any) -> None:
+    if not _is_number(x) or x <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+
+
+def check_fields(c: "LlamaConfig") -> None:
+    """Every field's type and range, with a message naming the field: a config.json with a string where
+    a number belongs, a list where an object belongs, or a size that would allocate terabytes is refused
+    here, before anything is built."""
+    _count("vocab_size", c.vocab_size, 1)
+    _count("hidden_size", c.hidden_size, 1)
+    _count("intermediate_size", c.intermediate_size, 1)
+    _count("num_hidden_layers", c.num_hidden_layers, 1, MAX_LAYERS)
+    _count("num_attention_heads", c.num_attention_heads, 1)
+    _count("num_key_value_heads", c.num_key_value_heads, 1, optional=True)
+    _count("head_dim", c.head_dim, 2, optional=True)
+    if c.head_dim is None and c.hidden_size < c.num_attention_heads:
+        raise ValueError(f"hidden_size ({c.hidden_size}) is smaller than num_attention_heads "
+                         f"({c.num_attention_heads}): no head_dim")
+    _count("max_position_embeddings", c.max_position_embeddings, 1, MAX_CONTEXT)
+    _positive("rms_norm_eps", c.rms_norm_eps)
+    _positive("rope_theta", c.rope_theta)
+    if not isinstance(c.tie_word_embeddings, bool):
+        raise ValueError(f"tie_word_embeddings must be true or false, got {c.tie_word_embeddings!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if not isinstance(getattr(c, flag), bool):
+            raise ValueError(f"{flag} must be true or false, got {getattr(c, flag)!r}")
+    _count("bos_token_id", c.bos_token_id, 0, optional=True)
+    eos = c.eos_token_id
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        _count("eos_token_id", e, 0, optional=not isinstance(eos, (list, tuple)))
+    s = c.rope_scaling
+    if s is None:
+        return
+    if not isinstance(s, dict):
+        raise ValueError(f"rope_scaling must be an object or null, got {s!r}")
+    if s.get("rope_type", s.get("type")) == "llama3":
+        missing = [k for k in LLAMA3_KEYS if k not in s]
+        if missing:
+            raise ValueError(f"rope_scaling (llama3) is missing {', '.join(missing)}")
+        for k in ("factor", "low_freq_factor", "high_freq_factor"):
+            _positive(f"rope_scaling.{k}", s[k])
+        _count("rope_scaling.original_max_position_embeddings", s["original_max_position_embeddings"], 1,
+               MAX_CONTEXT)
+        if not s["high_freq_factor"] > s["low_freq_factor"]:
+            raise ValueError(f"rope_scaling.high_freq_factor ({s['high_freq_factor']}) must be greater than "
+                             f"low_freq_factor ({s['low_freq_factor']})")

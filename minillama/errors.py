@@ -1,22 +1,47 @@
-"""The one kind of error that is the user's: bad input, reported in one line with exit status 2.
+"""The errors that are the user's or the machine's, and the one runner every command line goes through.
 
-Every command line of minillama (`python -m minillama.generate`, `python -m minillama.weights`,
-`python -m minillama.oracle`) raises `BadInput` for something the user gave that cannot be used (a missing
-file, a malformed line, an option out of range) and turns it into `error: ...` on stderr and exit 2.
-Anything else that escapes is a bug in minillama and surfaces as a traceback (exit 1): catching every
-`ValueError` as "bad input" would hide those bugs.
+Every command line of minillama (`generate`, `weights`, `oracle`, `bench`) runs its body through
+`run_command`, which maps what escapes to one line on stderr and an exit status:
+
+- 0: done (a tool may return 1 itself for a negative verdict, as the oracle does for a failed comparison);
+- 2: something the user gave cannot be used, or the machine refused (a `OneLineError`: bad input, a
+  checkpoint that cannot be loaded, a file that cannot be written; or an `OSError` of the environment,
+  such as a full disk or a read-only folder): `error: ...`, one line;
+- 130: Ctrl-C;
+- 141, quietly: the reader of stdout went away (`... | head -1`);
+- 1, with a traceback: anything else, which is a bug in minillama. Catching every `ValueError` as
+  "bad input" would hide those bugs, so only the types named here are turned into one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 
-class BadInput(ValueError):
+class OneLineError(Exception):
+    """Reported in one line with exit status 2: the user's input or the machine, not a bug."""
+
+
+class BadInput(OneLineError, ValueError):
     """Something the user gave that cannot be used: reported in one line, exit status 2."""
+
+
+class CannotWrite(OneLineError):
+    """A file or folder that cannot be written (a full disk, a read-only or unwritable folder)."""
+
+    def __init__(self, path: object, reason: str, what: str = "cannot write"):
+        super().__init__(f"{path}: {what} ({reason})" if what else f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+# OSErrors that describe the machine, not minillama: reported in one line when they escape a command.
+ENVIRONMENT_ERRNOS = frozenset(getattr(errno, n) for n in (
+    "ENOSPC", "EDQUOT", "EFBIG", "EACCES", "EPERM", "EROFS", "EIO", "ENOTDIR", "EISDIR", "ENOENT", "EEXIST",
+    "ENAMETOOLONG", "ELOOP", "EMFILE", "ENFILE", "ENOMEM", "EBADF") if hasattr(errno, n))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -26,13 +51,60 @@ class OneLineParser(argparse.ArgumentParser):
         raise BadInput(message)
 
 
-def quiet_exit_on_broken_pipe() -> int:
-    """The reader of stdout went away (`... | head -1`): stop quietly, as Unix tools do, with the status a
-    shell reports for a process ended by SIGPIPE. stdout is pointed at /dev/null first, so that Python's
-    own flush at exit does not fail a second time and print a traceback."""
+def one_line(s: str) -> str:
+    return " ".join(str(s).split())
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that Python's own flush at exit does not fail a second time (a closed
+    pipe, a full device) and print a traceback."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
+
+
+def quiet_exit_on_broken_pipe() -> int:
+    """The reader of stdout went away (`... | head -1`): stop quietly, as Unix tools do, with the status a
+    shell reports for a process ended by SIGPIPE."""
+    _stdout_to_devnull()
     return 141
+
+
+def describe_os_error(e: OSError) -> str:
+    """`PATH: cannot write (No space left on device)`-like text for an OSError of the environment."""
+    why = e.strerror or type(e).__name__
+    return f"{e.filename}: {why}" if e.filename else f"cannot write the output ({why})"
+
+
+def _rank() -> int:
+    """This process's rank under torchrun or --procs (0 alone); read from the environment torchrun sets."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_command(body: Callable[[], int]) -> int:
+    """Run a command line's body and turn what escapes into an exit status (the module docstring)."""
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the output would be lost
+        print("error: standard output is closed; the output would be lost", file=sys.stderr)
+        return 2
+    try:
+        code = body()
+        sys.stdout.flush()  # a closed pipe or a full device shows here, inside the handlers
+        return code
+    except OneLineError as e:
+        if _rank() == 0:  # in a distributed run every rank meets the same bad input: one says so
+            print(f"error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return quiet_exit_on_broken_pipe()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        if e.filename is None:  # a write to stdout failed: Python would fail again at exit
+            _stdout_to_devnull()
+        print(f"error: {one_line(describe_os_error(e))}", file=sys.stderr)
+        return 2

@@ -49,7 +49,7 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
     """config.json's dict as minillama's fields: the model type's defaults, the flags its HF class reads,
     one sliding window or none. Raises ValueError naming the field minillama does not implement."""
     if not isinstance(d, dict):
-        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+        raise ValueError(f"a config must be a JSON object, got a {type(d).__name__}")
     model_type = d.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from .cache import KVCache
+from .errors import BadInput
 from .model import Llama
 
 MODES = ("parallel", "independent", "seqbatch")
@@ -89,6 +90,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.temperature == 0:
         return int(torch.argmax(logits))  # first maximal index
     x = logits.float().cpu() / params.temperature
+    if torch.isnan(x).any():
+        raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
+                       "weights hold NaN or inf)")
+    if not torch.isfinite(x.max()):  # a tiny temperature overflowed: divide the gaps to the maximum instead,
+        x = logits.double().cpu()  # in float64, where a subnormal temperature is still not 0
+        x = (x - x.max()) / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -231,6 +238,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     stats = stats if stats is not None else Stats()
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs), ("prefill_chunk", prefill_chunk)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")  # else answers come back empty
     if not prompts:
         return []
     max_pos = model.config.max_position_embeddings

@@ -22,8 +22,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
+from .errors import OneLineError
+from .files import write_file
 
-class TokenizerError(Exception):
+
+class TokenizerError(OneLineError):
     """A tokenizer file that is missing, unreadable or of a kind minillama does not support."""
 
 
@@ -239,9 +242,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
-        (out / "tokenizer.model").write_bytes(self._proto)
+        write_file(out / "tokenizer.model", self._proto)
         cfg = {"tokenizer_class": "LlamaTokenizer", "legacy": True, **self._config_json()}
-        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+        write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def _none_if_negative(i: int) -> int | None:
@@ -352,11 +355,11 @@ class HFTokenizer(Tokenizer):
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
-        self._tok.save(str(out / "tokenizer.json"))
+        write_file(out / "tokenizer.json", self._tok.to_str(pretty=True))  # what `save` writes
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **self._config_json()}
         if cfg["add_bos_token"] is None:
             del cfg["add_bos_token"], cfg["add_eos_token"]  # the post-processor in tokenizer.json decides
-        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+        write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def _unique(ids: Sequence[int]) -> list[int]:
@@ -491,9 +494,12 @@ def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
         raise TokenizerError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise TokenizerError(f"{path}: must be a JSON object, got a {type(d).__name__}")
+    return d
 
 
 def _token_text(tok: Any) -> str | None:

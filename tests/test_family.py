@@ -178,7 +178,7 @@ def test_fields_a_model_type_does_not_read_are_ignored_as_hf_ignores_them():
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
       "num_hidden_layers": 2}, r"use_sliding_window with windowed and full layers mixed"),
     ({"model_type": "mistral", "sliding_window": 0}, r"sliding_window must be a positive integer"),
-    ([1, 2], r"expected a JSON object"),
+    ([1, 2], r"a config must be a JSON object"),
 ])
 def test_what_is_not_implemented_is_refused_in_one_line_naming_the_field(tmp_path, fields, match):
     p = tmp_path / "config.json"

@@ -386,6 +386,9 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
     (["compare", "--reference", "REF", "--backend", "transformers", "--backend-model", "nowhere"],
      "nowhere: not an HF directory"),
     (["compare", "--reference", "REF", "--candidate", "REF", "--atol", "-1"], "tolerances must be >= 0"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--rtol", "nan"], "tolerances must be >= 0"),
+    (["export", "-m", "MODEL", "--prompt-ids", "LATIN1", "-o", "x.safetensors"], "not UTF-8 text"),
+    (["compare", "--reference", "REF", "--candidate", "LATIN1"], "not a readable UTF-8 text file"),
     (["export", "-m", "MODEL", "--prompt-ids", "OUT_OF_VOCAB", "-o", "x.safetensors"], "token ids must be in 0 .. 60"),
     (["export", "-m", "MODEL", "--prompt-ids", "PROMPTS", "-o", "x.bin"], "the record is a .safetensors file"),
     (["compare", "--bogus"], "unrecognized arguments: --bogus"),
@@ -394,12 +397,14 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
     _, _, path = tiny
     files = {"REF": tmp_path / "ref.safetensors", "BAD": tmp_path / "bad.jsonl", "UNKNOWN": tmp_path / "u.jsonl",
-             "SHORT": tmp_path / "short.jsonl", "OUT_OF_VOCAB": tmp_path / "oov.jsonl"}
+             "SHORT": tmp_path / "short.jsonl", "OUT_OF_VOCAB": tmp_path / "oov.jsonl",
+             "LATIN1": tmp_path / "latin1.jsonl"}
     save(ref, files["REF"])
     files["BAD"].write_text("{not json\n")
     files["UNKNOWN"].write_text('{"token_ids": [1], "logprob": [0.0]}\n')
     files["SHORT"].write_text('{"token_ids": [1]}\n')
     files["OUT_OF_VOCAB"].write_text("[1, 2, 999]\n")
+    files["LATIN1"].write_bytes(b'{"token_ids": [1]} caf\xe9\n')
     subst = {**{k: str(v) for k, v in files.items()}, "MODEL": str(path), "PROMPTS": _write_prompts(tmp_path)}
     args = [subst.get(a, a) for a in args]
     assert main(args) == 2

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from ..errors import BadInput, OneLineParser, run_command
+from ..files import json_text, make_dir, write_file
 from . import __doc__ as _package_doc
 from .llamacpp import available as llamacpp_available
 from .methods import METHODS
@@ -23,10 +25,47 @@ from .runner import run, setup
 from .shapes import SHAPES, SMOLLM2_SHAPE, TINY_SHAPE
 
 DESCRIPTION = (_package_doc or "").split("\n")[0]
+SWEEPS = ("headline", "docs", "doclen", "grid", "questions")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minillama.bench", description=DESCRIPTION)
+    """Exit status (`errors.run_command`): 0 done, 2 bad options or an unwritable --out (one line), 130
+    Ctrl-C; a bug is a traceback."""
+    return run_command(lambda: _main(argv))
+
+
+def _positive(what: str, v: int | None, least: int = 1) -> None:
+    if v is not None and v < least:
+        raise BadInput(f"{what} must be at least {least}, got {v}")
+
+
+def _names(option: str, value: str, known: Sequence[str], noun: str) -> set[str]:
+    names = {x.strip() for x in value.split(",") if x.strip()}
+    unknown = sorted(names - set(known))
+    if unknown or not names:
+        what = f"unknown {noun}(s) {', '.join(unknown)}" if unknown else f"no {noun} named"
+        raise BadInput(f"{option}: {what} (known: {', '.join(known)})")
+    return names
+
+
+def _read_results(path: str) -> dict:
+    """A results.json written by an earlier run, checked enough that rendering it cannot fail."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"--from-json {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--from-json {path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise BadInput(f"--from-json {path}: not JSON ({e})") from None
+    if not (isinstance(data, dict) and isinstance(data.get("records"), list) and isinstance(data.get("meta"), dict)
+            and all(isinstance(r, dict) for r in data["records"])):
+        raise BadInput(f"--from-json {path}: not a bench results.json (an object with meta and records)")
+    return data
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    ap = OneLineParser(prog="python -m minillama.bench", description=DESCRIPTION)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="tiny random model, seconds (CI smoke test)")
     g.add_argument("--full", action="store_true", help="no sampling, 3 repeats (long)")
@@ -36,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp method")
     ap.add_argument("--methods", help="comma-separated methods to keep in every case "
                     f"({','.join(METHODS)})")
-    ap.add_argument("--only", help="comma-separated sweeps to run (headline,docs,doclen,grid,questions)")
+    ap.add_argument("--only", help=f"comma-separated sweeps to run ({','.join(SWEEPS)})")
     ap.add_argument("--doc-lengths", help="comma-separated document lengths to keep in the doclen sweep (512,...,4096)")
     ap.add_argument("--repeats", type=int, help="repeats per method (medians are reported)")
     ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case")
@@ -60,18 +99,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.readme and not a.from_json:
         ap.error("--readme needs --from-json RESULTS (the table is rendered from a saved run)")
+    _positive("--threads", a.threads)
+    _positive("--repeats", a.repeats)
+    _positive("--sample", a.sample, 0)
+    _positive("--doc-tokens", a.doc_tokens)
+    only = _names("--only", a.only, SWEEPS, "sweep") if a.only else None
+    methods = _names("--methods", a.methods, METHODS, "method") if a.methods else None
+    out = make_dir(a.out)  # an unwritable --out is found now, not after the run
     if a.shape:
         return _shape_main(a)
     if a.from_json:
-        data = json.loads(Path(a.from_json).read_text())
+        data = _read_results(a.from_json)
         if a.readme:
             try:
                 changed = update_readme(Path(a.readme), data)
-            except (OSError, ValueError) as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise BadInput(f"--readme {a.readme}: {e}") from None
             print(f"{a.readme}: performance table {'updated' if changed else 'already up to date'}")
-        paths = write_outputs(Path(a.out), data["records"], data["meta"])
+        try:
+            paths = write_outputs(out, data["records"], data["meta"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadInput(f"--from-json {a.from_json}: a record lacks what the tables need ({e!r})") from None
         print(headline_table(data["records"]) + "\n")
         print("\n".join(f"{t}: {v} ({m})" for t, v, m in target_rows(findings(data["records"]))))
         print("wrote", ", ".join(str(p) for p in paths))
@@ -95,34 +143,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("llama-cpp-python is not installed: skipping the llamacpp method", file=sys.stderr)
         llamacpp = False
     cases, repeats = preset(name, hf, llamacpp)
-    if a.only:
-        keep = set(a.only.split(","))
-        cases = [c for c in cases if c.sweep in keep]
+    if only:
+        cases = [c for c in cases if c.sweep in only]
     if a.doc_lengths:
         try:
             lengths = {int(x) for x in a.doc_lengths.split(",")}
         except ValueError:
-            print(f"error: --doc-lengths: expected comma-separated integers, got {a.doc_lengths!r}", file=sys.stderr)
-            return 2
+            raise BadInput(f"--doc-lengths: expected comma-separated integers, got {a.doc_lengths!r}") from None
         cases = [c for c in cases if c.sweep != "doclen" or c.task.doc_tokens in lengths]
-    if a.methods:
-        keep = set(a.methods.split(","))
-        unknown = keep - set(METHODS)
-        if unknown:
-            print(f"error: --methods: unknown method(s) {', '.join(sorted(unknown))} (known: {', '.join(METHODS)})",
-                  file=sys.stderr)
-            return 2
+    if methods:
         for c in cases:
-            c.methods = tuple(m for m in c.methods if m in keep)
+            c.methods = tuple(m for m in c.methods if m in methods)
         cases = [c for c in cases if c.methods]
+    if not cases:
+        raise BadInput("no case left to run: --only, --methods and --doc-lengths together exclude every case")
     if a.repeats:
         repeats = a.repeats
     if a.sample is not None:
         for c in cases:
             if c.sweep == "headline":
                 c.sample = a.sample or None
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     shape = TINY_SHAPE if a.quick else SMOLLM2_SHAPE if a.random else None
     scratch = tempfile.TemporaryDirectory(prefix="minillama-bench-")  # HF copies of random weights
@@ -171,8 +211,7 @@ def _shape_main(a: argparse.Namespace) -> int:
     from .device import shape_main, table
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {a.device}: no CUDA device here", file=sys.stderr)
-        return 2
+        raise BadInput(f"--device {a.device}: no CUDA device here")
     if a.threads:
         torch.set_num_threads(a.threads)
     hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
@@ -182,13 +221,12 @@ def _shape_main(a: argparse.Namespace) -> int:
         return 0
     data["meta"]["command"] = " ".join(["python -m minillama.bench", *sys.argv[1:]])
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "shape_results.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_file(out / "shape_results.json", json_text(data, indent=1) + "\n")
     m = data["meta"]
     head = (f"random {m['shape']} weights, {m['device_name']}, {m['dtype']}, torch {m['torch']}; GEMM "
             f"{m['gemm_tflops']:.2f} TFLOP/s, copy bandwidth {m['bandwidth_gbs']:.0f} GB/s; medians of "
             f"{data['records'][0]['repeats']} repeats; independent ran on a sample of the questions, its time scaled")
-    (out / "shape_summary.md").write_text(f"# {head}\n\n{table(data['records'])}\n")
+    write_file(out / "shape_summary.md", f"# {head}\n\n{table(data['records'])}\n")
     print(f"\n{head}\n\n{table(data['records'])}\n\nwrote {out / 'shape_results.json'}, {out / 'shape_summary.md'}")
     return 0
 

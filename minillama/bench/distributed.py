@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..files import make_dir, write_file
 from .task import TaskConfig, make_task, plain_prompt_ids
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,10 +39,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def write_jobs(path: Path, tokenizer: Any, config: TaskConfig) -> int:
     """The synthetic task's documents and questions as `generate --input` JSON Lines; returns the question count."""
     task = make_task(tokenizer, config, plain_prompt_ids(tokenizer))
-    with path.open("w") as f:
-        for d, text in enumerate(task.doc_texts):
-            qs = [q for q, dd in zip(task.questions, task.docs) if dd == d]
-            f.write(json.dumps({"doc": text, "questions": qs}) + "\n")
+    rows = [{"doc": text, "questions": [q for q, dd in zip(task.questions, task.docs) if dd == d]}
+            for d, text in enumerate(task.doc_texts)]
+    write_file(path, "".join(json.dumps(r) + "\n" for r in rows))
     return task.n
 
 
@@ -98,7 +98,7 @@ def _tp_rank(local_rank: int, config: Any, tp: int, port: int, out: str) -> None
     generate(model, prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # prefill + one decode step
     step = comm.bytes_moved - 2 * b0  # the second run's prefill moved what the first one did
     if world.rank == 0:
-        Path(out).write_text(json.dumps({
+        write_file(out, json.dumps({
             "tp": tp, "sharded_bytes_one_process": whole["sharded"], "replicated_bytes": whole["replicated"],
             "sharded_bytes_per_rank": mine["sharded"], "replicated_bytes_per_rank": mine["replicated"],
             "param_bytes_per_rank": mine["sharded"] + mine["replicated"],
@@ -179,9 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     degrees = [t for t in (1, 2, 3, 4) if shape.num_key_value_heads % t == 0]
     result = {"data_parallel": dp, "tensor_parallel": tensor_parallel_memory(shape, degrees),
               "meta": {"torch": torch.__version__, "cpus": os.cpu_count(), "quick": a.quick}}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "distributed.json").write_text(json.dumps(result, indent=1))
+    out = make_dir(a.out)
+    write_file(out / "distributed.json", json.dumps(result, indent=1))
     print(tables(result))
     print(f"wrote {out / 'distributed.json'}")
     return 0

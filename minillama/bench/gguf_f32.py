@@ -14,8 +14,6 @@ bench runs every model.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 
 from ..config import LlamaConfig
+from ..files import make_dir, write_file
 from ..weights import GGUF_NAMES, StateDict, WeightsError, default_gguf_path, default_model_dir, llama3_rope_factors, load_state_dict
 
 # HF name -> GGUF name, "{i}" the layer index (the inverse of the reader's map).
@@ -72,11 +71,10 @@ def write_f32_gguf(config: LlamaConfig, state_dict: StateDict, out: str | Path,
             (c.rope_scaling or {}).get("rope_type", "llama3") != "llama3":
         raise WeightsError(f"{out}: the F32 GGUF is written for plain Llama checkpoints (model_type llama, no "
                            "biases, no window, Llama 3 or no RoPE scaling)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, "llama")
+    make_dir(out.parent)
+
+    def write(tmp: Path) -> None:
+        w = gguf.GGUFWriter(str(tmp), "llama")
         w.add_name(name)
         w.add_file_type(gguf.LlamaFileType.ALL_F32)
         w.add_context_length(c.max_position_embeddings)
@@ -112,12 +110,8 @@ def write_f32_gguf(config: LlamaConfig, state_dict: StateDict, out: str | Path,
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+
+    return write_file(out, write)
 
 
 def f32_gguf(model_path: str | Path | None = None, out: str | Path | None = None) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..files import write_file
 from .methods import METHODS
 
 
@@ -19,7 +20,7 @@ def plot(out: Path, records: list[dict[str, Any]]) -> list[Path]:
 
     def save(fig: Any, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        write_file(out / name, lambda f: fig.savefig(f, dpi=110, format="png"))
         plt.close(fig)
         paths.append(out / name)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..files import json_text, write_file
 from .methods import Context
 from .runner import RUNNERS
 from .task import Task, TaskConfig, make_task, plain_prompt_ids
@@ -116,9 +116,9 @@ def _profile_main(ctx: Context, out: Path, doc_tokens: int, questions: int, mode
         p = profile_breakdown(ctx, task, mode, inv, idx)
         runs[f"{mode}{'' if inv else '_plain'}"] = p
         print(profile_table(p) + "\n", flush=True)
-    (out / "profile.json").write_text(json.dumps(runs, indent=1) + "\n")
+    write_file(out / "profile.json", json_text(runs, indent=1) + "\n")
     head = f"# Profile: {model_name}, doc {doc_tokens} tokens, {questions} questions, 8 new tokens, " \
            f"{torch.get_num_threads()} threads\n"
-    (out / "profile.md").write_text(head + "\n" + "\n\n".join(profile_table(p) for p in runs.values()) + "\n")
+    write_file(out / "profile.md", head + "\n" + "\n\n".join(profile_table(p) for p in runs.values()) + "\n")
     print(f"wrote {out / 'profile.md'}, {out / 'profile.json'}")
     return 0

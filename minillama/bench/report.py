@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
-import json
+import io
 import math
 from pathlib import Path
 from typing import Any
 
+from ..files import json_text, make_dir, write_file
 from .plots import plot
 
 
@@ -119,15 +120,16 @@ def target_rows(found: dict[str, Any], measured_only: bool = False) -> list[tupl
 
 
 def write_outputs(out: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     found = findings(records)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "findings": found, "records": records},
-                                                 indent=1, default=str) + "\n")
+    write_file(out / "results.json", json_text({"meta": meta, "findings": found, "records": records},
+                                               indent=1, default=str) + "\n")
     keys = list(dict.fromkeys(k for r in records for k in r))
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(records)
+    csv_text = io.StringIO(newline="")
+    w = csv.DictWriter(csv_text, fieldnames=keys)
+    w.writeheader()
+    w.writerows(records)
+    write_file(out / "results.csv", csv_text.getvalue())
     md = [f"# minillama bench ({meta['preset']})", "", f"commit {meta.get('commit', '?')}; model: {meta['model']}; GEMM "
           f"{meta['gemm_gflops']:.1f} GFLOP/s; threads {meta['threads']}", "", headline_table(records), "",
           "## Targets (measured, not asserted)", "", "| target | measured | |", "|---|---|---|"]
@@ -143,7 +145,7 @@ def write_outputs(out: Path, records: list[dict[str, Any]], meta: dict[str, Any]
                    f"{_fmt(r['decode_s'])} | {_fmt(r.get('speedup_vs_independent_plain'), 1)} | "
                    f"{_fmt(r['kv_bytes'] / 2**20, 1)} | {r['accuracy'] * 100:.0f}% | "
                    f"{r['identical_to_independent']}/{r['checked_against_independent']} |" for r in rows]
-    (out / "summary.md").write_text("\n".join(md) + "\n")
+    write_file(out / "summary.md", "\n".join(md) + "\n")
     return plot(out, records)
 
 
@@ -229,5 +231,5 @@ def update_readme(path: Path, data: dict[str, Any]) -> bool:
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
     new = f"{head}{README_START}\n{readme_table(data)}\n{README_END}{tail}"
-    path.write_text(new)
+    write_file(path, new)
     return new != text

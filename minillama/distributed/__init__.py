@@ -20,11 +20,6 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def rank_from_env() -> int:
-    """This process's global rank (0 when it is the only one)."""
-    return int(os.environ.get("RANK", "0"))
-
-
 def add_options(parser, procs: bool = True) -> None:
     """The distributed options of a command line (generate; oracle export without --procs)."""
     d = parser.add_argument_group("more than one process (docs/distributed.md)")

@@ -22,15 +22,15 @@ from typing import Any, Sequence
 import torch
 
 from .. import distributed
-from ..errors import BadInput, OneLineParser, quiet_exit_on_broken_pipe
+from ..errors import BadInput, OneLineParser, run_command
+from ..files import json_text
 from ..generate import MODES
-from ..tokenizer import TokenizerError
-from ..weights import WeightsError, build_model, fetch_default, load_state_dict, load_tokenizer
-from .backends import BACKENDS, BackendError, LlamaCppBackend, MinillamaBackend, load_backend
+from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
+from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
 from .diff import (BACKEND_PRESETS, PRESETS, Comparison, Tolerances, compare, diff_hidden, diff_layers, report,
                    run_backend)
 from .server import OpenAIBackend
-from .record import RecordError, Record, export, load, save
+from .record import Record, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
                "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
@@ -123,9 +123,11 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
             raise BadInput("give --prompt-ids or --doc/--questions, not both")
         prompts, docs = [], []
         try:
-            lines = Path(args.prompt_ids).read_text().splitlines()
+            lines = Path(args.prompt_ids).read_text(encoding="utf-8").splitlines()
         except OSError as e:
             raise BadInput(f"{args.prompt_ids}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{args.prompt_ids}: not UTF-8 text (invalid byte at offset {e.start})") from None
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -249,7 +251,7 @@ def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
              if getattr(args, k) is not None}
     values = {**{k: getattr(base, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")},
               **given}
-    if min(values.values()) < 0 or args.top_k < 1:
+    if not all(v >= 0 for v in values.values()) or args.top_k < 1:  # NaN is not >= 0
         raise BadInput("tolerances must be >= 0 and --top-k >= 1")
     changed = [k for k, v in given.items() if v != getattr(base, k)]
     name = base.preset + (f" with {', '.join('--' + k.replace('_', '-') for k in changed)} set" if changed else "")
@@ -323,7 +325,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     c = Comparison({"describe": _describe_reference(ref), **{k: v for k, v in ref.manifest.items()
                                                            if k in ("model", "versions", "minillama_commit")}},
                    {"describe": cand.manifest.get("describe", "")}, tol, results)
-    print(json.dumps(c.to_json(), indent=1) if args.json else report(c))
+    print(json_text(c.to_json(), indent=1) if args.json else report(c))
     return 0 if c.passed else 1
 
 
@@ -344,16 +346,14 @@ def _check_device(name: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
+    """Exit status (`errors.run_command`): 0 every question passes, 1 one fails, 2 bad input or a file
+    that cannot be written (one line on stderr), 130 Ctrl-C; a bug is a traceback."""
+    def body() -> int:
         args = build_parser().parse_args(argv)
         _check_device(args.device)
         return cmd_export(args) if args.cmd == "export" else cmd_compare(args)
-    except (BadInput, RecordError, BackendError, WeightsError, TokenizerError) as e:
-        if distributed.rank_from_env() == 0:  # under torchrun every rank meets it; one says so
-            print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return quiet_exit_on_broken_pipe()
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

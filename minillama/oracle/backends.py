@@ -43,11 +43,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import OneLineError
 from ..model import Llama
 from ..rope import apply_rope_folded, signed_sin
 
 
-class BackendError(Exception):
+class BackendError(OneLineError):
     """A backend that cannot be loaded or run (missing package, unreadable checkpoint, ...)."""
 
 

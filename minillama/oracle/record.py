@@ -34,6 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import OneLineError
+from ..files import json_text, write_file
 from ..generate import Answer, SamplingParams, generate, shared_prefix_length
 from ..model import Llama
 from .backends import MinillamaBackend
@@ -43,7 +45,7 @@ META_KEY = "minillama-oracle"
 JSONL_KEYS = {"token_ids", "logprobs", "logits", "prompt_ids"}
 
 
-class RecordError(Exception):
+class RecordError(OneLineError):
     """A record or candidate file that cannot be read or does not fit the reference."""
 
 
@@ -170,12 +172,10 @@ def save(record: Record, path: str | Path) -> Path:
     manifest["questions"] = [
         {"prompt_ids": q.prompt_ids, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
          "doc": q.doc, "shared": q.shared, "question": q.question} for q in record.questions]
-    save_file(tensors, str(path), metadata={META_KEY: json.dumps(manifest)})
+    write_file(path, lambda f: save_file(tensors, str(f), metadata={META_KEY: json_text(manifest)}))
     # Indented for reading, but each list of token ids kept on one line.
-    text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), json.dumps(manifest, indent=1))
-    mpath = manifest_path(path)
-    mpath.write_text(text + "\n")
-    return mpath
+    text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), json_text(manifest, indent=1))
+    return write_file(manifest_path(path), text + "\n")
 
 
 def load(path: str | Path) -> Record:
@@ -240,7 +240,11 @@ def _float(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _load_jsonl(p: Path) -> Record:
     questions = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(f"{p}: not a readable UTF-8 text file ({e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{p}:{n}"

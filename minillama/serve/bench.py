@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..files import write_file
 from ..errors import BadInput, OneLineParser
 
 
@@ -172,7 +173,7 @@ def _main(argv: Sequence[str] | None) -> int:
     out = {"model": args.model or "default", "doc_tokens": args.doc_tokens, "questions": args.questions,
            "new_tokens": args.new_tokens, "parallel_pass_tokens_per_s": cli_tps, "rounds": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_file(args.json, json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))
     return 0 if all(r["identical"] == r["asked"] for r in rows) else 1
 

@@ -1,0 +1,324 @@
+"""No silently wrong answer and no traceback for bad input: configs read as HF reads them (defaults, tied
+heads), the API checks what the CLI checks, every bad config value is refused naming its field, a tiny
+temperature samples, and refusing a long document costs one pass at most (writes, streams and the
+tools' exit statuses: tests/test_faults_io.py).
+
+Each class of fault is held by a parametrized test over every place of that kind: every config field
+HF defaults, every bad config value, every API option and input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _ckpt_writers import byte_bpe_tokenizer, random_state_dict, tiny_config as ckpt_config  # noqa: E402
+from _faults import ckpt, inputs, one_line_error, run_tool  # noqa: E402,F401  (fixtures)
+from minillama import api, cli  # noqa: E402
+from minillama.config import LlamaConfig  # noqa: E402
+from minillama.tokenizer import HFTokenizer  # noqa: E402
+from minillama.weights import WeightsError, hf_config, load_model, save_hf_dir  # noqa: E402
+from test_api import DOC, QUESTIONS, tiny_loaded  # noqa: E402
+
+# --- silently wrong: config defaults and tied heads, as HF reads them ------------------------------------
+
+HF_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+             "tie_word_embeddings", "max_position_embeddings", "bos_token_id", "eos_token_id",
+             "model_type", "attention_bias", "mlp_bias", "sliding_window"]
+
+
+def _hf_value(hc, field: str):
+    if field == "rope_theta":
+        return hc.rope_parameters["rope_theta"]
+    if field == "rope_scaling":  # HF's "default" rope type is no scaling
+        rp = {k: v for k, v in hc.rope_parameters.items() if k != "rope_theta"}
+        return None if rp.get("rope_type", "default") == "default" else rp
+    return getattr(hc, field, None)  # a Llama has no sliding_window field: no window
+
+
+def test_every_config_field_defaults_as_transformers_llamaconfig():
+    import dataclasses
+
+    import transformers
+
+    ours = LlamaConfig()
+    assert {f.name for f in dataclasses.fields(LlamaConfig)} == set(HF_FIELDS)  # a new field joins the test
+    hf = transformers.LlamaConfig()
+    for field in HF_FIELDS:
+        assert getattr(ours, field) == _hf_value(hf, field), field
+
+
+@pytest.mark.parametrize("field", HF_FIELDS)
+def test_a_config_json_without_a_field_reads_as_transformers_reads_it(tmp_path, field):
+    import transformers
+
+    d = {**ckpt_config(vocab=320).to_dict(), "rope_theta": 50000.0}
+    d.pop(field, None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ours = hf_config(tmp_path / "config.json")
+    hf = transformers.LlamaConfig.from_json_file(str(tmp_path / "config.json"))
+    assert getattr(ours, field) == _hf_value(hf, field)
+
+
+def _untied_dir(tmp_path: Path, same: bool) -> tuple[Path, dict]:
+    from safetensors.torch import save_file
+
+    config = ckpt_config(vocab=320, tied=False)
+    sd = random_state_dict(config, seed=3)
+    if same:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    d = save_hf_dir(config, sd, byte_bpe_tokenizer_hf(), tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d, sd
+
+
+def byte_bpe_tokenizer_hf() -> HFTokenizer:
+    return HFTokenizer(byte_bpe_tokenizer(320), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
+
+
+def test_a_tied_config_with_a_different_stored_head_keeps_the_head_as_transformers_does(tmp_path, capsys):
+    import transformers
+
+    d, sd = _untied_dir(tmp_path, same=False)
+    model, _ = load_model(d)
+    err = capsys.readouterr().err
+    assert "warning:" in err and "lm_head.weight differs" in err and len(err.strip().splitlines()) == 1
+    ref = transformers.LlamaForCausalLM.from_pretrained(str(d), dtype=torch.float32, attn_implementation="eager")
+    assert torch.equal(ref.lm_head.weight, sd["lm_head.weight"])  # what HF does: the stored head
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        want = ref.eval()(torch.tensor([ids])).logits[0]
+        cache = model.new_cache()
+        s = cache.new_segment()
+        got = model(torch.tensor(ids), torch.arange(len(ids)), torch.full((len(ids),), s), cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_tied_config_with_an_equal_stored_head_stays_tied_quietly(tmp_path, capsys):
+    d, _ = _untied_dir(tmp_path, same=True)
+    model, _ = load_model(d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert capsys.readouterr().err == ""
+
+
+# --- silently wrong: the Python API checks what the command line checks ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def model() -> api.LoadedModel:
+    return tiny_loaded()
+
+
+def test_one_stop_string_is_one_stop_string(model):
+    tok = model.tokenizer
+    text = "the bridge over the town"
+    ids = tok.encode(text)
+    params = api.sampling_params(stop="town", tokenizer=tok)  # read letter by letter, "t" would stop it
+    assert [params.stop(ids[:n]) for n in range(1, len(ids) + 1)] == \
+        ["town" in tok.decode(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert api.answer_text(tok, ids, set(), stop="town") == "the bridge over the "
+    one = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=8, ignore_eos=True, stop="\x05\x05")
+    listed = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=8, ignore_eos=True, stop=["\x05\x05"])
+    assert one == listed
+
+
+BAD_OPTIONS = [
+    ({"parallel_size": -1}, ValueError, "parallel_size"), ({"parallel_size": 0}, ValueError, "parallel_size"),
+    ({"batch_docs": -1}, ValueError, "batch_docs"), ({"batch_docs": 2.5}, TypeError, "batch_docs"),
+    ({"max_new_tokens": -1}, ValueError, "max_new_tokens"), ({"max_new_tokens": 4.0}, TypeError, "max_new_tokens"),
+    ({"temperature": float("nan")}, ValueError, "temperature"), ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"temperature": float("inf")}, ValueError, "temperature"), ({"top_k": -3}, ValueError, "top_k"),
+    ({"top_p": 0.0}, ValueError, "top_p"), ({"top_p": 1.5}, ValueError, "top_p"), ({"seed": 1.5}, TypeError, "seed"),
+    ({"stop": [""]}, ValueError, "stop"), ({"stop": ""}, ValueError, "stop"), ({"stop": [3]}, TypeError, "stop"),
+    ({"stop": "\ud800"}, ValueError, "surrogate"), ({"mode": "fast"}, ValueError, "mode"),
+    ({"ignore_eos": "yes"}, TypeError, "ignore_eos"), ({"chat_template": None}, TypeError, "chat_template"),
+    ({"system": b"be brief"}, TypeError, "system"), ({"prefill_chunk": 0}, ValueError, "prefill_chunk"),
+    ({"keep_logits": 1}, TypeError, "keep_logits"), ({"on_token": 3}, TypeError, "on_token"),
+]
+
+
+@pytest.mark.parametrize("bad,kind,word", BAD_OPTIONS, ids=[str(b) for b, _, _ in BAD_OPTIONS])
+def test_every_bad_api_option_raises_naming_it(model, bad, kind, word):
+    with pytest.raises(kind, match=re.escape(word)):
+        api.ask(model, DOC, QUESTIONS[:1], **{"max_new_tokens": 2, **bad})
+
+
+BAD_JOBS = [
+    ([(b"bytes doc", ["q"])], TypeError, "bytes; decode"), ([("", ["q"])], ValueError, "document 1 is empty"),
+    ([("  \n", ["q"])], ValueError, "empty"), ([(DOC, [])], ValueError, "no questions"),
+    ([(DOC, "one string")], TypeError, "list of strings"), ([(DOC, ["q", b"x"])], TypeError, "question 2"),
+    ([(DOC, ["q", " "])], ValueError, "question 2 is empty"), ([(DOC, ["\udcff"])], ValueError, "surrogate"),
+    ([("\ud83d half", ["q"])], ValueError, "surrogate"), ([(DOC,)], TypeError, "pair"), ("text", TypeError, "jobs"),
+]
+
+
+@pytest.mark.parametrize("jobs,kind,word", BAD_JOBS, ids=[repr(j)[:30] for j, _, _ in BAD_JOBS])
+def test_bad_documents_and_questions_raise_naming_them(model, jobs, kind, word):
+    with pytest.raises(kind, match=re.escape(word)):
+        api.ask_many(model, jobs, max_new_tokens=2)
+
+
+def test_the_cli_and_the_api_refuse_with_the_same_check(ckpt, inputs, model, capsys):
+    for api_opt, cli_opt in [({"parallel_size": 0}, ["--parallel-size", "0"]), ({"top_p": 1.5}, ["--top-p", "1.5"]),
+                             ({"batch_docs": -1}, ["--batch-docs", "-1"])]:
+        with pytest.raises(ValueError) as e:
+            api.ask(model, DOC, QUESTIONS[:1], **api_opt)
+        code = cli.main([str(a) for a in ["--model", ckpt, "--doc", inputs["doc"], "--questions",
+                                          inputs["questions"], *cli_opt]])
+        line = one_line_error((code, capsys.readouterr().err))
+        name = next(iter(api_opt))
+        assert line == "error: " + str(e.value).replace(name, "--" + name.replace("_", "-"))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324])
+def test_a_tiny_temperature_samples_the_greedy_token(model, temperature):
+    greedy = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=6)
+    tiny = api.ask(model, DOC, QUESTIONS[:2], max_new_tokens=6, temperature=temperature, top_k=5, top_p=0.9)
+    assert [r.token_ids for r in tiny] == [r.token_ids for r in greedy]
+
+
+# --- the cost of saying no ---------------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the characters it is asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text, *a, **k):
+        self.chars += len(text)
+        return self.tok.encode(text, *a, **k)
+
+    def encode_chat(self, messages, *a, **k):
+        self.chars += sum(len(m["content"]) for m in messages)
+        return self.tok.encode_chat(messages, *a, **k)
+
+
+@pytest.mark.parametrize("size", [5_000_000, 3_000])
+def test_refusing_a_long_document_costs_at_most_one_pass(size):
+    small = tiny_loaded(max_pos=256)
+    counting = CountingTokenizer(small.tokenizer)
+    doc = ("The bridge was built in 1932. " * (size // 30 + 1))[:size]
+    with pytest.raises(api.PromptTooLong, match="context is 256"):
+        api.ask(api.LoadedModel(small.llama, counting), doc, QUESTIONS * 3, max_new_tokens=2)
+    if size > 1_000_000:
+        assert counting.chars == 0  # refused from the length of the text alone
+    else:  # near the context, the one tokenized prompt decides: not every question's prompt
+        assert len(doc) <= counting.chars <= len(doc) + 200
+
+
+def test_the_cli_refuses_a_huge_document_before_tokenizing_it(ckpt, inputs, capsys, monkeypatch):
+    big = inputs["dir"] / "big.txt"
+    big.write_text("word " * 2_000_000)
+    seen = []
+    monkeypatch.setattr(HFTokenizer, "encode", lambda self, text, *a, **k: seen.append(len(text)) or [0])
+    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", big, "--questions", inputs["questions"]]])
+    assert "context is 512" in one_line_error((code, capsys.readouterr().err))
+    assert sum(seen) < 1000  # the template's few words, never the document
+
+
+# --- malformed configs: every field's type and range, named, before anything is allocated -----------------
+
+BAD_CONFIGS = {
+    "a list": ([1, 2], "JSON object"),
+    "string eps": ({"rms_norm_eps": "1e-5"}, "rms_norm_eps"),
+    "zero eps": ({"rms_norm_eps": 0}, "rms_norm_eps"),
+    "nan theta": ({"rope_theta": float("nan")}, "rope_theta"),
+    "huge context": ({"max_position_embeddings": 10**12}, "max_position_embeddings"),
+    "negative vocab": ({"vocab_size": -5}, "vocab_size"),
+    "float hidden": ({"hidden_size": 64.5}, "hidden_size"),
+    "absurd layers": ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+    "bool heads": ({"num_attention_heads": True}, "num_attention_heads"),
+    "string tie": ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
+    "rope_scaling a list": ({"rope_scaling": [8.0]}, "rope_scaling"),
+    "llama3 missing keys": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    "llama3 bad band": ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                          "high_freq_factor": 1.0, "original_max_position_embeddings": 64}},
+                        "high_freq_factor"),
+    "string eos": ({"eos_token_id": "</s>"}, "eos_token_id"),
+    "deeply nested": (None, "not readable JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_every_bad_config_value_is_one_line_naming_the_field(ckpt, tmp_path, case):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    change, word = BAD_CONFIGS[case]
+    if change is None:
+        (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(change if isinstance(change, list) else {**cfg, **change}))
+    with pytest.raises(WeightsError, match=re.escape(word)):
+        load_model(d)
+    assert word in one_line_error(run_tool("weights", "info", d))
+
+
+def test_integer_weights_are_refused(ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(WeightsError, match="model.norm.weight holds int32; weights must be floating point"):
+        load_model(d)
+
+
+def test_a_gguf_with_a_huge_context_is_refused_naming_the_field(tmp_path):
+    from _ckpt_writers import gguf_tokenizer_metadata, write_gguf
+
+    config = ckpt_config(vocab=320)
+    sd = random_state_dict(config)
+    config.max_position_embeddings = 2**31  # past the check: what a broken or hostile file can say
+    path = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(byte_bpe_tokenizer(320)))
+    with pytest.raises(WeightsError, match="max_position_embeddings must be in 1 .. 4194304"):
+        load_model(path)
+
+
+def test_gguf_metadata_of_the_wrong_type_is_one_line():
+    from types import SimpleNamespace
+
+    from minillama import weights
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": "64", "llama.attention.head_count": 4,
+            "llama.block_count": 2}
+    with pytest.raises(WeightsError, match="x.gguf: llama metadata of the wrong type or value"):
+        weights._checked_gguf_config(meta, set(), "x.gguf", SimpleNamespace(tensors=[]))
+
+
+@pytest.mark.parametrize("option", [["--stop", "\udcff"], ["--system", "be \udce9brief"]])
+def test_arguments_that_are_not_utf8_are_one_line(ckpt, inputs, capsys, option):
+    # Python hands undecodable argv bytes over as lone surrogates.
+    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                                      *option]])
+    assert "lone surrogate" in one_line_error((code, capsys.readouterr().err))
+
+
+@pytest.mark.parametrize("bad", [{"parallel_size": -1}, {"batch_docs": 0}, {"prefill_chunk": -5},
+                                 {"parallel_size": 1.5}])
+def test_generate_on_token_ids_refuses_sizes_that_would_answer_nothing(model, bad):
+    from minillama.generate import generate
+
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        generate(model.llama, [[5, 6, 7], [5, 6, 8]], **bad)

@@ -1,0 +1,236 @@
+"""No traceback for the machine's refusals or a tool's own options: every write meets a full disk
+(RLIMIT_FSIZE makes it real), a full or closed stdout, a closed stdin, an unusable weights folder;
+JSONL nested deep or holding lone surrogates; NaN weights; one runner giving every tool the same exit
+statuses; the bench's options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from minillama import checks, cli, errors, files  # noqa: E402
+from minillama.weights import WeightsError  # noqa: E402
+from test_api import DOC, QUESTIONS  # noqa: E402
+from _faults import ROOT, ckpt, inputs, one_line_error, run_tool  # noqa: E402,F401  (fixtures)
+
+
+# --- every write can meet a full disk; closed streams -------------------------------------------------
+
+
+def test_every_file_write_goes_through_files_write_file():
+    """Writes anywhere else would meet a full disk with an error type no front end catches."""
+    allowed = {("minillama/weights.py", 'open(lock_path, "a")'),  # the lock file: flock, nothing written
+               ("minillama/weights.py", 'open(part, "wb")')}  # inside a write_file callable
+    pattern = re.compile(r"\.write_text\(|\.write_bytes\(|\.mkdir\(|open\([^)]*[\"'][wax]b?[\"']|\.savefig\(\w+ /"
+                         r"|save_file\([^)]*str\((?!f\))")
+    found = []
+    for path in sorted((ROOT / "minillama").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel == "minillama/files.py":
+            continue
+        for line in path.read_text().splitlines():
+            m = pattern.search(line)
+            if m and not any(rel == f and s in line for f, s in allowed):
+                found.append(f"{rel}: {line.strip()}")
+    assert found == []
+
+
+def test_write_file_is_atomic_and_one_line_on_a_full_disk(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("before")
+    code = ("import sys; from minillama import files, errors; "
+            f"sys.exit(errors.run_command(lambda: files.write_file({str(target)!r}, 'x' * 100000) and 0))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       preexec_fn=lambda: (signal.signal(signal.SIGXFSZ, signal.SIG_IGN),
+                                           resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))))
+    assert "out.json: cannot write (File too large)" in one_line_error(p)
+    assert target.read_text() == "before" and sorted(os.listdir(tmp_path)) == ["out.json"]
+
+
+def test_convert_on_a_full_disk_is_one_line(ckpt, tmp_path):
+    p = run_tool("weights", "convert", ckpt, tmp_path / "out", limit_file_bytes=20_000)
+    assert "cannot write the conversion (File too large)" in one_line_error(p)
+    assert not (tmp_path / "out").exists()
+
+
+def test_oracle_export_on_a_full_disk_is_one_line(ckpt, inputs, tmp_path):
+    p = run_tool("oracle", "export", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                 "-n", "2", "-o", tmp_path / "ref.safetensors", limit_file_bytes=2_000)
+    assert "ref.safetensors: cannot write (File too large)" in one_line_error(p)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_bench_outputs_on_a_full_disk_are_one_line(tmp_path):
+    p = run_tool("bench", "--from-json", ROOT / "docs/bench/results.json", "--out", tmp_path / "b",
+                 limit_file_bytes=2_000)
+    assert "cannot write (File too large)" in one_line_error(p)
+
+
+def test_answers_to_a_full_stdout_are_one_line(ckpt, inputs):
+    with open("/dev/full", "w") as full:
+        p = run_tool("generate", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                     "-n", "2", stdout=full, stderr=subprocess.PIPE)
+    assert "No space left on device" in one_line_error(p)
+
+
+@pytest.mark.parametrize("tool", [["generate", "--doc", "-", "--questions", "Q"], ["weights", "info", "."],
+                                  ["oracle", "compare", "--candidate", "x.jsonl", "--reference", "y"],
+                                  ["bench", "--from-json", "x.json"]])
+def test_a_closed_stdout_is_one_line(tool, tmp_path):
+    p = run_tool(*tool, preexec=lambda: os.close(1), stderr=subprocess.PIPE)
+    assert one_line_error(p) == "error: standard output is closed; the output would be lost"
+
+
+def test_a_closed_stdin_is_one_line(ckpt, inputs):
+    p = run_tool("generate", "--model", ckpt, "--doc", "-", "--questions", inputs["questions"],
+                 preexec=lambda: os.close(0))
+    assert one_line_error(p) == "error: --doc -: standard input is closed"
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_fetch_into_an_unusable_weights_folder_is_one_line(tmp_path, where):
+    f = tmp_path / "f"
+    f.write_text("x")
+    wdir = f if where == "a file" else f / "sub"
+    p = run_tool("weights", "fetch", env={"MINILLAMA_WEIGHTS_DIR": str(wdir)})
+    assert "MINILLAMA_WEIGHTS_DIR" in one_line_error(p) and str(wdir) in p.stderr
+
+
+# --- malformed input files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line,word", [("[" * 100_000, "nested too deeply"),
+                                       ('{"doc": "a \\ud800 b", "questions": ["q"]}', "surrogate U+D800"),
+                                       ('{"doc": "d", "questions": ["\\udfff"]}', "surrogate U+DFFF")])
+def test_jsonl_lines_that_are_not_text_are_one_line(ckpt, inputs, capsys, line, word):
+    f = inputs["dir"] / "bad.jsonl"
+    f.write_text(json.dumps({"doc": DOC, "questions": ["q"]}) + "\n" + line + "\n")
+    code = cli.main(["--model", str(ckpt), "--input", str(f)])
+    err = one_line_error((code, capsys.readouterr().err))
+    assert "line 2" in err and word in err
+
+
+def test_nan_weights_write_valid_json_and_warn(ckpt, inputs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "nan"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.norm.weight"][:] = float("nan")
+    save_file(sd, str(d / "model.safetensors"))
+    p = run_tool("generate", "--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2",
+                 "--json", "--logprobs")
+    assert p.returncode == 0, p.stderr
+
+    def strict(x):
+        raise ValueError(f"not JSON: {x}")
+
+    rows = [json.loads(line, parse_constant=strict) for line in p.stdout.splitlines()]
+    assert len(rows) == len(QUESTIONS) and all(x is None for r in rows for x in r["logprobs"])
+    assert sum("warning:" in line and "not finite" in line for line in p.stderr.splitlines()) == 1
+    p = run_tool("generate", "--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2",
+                 "--temperature", "0.7")
+    assert "logits hold NaN" in one_line_error(p)
+
+
+# --- one runner for every tool: the exit statuses --------------------------------------------------------
+
+
+def _tool_bodies(monkeypatch):
+    """Each tool's main() with its body replaced by `raise_it`."""
+    import minillama.bench.command as bench
+    import minillama.oracle.__main__ as oracle
+    import minillama.weights as weights
+
+    def patch(raise_it):
+        monkeypatch.setattr(cli, "_main", lambda argv: raise_it())
+        monkeypatch.setattr(weights, "_main", lambda argv: raise_it())
+        monkeypatch.setattr(oracle, "build_parser", raise_it)
+        monkeypatch.setattr(bench, "_main", lambda argv: raise_it())
+        return {"generate": cli.main, "weights": weights.main, "oracle": oracle.main, "bench": bench.main}
+
+    return patch
+
+
+def _raiser(e: BaseException):
+    def raise_it(*a, **k):
+        raise e
+    return raise_it
+
+
+@pytest.mark.parametrize("exc,code,stderr", [
+    (errors.BadInput("bad value"), 2, "error: bad value\n"),
+    (WeightsError("x.gguf: corrupt\nfile"), 2, "error: x.gguf: corrupt file\n"),
+    (errors.CannotWrite("out", "No space left on device"), 2,
+     "error: out: cannot write (No space left on device)\n"),
+    (PermissionError(13, "Permission denied", "/ro/file"), 2, "error: /ro/file: Permission denied\n"),
+    (KeyboardInterrupt(), 130, "interrupted\n"),
+    (BrokenPipeError(), 141, ""),
+])
+def test_every_tool_maps_errors_to_the_same_exit_status(monkeypatch, capsys, exc, code, stderr):
+    for name, main in _tool_bodies(monkeypatch)(_raiser(exc)).items():
+        assert main([]) == code, name
+        assert capsys.readouterr().err == stderr, name
+
+
+def test_a_bug_is_a_traceback_in_every_tool(monkeypatch):
+    for name, main in _tool_bodies(monkeypatch)(_raiser(ValueError("a bug in minillama"))).items():
+        with pytest.raises(ValueError, match="a bug"):
+            main([])
+
+
+# --- the bench's own options -------------------------------------------------------------------------
+
+
+def test_bench_options_are_one_line(tmp_path, capsys):
+    from minillama.bench.command import main
+
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "deep.json").write_text("[" * 100_000)
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    (tmp_path / "file").write_text("x")
+    out = ["--out", str(tmp_path / "o")]
+    cases = {
+        "--from-json " + str(tmp_path / "missing.json"): "no such file",
+        "--from-json " + str(tmp_path / "bad.json"): "not JSON",
+        "--from-json " + str(tmp_path / "deep.json"): "not JSON",
+        "--from-json " + str(tmp_path / "other.json"): "not a bench results.json",
+        "--quick --only headlines": "--only: unknown sweep(s) headlines",
+        "--quick --only ,": "--only: no sweep named",
+        "--quick --threads -2": "--threads must be at least 1",
+        "--quick --repeats 0": "--repeats must be at least 1",
+        "--quick --sample -1": "--sample must be at least 0",
+        "--quick --threads two": "--threads",
+        "--quick --methods telepathy": "unknown method(s) telepathy",
+    }
+    for args, word in cases.items():
+        line = one_line_error((main(args.split() + out), capsys.readouterr().err))
+        assert word in line, (args, line)
+    line = one_line_error((main(["--quick", "--out", str(tmp_path / "file" / "o")]), capsys.readouterr().err))
+    assert "cannot make the folder" in line
+    line = one_line_error((main(["--quick", "--out", str(tmp_path / "file")]), capsys.readouterr().err))
+    assert "exists and is not a folder" in line
+
+
+def test_json_text_is_valid_json_for_non_finite_numbers():
+    text = files.json_text({"a": [1.0, float("nan"), float("inf")], "b": {"c": -float("inf")}})
+    assert json.loads(text) == {"a": [1.0, None, None], "b": {"c": None}}
+    assert files.json_text({"a": 0.1}) == json.dumps({"a": 0.1})
+
+
+def test_check_options_spells_names_the_callers_way():
+    with pytest.raises(errors.BadInput, match="^--max-new-tokens must be >= 0, got -1$"):
+        checks.check_options(max_new_tokens=-1, spell=lambda n: "--" + n.replace("_", "-"))
