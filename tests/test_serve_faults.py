@@ -20,7 +20,8 @@ import torch
 
 from minillama import api
 from minillama.serve.prefix import PrefixCache
-from _serve_harness import LONG_DOC, serving, solo, write_checkpoint
+from minillama.serve.identity import solo
+from _serve_harness import LONG_DOC, serving, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
