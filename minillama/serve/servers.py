@@ -77,15 +77,15 @@ def stop(p: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def minillama_server(model: str | None, max_running: int, extra: Sequence[str] = ()) -> Iterator[str]:
-    """A fresh `minillama serve` (nothing cached); yields its base URL (.../v1)."""
+def minillama_server(model: str | None, max_running: int, extra: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+    """A fresh `minillama serve` (nothing cached); yields its base URL (.../v1) and process id."""
     port = free_port()
     args = [sys.executable, "-m", "minillama.serve", "--port", str(port), "--max-running", str(max_running),
             "--max-queue", "4096", "--drain", "5", *extra]
     if model:
         args += ["--model", model]
-    with process(args, f"http://127.0.0.1:{port}/health", "minillama serve"):
-        yield f"http://127.0.0.1:{port}/v1"
+    with process(args, f"http://127.0.0.1:{port}/health", "minillama serve") as p:
+        yield f"http://127.0.0.1:{port}/v1", p.pid
 
 
 def llamacpp_available() -> bool:
@@ -97,16 +97,16 @@ def llamacpp_available() -> bool:
 
 
 @contextlib.contextmanager
-def llamacpp_server(gguf: str | Path, n_ctx: int, threads: int) -> Iterator[str]:
+def llamacpp_server(gguf: str | Path, n_ctx: int, threads: int) -> Iterator[tuple[str, int]]:
     """A fresh llama-cpp-python server on `gguf` (its defaults but: no interruption of a streaming answer
     by the next request, which would cut answers short; logits of the last token only, as minillama
-    computes them; `threads` threads for prompts and decoding); yields its base URL (.../v1)."""
+    computes them; `threads` threads for prompts and decoding); yields its base URL (.../v1) and process id."""
     port = free_port()
     args = [sys.executable, "-m", "minillama.serve.servers", "--model", str(gguf), "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch",
             str(threads), "--interrupt_requests", "False", "--logits_all", "False", "--verbose", "False"]
-    with process(args, f"http://127.0.0.1:{port}/v1/models", "llama.cpp's server"):
-        yield f"http://127.0.0.1:{port}/v1"
+    with process(args, f"http://127.0.0.1:{port}/v1/models", "llama.cpp's server") as p:
+        yield f"http://127.0.0.1:{port}/v1", p.pid
 
 
 def _llamacpp_main() -> None:
