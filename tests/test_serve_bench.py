@@ -18,7 +18,7 @@ import pytest
 
 from minillama.serve import identity
 from minillama.serve.loadgen import percentile
-from minillama.serve.servers import llamacpp_available
+from minillama.serve.servers import free_port, llamacpp_available
 from test_api import DOC, QUESTIONS, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +40,15 @@ def test_the_randomized_identity_run_finds_every_choice_identical():
 def test_negative_control_the_randomized_run_sees_plain_kernels():
     got = _identity(False)
     assert got["identical"] < got["choices"] and got["first_mismatch"], got
+
+
+def test_a_request_that_fails_counts_as_a_difference_for_each_of_its_choices():
+    model = identity.identity_model(tiny_tokenizer(), 256)
+    reqs = [{"route": "/completions", "delay": 0.0,
+             "body": {"prompt": [5, 6], "n": 2, "stream": False, "max_tokens": 1, "ignore_eos": True}}]
+    seen: dict = {}
+    bad = identity.mismatches(model, f"http://127.0.0.1:{free_port()}/v1", reqs, seen)  # nothing listens there
+    assert len(bad) == 2 and seen["choices"] == 2 and "failed: ConnectError" in bad[0], bad
 
 
 def test_percentile_is_nearest_rank():

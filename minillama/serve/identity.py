@@ -94,11 +94,23 @@ def mismatches(model: api.LoadedModel, url: str, reqs: list[dict[str, Any]], see
     import httpx
 
     seen = {} if seen is None else seen
+
+    def attempt(client: Any, req: dict[str, Any]) -> Any:
+        try:
+            return ask(client, url, req)
+        except (AssertionError, httpx.HTTPError) as e:  # refused, cut off or timed out: every choice differs
+            return e
+
     with ThreadPoolExecutor(clients or len(reqs)) as pool, httpx.Client(timeout=600) as client:
-        answers = list(pool.map(lambda r: ask(client, url, r), reqs))
+        answers = list(pool.map(lambda r: attempt(client, r), reqs))
     tok, bad = model.tokenizer, []
     for k, (req, got) in enumerate(zip(reqs, answers)):
         body = req["body"]
+        if isinstance(got, Exception):
+            seen["choices"] = seen.get("choices", 0) + body["n"]
+            bad += [f"request {k} choice {i}: {req['route']} {body}\n  failed: {type(got).__name__} {got}"[:2000]
+                    for i in range(body["n"])]
+            continue
         if req["route"] == "/chat/completions":
             prompt = tok.encode_chat(body["messages"], add_generation_prompt=True)
         elif isinstance(body["prompt"], str):
