@@ -93,7 +93,8 @@ def test_the_bench_runs_both_servers_and_leaves_nothing_behind(tmp_path):
     if llamacpp_available():
         lc = out["llama_cpp"]
         assert lc["prompts_tokenized_alike"] == 4
-        assert [(r["clients"], r["cached"], r["answered"]) for r in lc["rounds"]] == [(4, False, 4), (1, True, 4), (4, True, 4)]
+        assert [(r["clients"], r["cached"], r["answered"]) for r in lc["rounds"]] == \
+            [(4, False, 4), (1, True, 4), (4, True, 4)]
         assert all(r["tokens_per_s"] > 0 and "vs_llama_cpp" in r for r in out["minillama"])
         assert len(out["server_pids"]) == 2
     else:

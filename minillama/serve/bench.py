@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the servers are stopped on the way out
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def _say(msg: str) -> None:
@@ -113,7 +116,7 @@ def _main(argv: Sequence[str] | None) -> int:
     from ..cli import _load
     from ..generate import Stats, generate
     from . import identity
-    from .servers import llamacpp_available, llamacpp_server, minillama_server
+    from .servers import llamacpp_available, minillama_server
 
     model = _load(args.model, "cpu", torch.float32)
     tok = model.tokenizer
@@ -133,7 +136,7 @@ def _main(argv: Sequence[str] | None) -> int:
                            "new_tokens": args.new_tokens, "torch_threads": torch.get_num_threads(),
                            "parallel_pass_tokens_per_s": cli_tps}
 
-    with minillama_server(args.model, max(levels), ["--max-batch-tokens", "512"]) as (url, pid):
+    with minillama_server(args.model, max(levels)) as (url, pid):
         out["server_pids"] = [pid]
         _warm(url, "minillama", warm_ids)
         mini = _rounds(url, "minillama", task.prompts, levels, args.new_tokens, args.time_limit)
@@ -149,7 +152,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _say("llama.cpp's server: left out" + ("" if args.no_llama_cpp else
              " (llama_cpp is not installed: pip install 'llama-cpp-python[server]==0.3.36')"))
     else:
-        out["llama_cpp"] = _llamacpp(args, task, tok, reference, levels, llamacpp_server)
+        out["llama_cpp"] = _llamacpp(args, task, tok, reference, levels)
         out["server_pids"].append(out["llama_cpp"].pop("pid"))
         for m, lc in zip(mini, out["llama_cpp"]["rounds"]):
             m["vs_llama_cpp"] = {k: m[k] / lc[k] if lc[k] else float("nan")
@@ -173,11 +176,12 @@ def _main(argv: Sequence[str] | None) -> int:
     return 0 if ok and (ident is None or ident["identical"] == ident["choices"]) else 1
 
 
-def _llamacpp(args, task, tok, reference, levels, llamacpp_server) -> dict[str, Any]:
+def _llamacpp(args: argparse.Namespace, task: Any, tok: Any, reference: list[Any], levels: list[int]) -> dict[str, Any]:
     """The same rounds against llama-cpp-python's server on the F32 GGUF of the same weights."""
     import torch
 
     from ..bench.gguf_f32 import f32_gguf
+    from .servers import llamacpp_server
 
     gguf = f32_gguf(args.model)
     texts = [tok.decode(p) for p in task.prompts]
@@ -213,7 +217,8 @@ def table(out: dict[str, Any]) -> str:
                  "per token p50 / p99 vs llama.cpp"]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for k, m in enumerate(out["minillama"]):
-        cells = [f"{m['clients']} client{'s' if m['clients'] > 1 else ''}{'' if m['cached'] else ', not cached'}", f"{m['tokens_per_s']:.2f}",
+        name = f"{m['clients']} client{'s' if m['clients'] > 1 else ''}{'' if m['cached'] else ', not cached'}"
+        cells = [name, f"{m['tokens_per_s']:.2f}",
                  f"{m['vs_parallel_pass']:.2f}x", f"{_ms(m['ttft_p50_ms'])} / {_ms(m['ttft_p99_ms'])}",
                  f"{_ms(m['tpot_p50_ms'])} / {_ms(m['tpot_p99_ms'])}", f"{m['identical']}/{m['asked']}"]
         if lc:

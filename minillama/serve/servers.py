@@ -77,11 +77,11 @@ def stop(p: subprocess.Popen, grace_s: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def minillama_server(model: str | None, max_running: int, extra: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+def minillama_server(model: str | None, max_running: int) -> Iterator[tuple[str, int]]:
     """A fresh `minillama serve` (nothing cached); yields its base URL (.../v1) and process id."""
     port = free_port()
     args = [sys.executable, "-m", "minillama.serve", "--port", str(port), "--max-running", str(max_running),
-            "--max-queue", "4096", "--drain", "5", *extra]
+            "--max-queue", "4096", "--drain", "5"]
     if model:
         args += ["--model", model]
     with process(args, f"http://127.0.0.1:{port}/health", "minillama serve") as p:
