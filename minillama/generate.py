@@ -158,6 +158,12 @@ def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) 
         q.record(int(toks[i]), picked[i], None if q.answer.logits is None else host[i].clone(), max_positions)
 
 
+# Public names for schedulers outside this module that run their own forward passes and pick tokens
+# exactly as generate does (minillama serve's engine).
+Question = _Question
+take_tokens = _take
+
+
 def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int]]], chunk: int,
          stats: Stats) -> torch.Tensor:
     """Run pieces (segment, first position, token ids) through the model, `chunk` tokens per pass at most.

@@ -12,16 +12,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
 from minillama import api
+from minillama.serve.identity import mismatches
 from test_api import QUESTIONS
-from _serve_harness import LONG_DOC, eos_of, serving, solo, solo_prompt_logprobs, write_checkpoint
+from _serve_harness import LONG_DOC, serving, write_checkpoint
 
 REQUESTS = int(os.environ.get("MINILLAMA_SERVE_REQUESTS", "24"))
 
@@ -69,76 +68,6 @@ def workload(rng: random.Random, n: int) -> list[dict[str, Any]]:
             route = "/completions"
         out.append({"route": route, "body": body, "delay": rng.random() * 0.6})
     return out
-
-
-def ask(client: httpx.Client, url: str, req: dict[str, Any]) -> list[dict[str, Any]]:
-    """Send one request; per choice its token ids, log-probs, text and finish reason (streamed or not)."""
-    time.sleep(req["delay"])
-    body, chat = req["body"], req["route"] == "/chat/completions"
-    got = [{"tokens": [], "lps": [], "text": "", "finish": None} for _ in range(body["n"])]
-
-    def add(choice: dict[str, Any]) -> None:
-        g = got[choice["index"]]
-        lp = choice.get("logprobs") or {}
-        if chat:
-            g["tokens"] += [int(e["token"][9:]) for e in lp.get("content", [])]
-            g["lps"] += [e["logprob"] for e in lp.get("content", [])]
-            g["text"] += (choice.get("delta") or choice.get("message") or {}).get("content") or ""
-        else:
-            g["tokens"] += [int(t[9:]) for t in lp.get("tokens", [])]
-            g["lps"] += lp.get("token_logprobs", [])
-            g["text"] += choice["text"]
-        g["finish"] = choice.get("finish_reason") or g["finish"]
-
-    if not body["stream"]:
-        r = client.post(url + req["route"], json=body)
-        assert r.status_code == 200, r.text
-        for c in r.json()["choices"]:
-            add(c)
-        return got
-    with client.stream("POST", url + req["route"], json=body) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]", lines[-3:]
-    for line in lines[:-1]:
-        for c in json.loads(line)["choices"]:
-            add(c)
-    return got
-
-
-def mismatches(model: api.LoadedModel, url: str, reqs: list[dict[str, Any]], seen: dict | None = None) -> list[str]:
-    """Fire every request from its own client thread; compare each choice with its solo run. `seen` counts
-    what the workload exercised (answers cut by a stop string, echoed prompts)."""
-    seen = {} if seen is None else seen
-    with ThreadPoolExecutor(len(reqs)) as pool, httpx.Client(timeout=300) as client:
-        answers = list(pool.map(lambda r: ask(client, url, r), reqs))
-    tok, bad = model.tokenizer, []
-    for k, (req, got) in enumerate(zip(reqs, answers)):
-        body = req["body"]
-        if req["route"] == "/chat/completions":
-            prompt = tok.encode_chat(body["messages"], add_generation_prompt=True)
-        elif isinstance(body["prompt"], str):
-            prompt = tok.encode(body["prompt"], add_special=True, parse_special=False)
-        else:
-            prompt = body["prompt"]
-        alone = solo(model, prompt, body["n"], body)
-        stop_ids = set() if body["ignore_eos"] else set(eos_of(model))
-        stops = [body["stop"]] if "stop" in body else []
-        for i, (g, a) in enumerate(zip(got, alone)):
-            tokens, lps, text = g["tokens"], g["lps"], g["text"]
-            if stops and a.finish_reason == "stop" and a.token_ids[-1] not in stop_ids:
-                seen["stop string"] = seen.get("stop string", 0) + 1
-            if body.get("echo"):
-                seen["echo"] = seen.get("echo", 0) + 1
-                if tokens[:len(prompt)] != prompt or lps[:len(prompt)] != solo_prompt_logprobs(model, prompt):
-                    bad.append(f"request {k} choice {i}: echoed prompt log-probs differ")
-                tokens, lps = tokens[len(prompt):], lps[len(prompt):]
-                text = text[len(body["prompt"]):] if isinstance(body["prompt"], str) else text[len(tok.decode(prompt)):]
-            want_text = api.answer_text(tok, a.token_ids, stop_ids, stops)
-            if (tokens, lps, g["finish"], text) != (a.token_ids, a.logprobs, a.finish_reason, want_text):
-                bad.append(f"request {k} choice {i}: {req['route']} {body}\n  served {tokens} {lps} {g['finish']} "
-                           f"{text!r}\n  alone  {a.token_ids} {a.logprobs} {a.finish_reason} {want_text!r}")
-    return bad
 
 
 @pytest.mark.parametrize("seed", [0, 1])

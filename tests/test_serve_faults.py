@@ -20,7 +20,8 @@ import torch
 
 from minillama import api
 from minillama.serve.prefix import PrefixCache
-from _serve_harness import LONG_DOC, serving, solo, write_checkpoint
+from minillama.serve.identity import solo
+from _serve_harness import LONG_DOC, serving, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -211,18 +212,3 @@ def test_a_taken_port_is_a_one_line_error(ckpt):
     finally:
         p.terminate()
         assert p.wait(60) == 0
-
-
-@pytest.mark.slow
-def test_the_serve_bench_runs_and_finds_every_answer_identical(ckpt, tmp_path):
-    """A small bench round trip (its numbers are the bench's to report, not a test's to assert)."""
-    from minillama.serve.bench import percentile
-
-    assert (percentile([3, 1, 2, 4], 50), percentile([3, 1, 2, 4], 99), percentile(list(range(100)), 50)) == (2, 4, 49)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "minillama.serve.bench", "--model", str(ckpt), "--doc-tokens", "80",
-                        "--questions", "4", "--new-tokens", "3", "--clients", "1,4", "--json", str(tmp_path / "b.json")],
-                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr
-    rounds = json.loads((tmp_path / "b.json").read_text())["rounds"]
-    assert [(r["clients"], r["answered"], r["identical"]) for r in rounds] == [(1, 4, 4), (4, 4, 4)]

@@ -1,122 +1,64 @@
-"""`python -m minillama.serve.bench`: `minillama serve` under 1, 8, 32, 64 concurrent clients, against one
-parallel pass of `generate` on the same questions about one document.
+"""`python -m minillama.serve.bench`: `minillama serve` and llama.cpp's server under 1, 8, 32, 64 concurrent
+clients asking about one document, against one parallel pass of `generate` on the same questions; then a
+long randomized run of the bit-identity promise.
 
     python -m minillama.serve.bench --model PATH [--doc-tokens 512] [--questions 64] [--new-tokens 16]
 
-The questions are the benchmark's synthetic task (bench/task.py): one document, questions about its facts.
-The parallel pass runs first, in this process; then the server runs as its own process on a free loopback
-port, and for each client count that many clients (one asyncio task each) stream every question once,
-each client asking its next question as soon as its answer is complete. Reported per client count:
-generated tokens per second (all answers over the wall time of the round), time to first token and time
-per later token (p50, p99), and how many answers are identical (token ids and log-probs) to the parallel
-pass's, which parallel prompting makes identical to each question's solo run. The server keeps its cached
-document blocks between rounds, as a server would. Bounded: `--time-limit` seconds per round, after which
-the round's unfinished requests are dropped and counted.
+The questions are the benchmark's synthetic task (bench/task.py): one document, questions about its facts,
+each answered greedily with `--new-tokens` tokens (EOS ignored). In order:
+
+1. one parallel `generate` pass over every question, in this process: the throughput reference, and the
+   answers every served answer must equal (parallel prompting makes them each question's solo run);
+2. a fresh `minillama serve` process (servers.py): one round at the largest client count while nothing is
+   cached (the document is computed during the round, as in the parallel pass), then one round per client
+   count with the document's blocks cached, as a server that keeps them would answer;
+3. the same rounds against a fresh llama-cpp-python server (`llama_cpp.server`) on an F32 GGUF of the same
+   weights (bench/gguf_f32.py), given the same prompts as text (each checked to tokenize to the same ids).
+   It answers one request at a time: llama-cpp-python's server holds one llama.cpp sequence and a lock
+   around it, so concurrent clients queue there; it reuses the previous prompt's keys and values for the
+   part a new prompt shares with it (the document). Skipped, with a note, if llama_cpp is not installed;
+4. the randomized identity run (identity.py): `--identity-requests` random requests from concurrent
+   clients, every choice compared with its solo run.
+
+Per round (loadgen.py): throughput, time to first token and time per later token (p50, p99). Every round
+is bounded by `--time-limit` seconds and each server's start-up by `--start-limit`; the servers are
+stopped (their whole process groups) however the bench ends. Exit 0 when every served minillama answer
+equals the parallel pass's and every choice of the randomized run equals its solo run; 1 otherwise; 2 on
+bad input.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import math
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..files import write_file
 from ..errors import BadInput, OneLineParser
+from .loadgen import body_for, run_round, summary
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minillama.serve.bench", allow_abbrev=False,
-                      description="minillama serve under concurrent clients against one parallel generate pass")
+                      description="minillama serve and llama.cpp's server under concurrent clients, against one "
+                                  "parallel generate pass; then a randomized bit-identity run")
     p.add_argument("--model", "-m", metavar="PATH", help="checkpoint (default: the default model)")
     p.add_argument("--doc-tokens", type=int, default=512, help="document length in tokens (default: 512)")
     p.add_argument("--questions", type=int, default=64, help="questions about the document (default: 64)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens per answer, EOS ignored (default: 16)")
     p.add_argument("--clients", default="1,8,32,64", help="concurrent client counts (default: 1,8,32,64)")
     p.add_argument("--time-limit", type=float, default=600.0, metavar="S", help="most seconds per round (default: 600)")
+    p.add_argument("--start-limit", type=float, default=600.0, metavar="S",
+                   help="most seconds for a server to start (default: 600)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp's server out")
+    p.add_argument("--identity-requests", type=int, default=300, metavar="N",
+                   help="requests in the randomized identity run (default: 300; 0: none)")
+    p.add_argument("--identity-clients", type=int, default=32, metavar="N",
+                   help="concurrent clients in the randomized identity run (default: 32)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return p
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The q-th percentile (nearest rank); nan for no values."""
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-async def _ask(client: Any, url: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
-    body = {"prompt": prompt, "max_tokens": new_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
-            "logprobs": 0, "return_tokens_as_token_ids": True}
-    t0 = time.perf_counter()
-    times, tokens, lps = [], [], []
-    async with client.stream("POST", url + "/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": r.status_code}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line[6:]).get("choices", []):
-                lp = c.get("logprobs") or {}
-                got = [int(t[9:]) for t in lp.get("tokens", [])]
-                tokens += got
-                lps += lp.get("token_logprobs", [])
-                times += [time.perf_counter()] * len(got)
-    return {"start": t0, "times": times, "tokens": tokens, "logprobs": lps}
-
-
-async def _round(url: str, prompts: list[list[int]], clients: int, new_tokens: int, limit: float) -> dict[str, Any]:
-    import httpx
-
-    todo = list(range(len(prompts)))
-    results: dict[int, dict[str, Any]] = {}
-
-    async def worker(client: Any) -> None:
-        while todo:
-            i = todo.pop(0)
-            results[i] = await _ask(client, url, prompts[i], new_tokens)
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=limit, limits=httpx.Limits(max_connections=clients)) as client:
-        tasks = [asyncio.create_task(worker(client)) for _ in range(clients)]
-        done, pending = await asyncio.wait(tasks, timeout=limit)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    return {"wall": time.perf_counter() - t0, "results": results}
-
-
-def _summary(clients: int, r: dict[str, Any], reference: list[Any], n: int) -> dict[str, Any]:
-    ok = {i: x for i, x in r["results"].items() if "error" not in x and x["times"]}
-    ttft = [x["times"][0] - x["start"] for x in ok.values()]
-    per_token = [(x["times"][-1] - x["times"][0]) / (len(x["times"]) - 1) for x in ok.values() if len(x["times"]) > 1]
-    tokens = sum(len(x["tokens"]) for x in ok.values())
-    same = sum(x["tokens"] == reference[i].token_ids and x["logprobs"] == reference[i].logprobs for i, x in ok.items())
-    return {"clients": clients, "answered": len(ok), "asked": n, "identical": same,
-            "tokens_per_s": tokens / r["wall"], "wall_s": r["wall"],
-            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-            "tpot_p50_ms": 1e3 * percentile(per_token, 50), "tpot_p99_ms": 1e3 * percentile(per_token, 99)}
-
-
-def _start_server(model: str | None) -> tuple[subprocess.Popen, str]:
-    args = [sys.executable, "-m", "minillama.serve", "--port", "0", "--max-running", "64", "--max-queue", "1024"]
-    if model:
-        args += ["--model", model]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    p = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)
-    line = p.stderr.readline()
-    if "http://" not in line:
-        p.kill()
-        raise BadInput(f"the server did not start: {line.strip()} {p.stderr.read().strip()}")
-    return p, line.split()[-1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,6 +67,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the servers are stopped on the way out
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _rounds(url: str, dialect: str, prompts: list[Any], levels: list[int], new_tokens: int,
+            limit: float) -> list[dict[str, Any]]:
+    """A round at the largest client count on the fresh server (nothing cached), then one per level."""
+    bodies = [body_for(dialect, p, new_tokens) for p in prompts]
+    plan = [(max(levels), False)] + [(c, True) for c in levels]
+    rows = []
+    for clients, cached in plan:
+        r = run_round(url, bodies, clients, limit)
+        row = {"clients": clients, "cached": cached, **summary(r, len(bodies), new_tokens), "_results": r["results"]}
+        _say(f"  {dialect}: {clients:>3} clients, document {'cached' if cached else 'not cached'}: "
+             f"{row['tokens_per_s']:.2f} tokens/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms, per token p50 "
+             f"{row['tpot_p50_ms']:.0f} ms; {row['answered']}/{row['asked']} answered")
+        rows.append(row)
+    return rows
+
+
+def _warm(url: str, dialect: str, prompt: Any) -> None:
+    """One short unrelated request first: the servers' first-call set-up is not part of any round."""
+    run_round(url, [body_for(dialect, prompt, 2)], 1, 600.0)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -133,49 +103,132 @@ def _main(argv: Sequence[str] | None) -> int:
         levels = [int(c) for c in args.clients.split(",")]
     except ValueError:
         raise BadInput(f"--clients must be comma-separated integers, got {args.clients!r}") from None
-    if min(levels + [args.questions, args.new_tokens, args.doc_tokens]) < 1:
-        raise BadInput("--clients, --questions, --new-tokens and --doc-tokens must be at least 1")
+    if min(levels + [args.questions, args.new_tokens, args.doc_tokens, args.identity_clients]) < 1:
+        raise BadInput("--clients, --questions, --new-tokens, --doc-tokens and --identity-clients must be at least 1")
+    if args.identity_requests < 0:
+        raise BadInput(f"--identity-requests must be >= 0, got {args.identity_requests}")
+    for name in ("time_limit", "start_limit"):
+        if not getattr(args, name) > 0:
+            raise BadInput(f"--{name.replace('_', '-')} must be a positive number of seconds")
+    import torch
+
     from .. import api
     from ..bench.task import TaskConfig, make_task, plain_prompt_ids
     from ..cli import _load
     from ..generate import Stats, generate
-    import torch
+    from . import identity
+    from .servers import llamacpp_available, minillama_server
 
     model = _load(args.model, "cpu", torch.float32)
-    task = make_task(model.tokenizer, TaskConfig(args.doc_tokens, 1, args.questions, new_tokens=args.new_tokens),
-                     plain_prompt_ids(model.tokenizer))
-    params = api.sampling_params(args.new_tokens, ignore_eos=True)
+    tok = model.tokenizer
+    task = make_task(tok, TaskConfig(args.doc_tokens, 1, args.questions, new_tokens=args.new_tokens),
+                     plain_prompt_ids(tok))
+    warm_ids = tok.encode("Hello, how are you?")
+    generate(model.llama, [warm_ids], api.sampling_params(2))  # first-call set-up, outside the timed pass
     stats = Stats()
-    reference = generate(model.llama, task.prompts, params, mode="parallel", stats=stats)
+    reference = generate(model.llama, task.prompts, api.sampling_params(args.new_tokens, ignore_eos=True),
+                         mode="parallel", stats=stats)
     cli_tps = stats.generated_tokens / stats.generate_s
-    print(f"one parallel generate pass: {len(task.prompts)} questions, {stats.generated_tokens} tokens in "
-          f"{stats.generate_s:.2f} s = {cli_tps:.1f} tokens/s", file=sys.stderr)
+    _say(f"one parallel generate pass: {len(task.prompts)} questions, {stats.generated_tokens} tokens in "
+         f"{stats.generate_s:.2f} s = {cli_tps:.2f} tokens/s")
     del model
-    server, url = _start_server(args.model)
-    rows = []
-    try:
-        for c in levels:
-            r = asyncio.run(_round(url, task.prompts, c, args.new_tokens, args.time_limit))
-            row = _summary(c, r, reference, len(task.prompts))
-            row["vs_parallel_pass"] = row["tokens_per_s"] / cli_tps
-            rows.append(row)
-            print(f"{c:>3} clients: {row['tokens_per_s']:7.1f} tokens/s ({row['vs_parallel_pass']:.2f}x the parallel "
-                  f"pass), TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms, per token p50 "
-                  f"{row['tpot_p50_ms']:.0f} ms p99 {row['tpot_p99_ms']:.0f} ms; {row['identical']}/{row['asked']} "
-                  f"answers identical to the parallel pass ({row['answered']} answered)", file=sys.stderr)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    out = {"model": args.model or "default", "doc_tokens": args.doc_tokens, "questions": args.questions,
-           "new_tokens": args.new_tokens, "parallel_pass_tokens_per_s": cli_tps, "rounds": rows}
+    out: dict[str, Any] = {"model": args.model or "default", "doc_tokens": args.doc_tokens,
+                           "prompt_tokens": len(task.prompts[0]), "questions": args.questions,
+                           "new_tokens": args.new_tokens, "torch_threads": torch.get_num_threads(),
+                           "parallel_pass_tokens_per_s": cli_tps}
+
+    with minillama_server(args.model, max(levels)) as (url, pid):
+        out["server_pids"] = [pid]
+        _warm(url, "minillama", warm_ids)
+        mini = _rounds(url, "minillama", task.prompts, levels, args.new_tokens, args.time_limit)
+    for row in mini:
+        res = row.pop("_results")
+        row["identical"] = sum("error" not in x and x["tokens"] == reference[i].token_ids
+                               and x["logprobs"] == reference[i].logprobs for i, x in res.items())
+        row["vs_parallel_pass"] = row["tokens_per_s"] / cli_tps
+    out["minillama"] = mini
+
+    if args.no_llama_cpp or not llamacpp_available():
+        out["llama_cpp"] = None
+        _say("llama.cpp's server: left out" + ("" if args.no_llama_cpp else
+             " (llama_cpp is not installed: pip install 'llama-cpp-python[server]==0.3.36')"))
+    else:
+        out["llama_cpp"] = _llamacpp(args, task, tok, reference, levels)
+        out["server_pids"].append(out["llama_cpp"].pop("pid"))
+        for m, lc in zip(mini, out["llama_cpp"]["rounds"]):
+            m["vs_llama_cpp"] = {k: m[k] / lc[k] if lc[k] else float("nan")
+                                 for k in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")}
+
+    if args.identity_requests:
+        _say(f"randomized identity run: {args.identity_requests} requests from {args.identity_clients} clients")
+        ident = identity.run(tok, task.prompts, task.questions, args.identity_requests, args.identity_clients)
+        _say(f"  {ident['identical']}/{ident['choices']} choices identical to their solo runs "
+             f"({ident['stop_string_cuts']} cut by a stop string, {ident['echoed']} echoed, "
+             f"{ident['prefix_hit_tokens']} prompt tokens found cached, {ident['evicted_blocks']} blocks evicted)")
+        if ident["first_mismatch"]:
+            _say(ident["first_mismatch"])
+        out["identity"] = ident
+    _say(table(out))
     if args.json:
         write_file(args.json, json.dumps(out, indent=1) + "\n")
     print(json.dumps(out))
-    return 0 if all(r["identical"] == r["asked"] for r in rows) else 1
+    ok = all(r["identical"] == r["asked"] for r in mini)
+    ident = out.get("identity")
+    return 0 if ok and (ident is None or ident["identical"] == ident["choices"]) else 1
+
+
+def _llamacpp(args: argparse.Namespace, task: Any, tok: Any, reference: list[Any], levels: list[int]) -> dict[str, Any]:
+    """The same rounds against llama-cpp-python's server on the F32 GGUF of the same weights."""
+    import torch
+
+    from ..bench.gguf_f32 import f32_gguf
+    from .servers import llamacpp_server
+
+    gguf = f32_gguf(args.model)
+    texts = [tok.decode(p) for p in task.prompts]
+    n_ctx = max(len(p) for p in task.prompts) + args.new_tokens + 64
+    threads = torch.get_num_threads()
+    with llamacpp_server(gguf, n_ctx, threads) as (url, pid):
+        import httpx
+
+        same_ids = sum(httpx.post(url[:-3] + "/extras/tokenize", json={"input": t}, timeout=60).json()["tokens"] == p
+                       for t, p in zip(texts, task.prompts))
+        _warm(url, "llama_cpp", "Hello, how are you?")
+        rows = _rounds(url, "llama_cpp", texts, levels, args.new_tokens, args.time_limit)
+    for row in rows:
+        res = row.pop("_results")
+        row["same_text_as_minillama"] = sum("error" not in x and x["text"] == tok.decode(reference[i].token_ids)
+                                            for i, x in res.items())
+    _say(f"  llama.cpp tokenized {same_ids}/{len(texts)} prompts to the same ids as minillama")
+    return {"pid": pid, "gguf": str(gguf), "n_ctx": n_ctx, "threads": threads, "prompts_tokenized_alike": same_ids,
+            "rounds": rows}
+
+
+def _ms(x: float) -> str:
+    return f"{x / 1e3:.2f} s" if x >= 1e3 else f"{x:.0f} ms"
+
+
+def table(out: dict[str, Any]) -> str:
+    """The results as a Markdown table: minillama serve's numbers, its ratios to the parallel pass and to
+    llama.cpp's server (throughput: higher is better for minillama; latencies: lower is)."""
+    lc = out.get("llama_cpp")
+    head = ["round", "tokens/s", "vs parallel pass", "TTFT p50 / p99", "per token p50 / p99", "identical"]
+    if lc:
+        head += ["llama.cpp tokens/s", "throughput vs llama.cpp", "TTFT p50 / p99 vs llama.cpp",
+                 "per token p50 / p99 vs llama.cpp"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+    for k, m in enumerate(out["minillama"]):
+        name = f"{m['clients']} client{'s' if m['clients'] > 1 else ''}{'' if m['cached'] else ', not cached'}"
+        cells = [name, f"{m['tokens_per_s']:.2f}",
+                 f"{m['vs_parallel_pass']:.2f}x", f"{_ms(m['ttft_p50_ms'])} / {_ms(m['ttft_p99_ms'])}",
+                 f"{_ms(m['tpot_p50_ms'])} / {_ms(m['tpot_p99_ms'])}", f"{m['identical']}/{m['asked']}"]
+        if lc:
+            r, v = lc["rounds"][k], m["vs_llama_cpp"]
+            cells += [f"{r['tokens_per_s']:.2f}", f"{v['tokens_per_s']:.2f}x",
+                      f"{v['ttft_p50_ms']:.2f}x / {v['ttft_p99_ms']:.2f}x",
+                      f"{v['tpot_p50_ms']:.2f}x / {v['tpot_p99_ms']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

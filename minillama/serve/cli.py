@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -134,6 +135,31 @@ def _main(argv: Sequence[str] | None) -> int:
     run(config, sock)
     print("minillama serve: stopped", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, start_s: float = 60.0) -> Iterator[str]:
+    """`app` under uvicorn on 127.0.0.1 (a free port) in a thread of this process; yields its base URL
+    (.../v1) and stops it when the `with` ends (the bench's randomized run and the tests use it)."""
+    import uvicorn
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    try:
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() - t0 > start_s:
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError("the in-process server did not stop")
 
 
 def run(config, sock: socket.socket) -> None:

@@ -5,7 +5,7 @@ sequence (decode) with the prompt tokens of sequences that arrived since (prefil
 of them; a long prompt is fed over several steps), exactly as parallel mode packs a document's questions.
 A prompt's whole leading blocks come from the prefix cache (prefix.py) when an earlier prompt computed
 them; its other tokens go into its own segment, where its answer grows. Tokens are picked by
-`generate._take`, with each sequence's own random stream `question_generator(seed, index)`, so a
+`generate.take_tokens`, with each sequence's own random stream `question_generator(seed, index)`, so a
 sequence's tokens and log-probs are those of `generate([prompt], params, mode="independent")` (index 0;
 choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
 
@@ -23,7 +23,7 @@ from typing import Callable, Sequence as Seq
 
 import torch
 
-from ..generate import SamplingParams, _Question, _take
+from ..generate import Question, SamplingParams, take_tokens
 from ..model import Llama
 from .prefix import Block, PrefixCache
 
@@ -60,7 +60,7 @@ class Sequence:
     top_k: int = 0  # top log-probs wanted per token (0: none)
     echo: bool = False  # the prompt's own log-probs are wanted (no prefix reuse: every row is computed)
     # engine state
-    q: _Question | None = field(default=None, repr=False)
+    q: Question | None = field(default=None, repr=False)
     blocks: list[Block] = field(default_factory=list)
     segment: int = -1
     tail: list[int] = field(default_factory=list)  # prompt tokens in its own segment
@@ -172,7 +172,7 @@ class Engine:
             self.running.append(s)
 
     def _place(self, s: Sequence) -> None:
-        s.q = _Question(s.index, s.params, self.eos)
+        s.q = Question(s.index, s.params, self.eos)
         s.blocks = self.prefix.acquire(s.prompt) if self.prefix is not None and not s.echo else []
         cut = len(s.blocks) * (self.prefix.block if self.prefix else 0)
         s.tail = s.prompt[cut:]
@@ -268,11 +268,11 @@ class Engine:
             return
         qs = [s.q for s, _ in picks]
         chosen = logits[torch.tensor([r for _, r in picks])]  # (Q, vocab)
-        _take(qs, chosen, max_pos)
+        take_tokens(qs, chosen, max_pos)
         want_top = [i for i, (s, _) in enumerate(picks) if s.top_k]
         top: dict[int, list[tuple[int, float]]] = {}
         if want_top:
-            lp = torch.log_softmax(chosen[torch.tensor(want_top)].float(), -1)  # row-wise: the bits of _take's
+            lp = torch.log_softmax(chosen[torch.tensor(want_top)].float(), -1)  # row-wise: the bits of take_tokens's
             k = max(picks[i][0].top_k for i in want_top)
             vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
             for j, i in enumerate(want_top):
