@@ -160,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="the CPU threads both sides get in all (default: 2)")
     ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (default: 2)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--docs", type=int, default=8, help="documents (default: 8)")
+    ap.add_argument("--questions", type=int, default=64, help="questions per document (default: 64)")
     ap.add_argument("--out", default="bench_results", help="output directory")
     a = ap.parse_args(argv)
     from ..api import load
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tokenizer = load(a.model).tokenizer
     config = TaskConfig(doc_tokens=64 if a.quick else 512, n_docs=2 if a.quick else a.docs,
-                        questions_per_doc=2 if a.quick else 64, new_tokens=2 if a.quick else 8)
+                        questions_per_doc=2 if a.quick else a.questions, new_tokens=2 if a.quick else 8)
     with tempfile.TemporaryDirectory() as d:
         jobs = Path(d) / "jobs.jsonl"
         write_jobs(jobs, tokenizer, config)

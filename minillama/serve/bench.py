@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..files import write_file
-from ..errors import BadInput, OneLineParser
+from ..errors import BadInput, OneLineParser, run_command
 from .loadgen import body_for, run_round, summary
 
 
@@ -62,14 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # the servers are stopped on the way out
-        print("interrupted", file=sys.stderr)
-        return 130
+    """Exit status: see `errors.run_command` (0, 2 bad input, 130 Ctrl-C (the servers stopped on the way out), 141 closed pipe, 1 a bug)."""
+    return run_command(lambda: _main(argv))
 
 
 def _say(msg: str) -> None:

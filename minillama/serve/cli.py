@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ..cli import DEFAULT_MAX_MEMORY_MB, DTYPES, _check_device, _load
-from ..errors import BadInput, OneLineParser
+from ..errors import BadInput, OneLineParser, run_command
 
 API_KEY_ENV = "MINILLAMA_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -59,14 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    """Exit status: see `errors.run_command` (0, 2 bad input, 130 Ctrl-C, 141 closed pipe, 1 a bug)."""
+    return run_command(lambda: _main(argv))
 
 
 def _check(args: argparse.Namespace) -> None:
