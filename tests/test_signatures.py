@@ -9,6 +9,9 @@ would be a place where some backend may pick another kernel and move the bits.
 Also here: the launches a pass issues per layer (each work-launching aten op is a kernel launch on a GPU).
 """
 
+import os
+from unittest import mock
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +21,7 @@ from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
 from minillama.model import Llama
+from minillama.precision import ENV, FLOAT32_COLUMNS, compute_dtype
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
@@ -28,11 +32,17 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
     acc = torch.promote_types(dt, torch.float32)
     t, d, b = tiles.rows, c.head_dim, 64
     out = set()
+    calc = compute_dtype(model.device, dt)  # a 16-bit model without native dot products: float32 (precision.py)
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             n, k = mod.weight.shape
             w = mod.weight.t()
-            out.add(("aten.mm.out", (((t, k), (k, 1), dt, 0), ((k, n), w.stride(), dt, 0), ((t, n), (n, 1), dt, 0))))
+            if calc == dt:
+                out.add(("aten.mm.out", (((t, k), (k, 1), dt, 0), ((k, n), w.stride(), dt, 0), ((t, n), (n, 1), dt, 0))))
+            for a in range(0, n, FLOAT32_COLUMNS) if calc != dt else ():  # one product per slice of columns
+                p = w[:, a:a + FLOAT32_COLUMNS].to(calc)
+                out.add(("aten.mm.out", (((t, k), (k, 1), calc, 0), (tuple(p.shape), p.stride(), calc, 0),
+                                         ((t, p.shape[1]), (n, 1), calc, 0))))
     for rows, batch in ((tiles.full, tiles.full_batch), (tiles.part, tiles.part_batch)):
         out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
                                   ((batch, d, b), (b * d, 1, d), acc, 0),
@@ -70,17 +80,24 @@ CONFIG = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True)
 # reuses the masked tiles, biases and q/k norms are elementwise and row-wise.
 WINDOWED = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True, model_type="mistral", window=70)
 QWEN = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, model_type="qwen3", attention_bias=True, rope="yarn")
+# A 16-bit model's products: native or float32 on 16-bit storage, whichever this CPU takes (precision.py);
+# the other path is checked too, forced by the override.
+WIDE = tiny_config(layers=1, heads=6, kv_heads=2, head_dim=8, tied=True, vocab=1500)  # an LM head of two slices
 MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0),
           "window, default tiles": tiny_model(WINDOWED, 0, tiles=None), "window, small tiles": tiny_model(WINDOWED, 0),
-          "qwen3 with biases": tiny_model(QWEN, 0)}
+          "qwen3 with biases": tiny_model(QWEN, 0), "bfloat16": tiny_model(CONFIG, 0, torch.bfloat16),
+          "float16, wide vocabulary": tiny_model(WIDE, 0, torch.float16, tiles=None)}
+PATHS = ["auto", "auto", "auto", "native", "float32"]  # MINILLAMA_CPU_16BIT
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(work=layouts(), which=st.sampled_from(sorted(MODELS)))
-def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which):
+@given(work=layouts(), which=st.sampled_from(sorted(MODELS)), path=st.sampled_from(PATHS))
+def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which, path):
     model = MODELS[which]
-    seen = answer(model, *work)
-    assert seen <= expected_signatures(model, model.tiles), sorted(seen - expected_signatures(model, model.tiles))
+    with mock.patch.dict(os.environ, {ENV: path}):
+        seen = answer(model, *work)
+        expected = expected_signatures(model, model.tiles)
+    assert seen <= expected, sorted(seen - expected)
 
 
 def test_varied_layouts_bring_no_new_signature():
