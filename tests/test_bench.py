@@ -164,6 +164,7 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
                  "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "shape_results.json").read_text())
     assert data["meta"]["gemm_tflops"] > 0 and data["meta"]["bandwidth_gbs"] > 0
+    assert data["meta"]["products"] == "native"  # float32: no cast, on any device
     head = {r["method"]: r for r in data["records"] if r["label"] == "headline"}
     assert {"parallel", "parallel_plain", "independent"} <= set(head)
     ind = head["independent"]
@@ -176,6 +177,17 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
     tables = [r for r in data["records"] if r["label"].startswith("Table")]
     assert len(tables) == 6 and {r["n_docs"] for r in tables} == {1, 8}
     assert "x roofline floor" in (tmp_path / "shape_summary.md").read_text()
+
+
+def test_shape_bench_says_which_16bit_path_it_took(tmp_path, one_thread, monkeypatch):
+    from minillama.bench import main
+
+    monkeypatch.setenv("MINILLAMA_CPU_16BIT", "float32")  # the path of a CPU without 16-bit dot products
+    assert main(["--shape", "tiny", "--tiny", "--dtype", "float16", "--repeats", "1", "--sample", "2", "--no-hf",
+                 "--out", str(tmp_path)]) == 0
+    products = json.loads((tmp_path / "shape_results.json").read_text())["meta"]["products"]
+    assert products == "float32 products on float16 storage (MINILLAMA_CPU_16BIT=float32)"
+    assert products in (tmp_path / "shape_summary.md").read_text()
 
 
 def test_roofline_floor_arithmetic():

@@ -122,27 +122,48 @@ def smol(layers: int) -> LlamaConfig:
                        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
 
 
+def launches(tiles: Tiles, layers: int, docs=1, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
+    """(decode step, prefill) work-launching ops of a SmolLM2-shaped model with `layers` layers, counted on
+    the CPU: each of `docs` documents and its `n_q` questions prefilled in one pass, then one token for
+    every question."""
+    model = Llama(smol(layers), tiles=tiles)
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(docs * (doc + n_q * (q_len + 1)))
+    toks, pos, segs, qs = [], [], [], []
+    for _ in range(docs):
+        d = cache.new_segment()
+        q = [cache.new_segment(d) for _ in range(n_q)]
+        qs += q
+        toks.append(torch.randint(3, 1000, (doc + n_q * q_len,), generator=g))
+        pos += [torch.arange(doc), torch.arange(doc, doc + q_len).repeat(n_q)]
+        segs += [torch.full((doc,), d), torch.tensor(q).repeat_interleave(q_len)]
+    toks, pos, segs = torch.cat(toks), torch.cat(pos), torch.cat(segs)
+    with Launches() as prefill:
+        model(toks, pos, segs, cache, logits_rows=torch.tensor([len(toks) - 1]))
+    with Launches() as step:
+        model(toks[:len(qs)], torch.full((len(qs),), doc + q_len), torch.tensor(qs), cache)
+    return step.total, prefill.total
+
+
 def launches_per_layer(tiles: Tiles, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
     """(decode step, prefill) work-launching ops per layer at SmolLM2's shape, counted on the CPU.
 
     A 2-layer model minus a 1-layer model: the per-pass planning and the LM head cancel out.
     """
-    counts = []
-    for layers in (1, 2):
-        model = Llama(smol(layers), tiles=tiles)
-        g = torch.Generator().manual_seed(0)
-        cache = model.new_cache(2048)
-        d = cache.new_segment()
-        qs = [cache.new_segment(d) for _ in range(n_q)]
-        toks = torch.randint(3, 1000, (doc + n_q * q_len,), generator=g)
-        pos = torch.cat([torch.arange(doc), torch.arange(doc, doc + q_len).repeat(n_q)])
-        segs = torch.cat([torch.full((doc,), d), torch.tensor(qs).repeat_interleave(q_len)])
-        with Launches() as prefill:  # the document and all questions in one pass: 1,280 tokens
-            model(toks, pos, segs, cache, logits_rows=torch.tensor([len(toks) - 1]))
-        with Launches() as step:  # one token for each of the 64 questions
-            model(toks[:n_q], torch.full((n_q,), doc + q_len), torch.tensor(qs), cache)
-        counts.append((step.total, prefill.total))
-    return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+    (step1, prefill1), (step2, prefill2) = (launches(tiles, layers, 1, doc, n_q, q_len) for layers in (1, 2))
+    return step2 - step1, prefill2 - prefill1
+
+
+def test_a_decode_steps_plan_costs_few_launches_whatever_the_number_of_groups():
+    """Outside the layers (the plan, embedding, final norm, LM head): at most 100 launches per decode step,
+    whether the step's rows form 72 (segment, block) groups (64 questions on one 512-token document) or
+    160 (64 questions on each of two 1,024-token documents). The plan is built on the host in whole-pass
+    array ops, with one transfer per tensor."""
+    outside = []
+    for docs, doc in ((1, 512), (2, 1024)):
+        (one, _), (two, _) = (launches(CUDA_TILES, layers, docs, doc) for layers in (1, 2))
+        outside.append(one - (two - one))  # a 1-layer model's step minus one layer's launches
+    assert max(outside) <= 100 and outside[1] <= outside[0], f"launches outside the layers per step: {outside}"
 
 
 def test_a_layer_issues_few_launches_with_the_gpu_tiles():

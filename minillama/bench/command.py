@@ -185,7 +185,7 @@ def _shape_main(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "shape_results.json").write_text(json.dumps(data, indent=1) + "\n")
     m = data["meta"]
-    head = (f"random {m['shape']} weights, {m['device_name']}, {m['dtype']}, torch {m['torch']}; GEMM "
+    head = (f"random {m['shape']} weights, {m['device_name']}, {m['dtype']} ({m['products']}), torch {m['torch']}; GEMM "
             f"{m['gemm_tflops']:.2f} TFLOP/s, copy bandwidth {m['bandwidth_gbs']:.0f} GB/s; medians of "
             f"{data['records'][0]['repeats']} repeats; independent ran on a sample of the questions, its time scaled")
     (out / "shape_summary.md").write_text(f"# {head}\n\n{table(data['records'])}\n")

@@ -32,6 +32,7 @@ import torch
 
 from ..config import LlamaConfig
 from ..generate import SamplingParams, generate
+from ..precision import describe
 from ..weights import build_model
 from .cost import CostModel
 from .shapes import SHAPES
@@ -261,7 +262,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         parallel.place(model, opts, here)
         del sd
     hf = hf_model(config, sd, device, dtype) if use_hf else None
-    log(f"random {shape} on {device} in {dtype_name} (setup {time.perf_counter() - t0:.1f} s)")
+    log(f"random {shape} on {device} in {dtype_name}, products: {describe(device, dtype)} (setup {time.perf_counter() - t0:.1f} s)")
     small = dict(n=256, mib=64) if tiny else dict(n=4096, mib=1024)
     rates = {"gemm_tflops": gemm_tflops(device, dtype, small["n"]), "bandwidth_gbs": bandwidth_gbs(device, small["mib"])}
     log(f"device: GEMM {rates['gemm_tflops']:.2f} TFLOP/s ({dtype_name}), copy bandwidth {rates['bandwidth_gbs']:.0f} GB/s")
@@ -281,5 +282,6 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         if here.world.rank != 0:
             return None
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
+                     "products": describe(device, dtype),
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},
             "records": records}
