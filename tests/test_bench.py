@@ -432,3 +432,15 @@ def test_llamacpp_on_the_default_models_f32_gguf_answers_like_minillama():
         got = _llamacpp_logits(path, ids)[len(p) - 1:-1]
         assert got.argmax(1).tolist() == a.token_ids
         assert np.abs(got - ref).max() < 5e-2
+
+
+@pytest.mark.parametrize("shape, params", [("llama3-8b", 8_030_261_248), ("llama3.2-1b", 1_235_814_400),
+                                           ("smollm2", 134_515_008), ("smollm2-360m", 361_821_120)])
+def test_named_shapes_have_the_published_parameter_counts(shape, params):
+    """Each --shape builds the model it names: its parameter count is the published checkpoint's."""
+    from minillama.bench.shapes import SHAPES
+    from minillama.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(SHAPES[shape])
+    assert sum(p.numel() for p in model.parameters()) == params
