@@ -184,10 +184,19 @@ def test_shape_bench_says_which_16bit_path_it_took(tmp_path, one_thread, monkeyp
 
     monkeypatch.setenv("MINILLAMA_CPU_16BIT", "float32")  # the path of a CPU without 16-bit dot products
     assert main(["--shape", "tiny", "--tiny", "--dtype", "float16", "--repeats", "1", "--sample", "2", "--no-hf",
-                 "--out", str(tmp_path)]) == 0
-    products = json.loads((tmp_path / "shape_results.json").read_text())["meta"]["products"]
+                 "--compare-dtypes", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "shape_results.json").read_text())
+    products = data["meta"]["products"]
     assert products == "float32 products on float16 storage (MINILLAMA_CPU_16BIT=float32)"
-    assert products in (tmp_path / "shape_summary.md").read_text()
+    summary = (tmp_path / "shape_summary.md").read_text()
+    assert products in summary
+    by_dtype = {r["dtype"]: r for r in data["dtypes"]}  # --compare-dtypes: each dtype beside float32
+    assert set(by_dtype) == {"float32", "bfloat16", "float16"} and by_dtype["float32"]["x_float32"] == 1.0
+    assert by_dtype["bfloat16"]["products"] == "float32 products on bfloat16 storage (MINILLAMA_CPU_16BIT=float32)"
+    for r in by_dtype.values():
+        assert r["x_float32"] == pytest.approx(r["wall_s"] / by_dtype["float32"]["wall_s"])
+        assert f"| {r['dtype']} | {r['products']} |" in summary
+    assert main(["--shape", "tiny", "--compare-dtypes", "--tp", "2"]) == 2  # one process only
 
 
 def test_roofline_floor_arithmetic():

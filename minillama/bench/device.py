@@ -226,6 +226,41 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
     return records
 
 
+def dtype_sweep(config: LlamaConfig, device: torch.device, task: IdTask, repeats: int,
+                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """`parallel` on one task in float32, bfloat16 and float16 (the same random weights, rounded), side by side
+    in round-robin repeats: each dtype's median time against float32's, and the path its products took."""
+    names = ("float32", "bfloat16", "float16")
+    models = {n: random_model(config, device, getattr(torch, n))[0] for n in names}
+    prompts, docs = task.build(config.vocab_size)
+
+    def once(n: str) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        _run_minillama(models[n], prompts, docs, task.new_tokens, "parallel", invariant=True)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    for n in names:  # warm-up
+        once(n)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names:
+            times[n].append(once(n))
+            log(f"  {task.describe()} parallel in {n} {r + 1}/{repeats}: {times[n][-1]:.3f} s")
+    base = statistics.median(times["float32"])
+    return [{"case": task.describe(), "dtype": n, "products": describe(device, getattr(torch, n)),
+             "wall_s": statistics.median(times[n]), "wall_s_all": times[n],
+             "x_float32": statistics.median(times[n]) / base} for n in names]
+
+
+def dtype_table(records: list[dict[str, Any]]) -> str:
+    lines = ["| case | dtype | products | wall s | x float32 |", "|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['dtype']} | {r['products']} | {r['wall_s']:.3f} | {r['x_float32']:.2f} |"
+              for r in records]
+    return "\n".join(lines)
+
+
 def table(records: list[dict[str, Any]]) -> str:
     lines = ["| case | method | questions run | wall s | generated tok/s | x roofline floor | same tokens as parallel |",
              "|---|---|---|---|---|---|---|"]
@@ -238,10 +273,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables: bool, repeats: int, sample: int,
-               use_hf: bool, log: Callable[[str], None] = print, tp: int = 1) -> dict[str, Any] | None:
+               use_hf: bool, log: Callable[[str], None] = print, tp: int = 1,
+               dtypes: bool = False) -> dict[str, Any] | None:
     """The whole run: rates, the headline with every method, the paper's tables with parallel alone.
     tp > 1: this is one rank of torchrun's; the model is sharded (distributed/tp.py), rank 0 returns the
-    results and the others None."""
+    results and the others None. `dtypes`: also the headline's `parallel` in every dtype (`dtype_sweep`)."""
     dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
     here = None
@@ -274,6 +310,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     if tables:
         for t in PAPER_TABLES:
             records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)
+    by_dtype = dtype_sweep(config, device, shrink(HEADLINE), repeats, log) if dtypes else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if here is not None:
         from ..distributed.world import finish
@@ -284,4 +321,4 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
                      "products": describe(device, dtype),
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},
-            "records": records}
+            "records": records, "dtypes": by_dtype}
