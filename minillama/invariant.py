@@ -117,18 +117,20 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
         rows = torch.cat([rows, rows.new_zeros(pad, k)])
     w = weight.t()  # (K, N): row-major when the weight is stored column-major (Llama.column_major_)
     calc = compute_dtype(x.device, x.dtype)
-    grad = torch.is_grad_enabled() and (w.requires_grad or rows.requires_grad)  # autograd: no out= products
-    if calc != x.dtype:
-        rows = rows.to(calc)
-        parts = [(a, w[:, a:a + FLOAT32_COLUMNS].to(calc)) for a in range(0, n, FLOAT32_COLUMNS)]  # (K, <= C) each
-    else:
-        parts = [(0, w)]
-    if grad:
-        out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for _, p in parts], dim=1)
+    width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
+    rows = rows.to(calc)
+
+    def part(a: int) -> torch.Tensor:
+        return w[:, a:a + width].to(calc)  # (K, <= width)
+
+    if torch.is_grad_enabled() and (w.requires_grad or rows.requires_grad):  # autograd: no out= products
+        parts = [part(a) for a in range(0, n, width)]
+        out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
     else:
         out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
-        for a, p in parts:  # a slice's float32 copy stays in cache while every tile meets it
+        for a in range(0, n, width):
+            p = part(a)  # one float32 slice at a time, in cache while every tile meets it
             for i in range(0, rows.shape[0], tile):
                 torch.mm(rows[i:i + tile], p, out=out[i:i + tile, a:a + p.shape[1]])
     return out[:m].to(x.dtype).reshape(*lead, n)

@@ -8,10 +8,12 @@ paths across layouts; here: which arithmetic the products really use, that the f
 
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minillama import precision
 from minillama.audit import ProductSignatures
@@ -91,3 +93,30 @@ def test_a_bad_override_is_one_line_and_exit_2(monkeypatch):
     run = subprocess.run([sys.executable, "-m", "minillama.generate", "--doc", "a", "--questions", "b"],
                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert (run.returncode, run.stderr.strip()) == (2, f"error: {message}")
+
+
+class LiveSlices(TorchDispatchMode):
+    """At each `mm`, how many float32 weight slices (the casts of `tiled_linear`'s float32 path) are alive."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.slices, self.alive_at_mm = k, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name == "_to_copy" and out.dtype == torch.float32 and out.dim() == 2 and out.shape[0] == self.k:
+            self.slices.append(weakref.ref(out))
+        elif name == "mm":
+            self.alive_at_mm.append(sum(r() is not None for r in self.slices))
+        return out
+
+
+def test_the_float32_path_holds_one_weight_slice_at_a_time(monkeypatch):
+    """No float32 copy of a whole weight: a 2,500-column weight is cast in three slices, one alive at a time."""
+    monkeypatch.setenv(precision.ENV, "float32")
+    x, w = torch.randn(100, 96).to(torch.bfloat16), torch.randn(2500, 96).to(torch.bfloat16)
+    with torch.no_grad(), LiveSlices(96) as seen:
+        tiled_linear(x, w, 16)
+    assert len(seen.slices) == 3 and len(seen.alive_at_mm) == 3 * 7  # 3 slices x 7 tiles of 16 rows
+    assert max(seen.alive_at_mm) == 1
