@@ -43,9 +43,11 @@ document's keys are read once per tile, not once per question.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -216,33 +218,43 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
         return k + [PAD_SLOT] * (B - len(k))
 
     def items(groups: dict[tuple[int, int], list[int]], t: int, batch: int, masked: bool) -> Items:
-        rows, keys, key_pos, blocks = [], [], [], []
-        heads = torch.arange(hkv)[:, None, None]
-        for (sid, b), tokens in sorted(groups.items(), key=lambda kv: kv[0][1]):  # by block
-            tok = torch.tensor(tokens, dtype=torch.long)
-            r = (tok[:, None] * G + torch.arange(G)).reshape(-1)  # query rows of these tokens
-            r = torch.cat([r, torch.full(((-r.numel()) % t,), spare, dtype=torch.long)]).view(-1, t)  # (nt, T)
-            k = torch.tensor(keys_of(sid, b), dtype=torch.long)  # (B,)
-            rows.append((r[None] + heads * stride).reshape(-1, t))  # (Hkv * nt, T)
-            keys.append((k[None, None] + heads * s).expand(hkv, r.shape[0], B).reshape(-1, B))
-            key_pos.append(torch.arange(b * B, b * B + B).masked_fill(k == PAD_SLOT, NEVER).expand(hkv * r.shape[0], B))
-            blocks += [b] * (hkv * r.shape[0])
-        pad = (-len(blocks)) % batch  # dummy items: the spare row against the padding slot
-        rows_t = torch.cat(rows + [torch.full((pad, t), spare, dtype=torch.long)])
-        keys_t = torch.cat(keys + [torch.full((pad, B), PAD_SLOT, dtype=torch.long)])
-        blocks += [blocks[-1] if blocks else 0] * pad
-        bounds = [0] + [i for i in range(1, len(blocks)) if blocks[i] != blocks[i - 1]] + [len(blocks)]
+        """Every group's items in a few whole-pass array ops on the host (numpy), then one transfer each:
+        per group, its tokens' query rows padded to whole tiles with the spare row, each tile against the
+        group's key block, for every KV head (head-major), the groups sorted by block."""
+        order = sorted(groups, key=lambda key: key[1])  # by block; stable, so a block's groups keep their order
+        ng = len(order)
+        n_rows = np.fromiter((len(groups[key]) * G for key in order), dtype=np.int64, count=ng)  # (ng,)
+        nt = -(-n_rows // t)  # tiles per group
+        tok = np.fromiter(itertools.chain.from_iterable(groups[key] for key in order), dtype=np.int64)
+        r = (tok[:, None] * G + np.arange(G)).reshape(-1)  # query rows of every group's tokens, in order
+        grp = np.repeat(np.arange(ng), n_rows)  # the group of each of them
+        tile_start = np.cumsum(nt) - nt  # each group's first tile
+        tiles_flat = np.full(int(nt.sum()) * t, spare, dtype=np.int64)
+        tiles_flat[tile_start[grp] * t + np.arange(r.size) - (np.cumsum(n_rows) - n_rows)[grp]] = r
+        per = hkv * nt  # items per group: its tiles for every KV head
+        ig = np.repeat(np.arange(ng), per)  # the group of each item
+        w = np.arange(ig.size) - (np.cumsum(per) - per)[ig]  # the item's index within its group
+        head, tile = w // nt[ig], tile_start[ig] + w % nt[ig]
+        key_slots = np.array([keys_of(sid, b) for sid, b in order], dtype=np.int64).reshape(ng, B)  # (ng, B)
+        blocks = np.array([b for _, b in order], dtype=np.int64)
+        pad = (-ig.size) % batch  # dummy items: the spare row against the padding slot
+        rows_t = np.concatenate([tiles_flat.reshape(-1, t)[tile] + (head * stride)[:, None],
+                                 np.full((pad, t), spare, dtype=np.int64)])  # (I, T)
+        keys_t = np.concatenate([key_slots[ig] + (head * s)[:, None], np.full((pad, B), PAD_SLOT, dtype=np.int64)])
+        item_blocks = np.concatenate([blocks[ig], np.full(pad, blocks[-1] if ng else 0, dtype=np.int64)])
+        bounds = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist(), int(item_blocks.size)]
         hidden = None
         if masked:
-            row_pos = torch.full((hkv, stride), -1, dtype=torch.long)  # spare and padded rows: position -1
-            row_pos[:, :len(pos_list) * G] = positions.repeat_interleave(G)
-            kp = torch.cat(key_pos + [torch.full((pad, B), NEVER, dtype=torch.long)])
-            rp = row_pos.view(-1)[rows_t][:, :, None]  # (I, T, 1)
-            hidden = kp[:, None, :] > rp  # (I, T, B)
+            key_pos = np.where(key_slots == PAD_SLOT, NEVER, blocks[:, None] * B + np.arange(B))  # (ng, B)
+            kp = np.concatenate([key_pos[ig], np.full((pad, B), NEVER, dtype=np.int64)])[:, None, :]  # (I, 1, B)
+            row_pos = np.full((hkv, stride), -1, dtype=np.int64)  # spare and padded rows: position -1
+            row_pos[:, :len(pos_list) * G] = np.repeat(np.asarray(pos_list, dtype=np.int64), G)
+            rp = row_pos.reshape(-1)[rows_t][:, :, None]  # (I, T, 1)
+            hidden_np = kp > rp  # (I, T, B)
             if window is not None:  # cut on the left too (padding keys, at NEVER, stay hidden)
-                hidden |= kp[:, None, :] <= rp - window
-            hidden = hidden.to(device)
-        return Items(rows_t.to(device), keys_t.to(device), hidden, bounds)
+                hidden_np |= kp <= rp - window
+            hidden = torch.from_numpy(hidden_np).to(device)
+        return Items(torch.from_numpy(rows_t).to(device), torch.from_numpy(keys_t).to(device), hidden, bounds)
 
     plan = AttentionPlan(positions=positions, group_size=G,
                          whole=items(whole, tiles.full, tiles.full_batch, masked=False),

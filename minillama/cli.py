@@ -29,7 +29,7 @@ except ImportError:
     resource = None  # type: ignore[assignment]
 
 from . import api
-from . import distributed
+from . import distributed, precision
 from .checks import check_jobs, check_options as check_api_options, too_long
 from .errors import BadInput, OneLineParser, one_line, run_command
 from .files import json_text
@@ -163,6 +163,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
                "forward_passes": totals.forward_passes, "peak_kv_mb": round(stats.peak_kv_bytes / 2**20, 2),
                "peak_memory_mb": round(peak_rss_mb(), 1), "documents": len(jobs), "questions": n_questions,
                "mode": args.mode, "device": args.device, "dtype": args.dtype,
+               "products": precision.describe(args.device, getattr(torch, args.dtype)),
                "parallel_size": plan.parallel_size or max(len(q) for _, q in jobs),
                "batch_docs": plan.batch_docs or len(jobs), "max_memory_mb": args.max_memory,
                "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
@@ -204,6 +205,10 @@ def check_options(args: argparse.Namespace) -> None:
         parallel_size=args.parallel_size, batch_docs=args.batch_docs, system=args.system,
         chat_template=not args.no_chat_template, spell=lambda name: "--" + name.replace("_", "-"))
     _check_device(args.device)
+    try:
+        precision.cpu_mode()
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     distributed.check_options(args)
 
 

@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .precision import FLOAT32_COLUMNS, compute_dtype
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -101,7 +103,11 @@ class Kernels:
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """`x @ weight.T` for x (..., K) and weight (N, K), one fixed (tile, K) x (K, N) `mm` per tile of rows."""
+    """`x @ weight.T` for x (..., K) and weight (N, K), one fixed (tile, K) x (K, N) `mm` per tile of rows.
+
+    A 16-bit model on a CPU without native 16-bit dot products computes in float32 (precision.py): each
+    tile against each fixed slice of `FLOAT32_COLUMNS` weight columns, cast once per call.
+    """
     *lead, k = x.shape
     n = weight.shape[0]
     rows = x.reshape(-1, k)  # (M, K)
@@ -110,13 +116,34 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, k)])
     w = weight.t()  # (K, N): row-major when the weight is stored column-major (Llama.column_major_)
+    calc = compute_dtype(x.device, x.dtype)
+    width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
+    rows = rows.to(calc)
+
+    def part(a: int) -> torch.Tensor:
+        return w[:, a:a + width].to(calc)  # (K, <= width)
+
     if torch.is_grad_enabled() and (w.requires_grad or rows.requires_grad):  # autograd: no out= products
-        out = torch.cat([torch.mm(rows[i:i + tile], w) for i in range(0, rows.shape[0], tile)])
+        parts = [part(a) for a in range(0, n, width)]
+        out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
+                         for i in range(0, rows.shape[0], tile)])
     else:
         out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
-        for i in range(0, rows.shape[0], tile):
-            torch.mm(rows[i:i + tile], w, out=out[i:i + tile])
-    return out[:m].reshape(*lead, n)
+        for a in range(0, n, width):
+            p = part(a)  # one float32 slice at a time, in cache while every tile meets it
+            for i in range(0, rows.shape[0], tile):
+                torch.mm(rows[i:i + tile], p, out=out[i:i + tile, a:a + p.shape[1]])
+    return out[:m].to(x.dtype).reshape(*lead, n)
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One `F.linear`, in the arithmetic `tiled_linear` uses on this device and dtype (precision.py)."""
+    calc = compute_dtype(x.device, x.dtype)
+    if calc == x.dtype:
+        return F.linear(x, weight)
+    xc = x.to(calc)
+    return torch.cat([F.linear(xc, weight[a:a + FLOAT32_COLUMNS].to(calc))  # (..., <= C) each
+                      for a in range(0, weight.shape[0], FLOAT32_COLUMNS)], dim=-1).to(x.dtype)
 
 
 def unit_bounds(n: int, units: int) -> list[tuple[int, int]]:
@@ -197,7 +224,7 @@ class TiledLinear(nn.Linear):
         k = self.kernels
         rows = self.split == "rows"
         if not k.invariant:
-            out = F.linear(x, self.weight)
+            out = plain_linear(x, self.weight)
             if rows and k.comm is not None:
                 out = k.comm.all_reduce(out)  # the plain path only: a sum whose order the collective picks
         elif k.units == 1:
@@ -228,6 +255,6 @@ class TiledLinear(nn.Linear):
 def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = True, tile: int | None = None) -> torch.Tensor:
     """A function form of `TiledLinear` for code that holds a bare weight (the tile: the device's default)."""
     if not invariant:
-        return F.linear(x, weight)
+        return plain_linear(x, weight)
     return tiled_linear(x, weight, tile or default_tiles(x.device).rows)
 

@@ -164,6 +164,7 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
                  "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "shape_results.json").read_text())
     assert data["meta"]["gemm_tflops"] > 0 and data["meta"]["bandwidth_gbs"] > 0
+    assert data["meta"]["products"] == "native"  # float32: no cast, on any device
     head = {r["method"]: r for r in data["records"] if r["label"] == "headline"}
     assert {"parallel", "parallel_plain", "independent"} <= set(head)
     ind = head["independent"]
@@ -176,6 +177,26 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
     tables = [r for r in data["records"] if r["label"].startswith("Table")]
     assert len(tables) == 6 and {r["n_docs"] for r in tables} == {1, 8}
     assert "x roofline floor" in (tmp_path / "shape_summary.md").read_text()
+
+
+def test_shape_bench_says_which_16bit_path_it_took(tmp_path, one_thread, monkeypatch):
+    from minillama.bench import main
+
+    monkeypatch.setenv("MINILLAMA_CPU_16BIT", "float32")  # the path of a CPU without 16-bit dot products
+    assert main(["--shape", "tiny", "--tiny", "--dtype", "float16", "--repeats", "1", "--sample", "2", "--no-hf",
+                 "--compare-dtypes", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "shape_results.json").read_text())
+    products = data["meta"]["products"]
+    assert products == "float32 products on float16 storage (MINILLAMA_CPU_16BIT=float32)"
+    summary = (tmp_path / "shape_summary.md").read_text()
+    assert products in summary
+    by_dtype = {r["dtype"]: r for r in data["dtypes"]}  # --compare-dtypes: each dtype beside float32
+    assert set(by_dtype) == {"float32", "bfloat16", "float16"} and by_dtype["float32"]["x_float32"] == 1.0
+    assert by_dtype["bfloat16"]["products"] == "float32 products on bfloat16 storage (MINILLAMA_CPU_16BIT=float32)"
+    for r in by_dtype.values():
+        assert r["x_float32"] == pytest.approx(r["wall_s"] / by_dtype["float32"]["wall_s"])
+        assert f"| {r['dtype']} | {r['products']} |" in summary
+    assert main(["--shape", "tiny", "--compare-dtypes", "--tp", "2"]) == 2  # one process only
 
 
 def test_roofline_floor_arithmetic():
@@ -420,3 +441,15 @@ def test_llamacpp_on_the_default_models_f32_gguf_answers_like_minillama():
         got = _llamacpp_logits(path, ids)[len(p) - 1:-1]
         assert got.argmax(1).tolist() == a.token_ids
         assert np.abs(got - ref).max() < 5e-2
+
+
+@pytest.mark.parametrize("shape, params", [("llama3-8b", 8_030_261_248), ("llama3.2-1b", 1_235_814_400),
+                                           ("smollm2", 134_515_008), ("smollm2-360m", 361_821_120)])
+def test_named_shapes_have_the_published_parameter_counts(shape, params):
+    """Each --shape builds the model it names: its parameter count is the published checkpoint's."""
+    from minillama.bench.shapes import SHAPES
+    from minillama.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(SHAPES[shape])
+    assert sum(p.numel() for p in model.parameters()) == params

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from minillama import api, cli
+from minillama import api, cli, precision
 from minillama.weights import load_model, save_hf_dir
 from test_api import DOC, QUESTIONS, tiny_tokenizer
 from tiny import tiny_config, tiny_model
@@ -93,6 +94,7 @@ def test_json_output(ckpt, files):
     assert s["generated_tokens"] == sum(len(r["token_ids"]) for r in rows)
     assert 0 < s["prompt_tokens"] < sum(len(r["prompt_token_ids"]) for r in rows)  # the document once
     assert s["peak_memory_mb"] > 10
+    assert s["products"] == "native"  # float32: no 16-bit path to choose
 
 
 @pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--top-k", "40", "--top-p", "0.95",
@@ -131,10 +133,15 @@ def test_stop_string_and_seqbatch(ckpt, files, capsys):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_runs(ckpt, files, capsys, dtype):
-    rows = main_json(capsys, "--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "-n", "3",
-                     "--dtype", dtype, "--json", "--logprobs")
+    assert cli.main([str(a) for a in ("--model", ckpt, "--doc", files["doc"], "--questions", files["questions"],
+                                      "-n", "3", "--dtype", dtype, "--json", "--logprobs")]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.split("\n") if line]
     assert len(rows) == len(QUESTIONS)
     assert all(len(r["logprobs"]) == len(r["token_ids"]) for r in rows)
+    native = precision.native_features(getattr(torch, dtype))  # the summary says which path the CPU took
+    products = json.loads(err.strip().splitlines()[-1])["products"]
+    assert products.startswith("native" if native else f"float32 products on {dtype} storage"), products
 
 
 # --- bad input: exit 2, one line, nothing on stdout -------------------------------------------------

@@ -9,6 +9,9 @@ would be a place where some backend may pick another kernel and move the bits.
 Also here: the launches a pass issues per layer (each work-launching aten op is a kernel launch on a GPU).
 """
 
+import os
+from unittest import mock
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +21,7 @@ from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
 from minillama.model import Llama
+from minillama.precision import ENV, FLOAT32_COLUMNS, compute_dtype
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
@@ -28,11 +32,17 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
     acc = torch.promote_types(dt, torch.float32)
     t, d, b = tiles.rows, c.head_dim, 64
     out = set()
+    calc = compute_dtype(model.device, dt)  # a 16-bit model without native dot products: float32 (precision.py)
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             n, k = mod.weight.shape
             w = mod.weight.t()
-            out.add(("aten.mm.out", (((t, k), (k, 1), dt, 0), ((k, n), w.stride(), dt, 0), ((t, n), (n, 1), dt, 0))))
+            if calc == dt:
+                out.add(("aten.mm.out", (((t, k), (k, 1), dt, 0), ((k, n), w.stride(), dt, 0), ((t, n), (n, 1), dt, 0))))
+            for a in range(0, n, FLOAT32_COLUMNS) if calc != dt else ():  # one product per slice of columns
+                p = w[:, a:a + FLOAT32_COLUMNS].to(calc)
+                out.add(("aten.mm.out", (((t, k), (k, 1), calc, 0), (tuple(p.shape), p.stride(), calc, 0),
+                                         ((t, p.shape[1]), (n, 1), calc, 0))))
     for rows, batch in ((tiles.full, tiles.full_batch), (tiles.part, tiles.part_batch)):
         out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
                                   ((batch, d, b), (b * d, 1, d), acc, 0),
@@ -70,17 +80,24 @@ CONFIG = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True)
 # reuses the masked tiles, biases and q/k norms are elementwise and row-wise.
 WINDOWED = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True, model_type="mistral", window=70)
 QWEN = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, model_type="qwen3", attention_bias=True, rope="yarn")
+# A 16-bit model's products: native or float32 on 16-bit storage, whichever this CPU takes (precision.py);
+# the other path is checked too, forced by the override.
+WIDE = tiny_config(layers=1, heads=6, kv_heads=2, head_dim=8, tied=True, vocab=1500)  # an LM head of two slices
 MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0),
           "window, default tiles": tiny_model(WINDOWED, 0, tiles=None), "window, small tiles": tiny_model(WINDOWED, 0),
-          "qwen3 with biases": tiny_model(QWEN, 0)}
+          "qwen3 with biases": tiny_model(QWEN, 0), "bfloat16": tiny_model(CONFIG, 0, torch.bfloat16),
+          "float16, wide vocabulary": tiny_model(WIDE, 0, torch.float16, tiles=None)}
+PATHS = ["auto", "auto", "auto", "native", "float32"]  # MINILLAMA_CPU_16BIT
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(work=layouts(), which=st.sampled_from(sorted(MODELS)))
-def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which):
+@given(work=layouts(), which=st.sampled_from(sorted(MODELS)), path=st.sampled_from(PATHS))
+def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which, path):
     model = MODELS[which]
-    seen = answer(model, *work)
-    assert seen <= expected_signatures(model, model.tiles), sorted(seen - expected_signatures(model, model.tiles))
+    with mock.patch.dict(os.environ, {ENV: path}):
+        seen = answer(model, *work)
+        expected = expected_signatures(model, model.tiles)
+    assert seen <= expected, sorted(seen - expected)
 
 
 def test_varied_layouts_bring_no_new_signature():
@@ -105,27 +122,48 @@ def smol(layers: int) -> LlamaConfig:
                        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
 
 
+def launches(tiles: Tiles, layers: int, docs=1, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
+    """(decode step, prefill) work-launching ops of a SmolLM2-shaped model with `layers` layers, counted on
+    the CPU: each of `docs` documents and its `n_q` questions prefilled in one pass, then one token for
+    every question."""
+    model = Llama(smol(layers), tiles=tiles)
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_cache(docs * (doc + n_q * (q_len + 1)))
+    toks, pos, segs, qs = [], [], [], []
+    for _ in range(docs):
+        d = cache.new_segment()
+        q = [cache.new_segment(d) for _ in range(n_q)]
+        qs += q
+        toks.append(torch.randint(3, 1000, (doc + n_q * q_len,), generator=g))
+        pos += [torch.arange(doc), torch.arange(doc, doc + q_len).repeat(n_q)]
+        segs += [torch.full((doc,), d), torch.tensor(q).repeat_interleave(q_len)]
+    toks, pos, segs = torch.cat(toks), torch.cat(pos), torch.cat(segs)
+    with Launches() as prefill:
+        model(toks, pos, segs, cache, logits_rows=torch.tensor([len(toks) - 1]))
+    with Launches() as step:
+        model(toks[:len(qs)], torch.full((len(qs),), doc + q_len), torch.tensor(qs), cache)
+    return step.total, prefill.total
+
+
 def launches_per_layer(tiles: Tiles, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
     """(decode step, prefill) work-launching ops per layer at SmolLM2's shape, counted on the CPU.
 
     A 2-layer model minus a 1-layer model: the per-pass planning and the LM head cancel out.
     """
-    counts = []
-    for layers in (1, 2):
-        model = Llama(smol(layers), tiles=tiles)
-        g = torch.Generator().manual_seed(0)
-        cache = model.new_cache(2048)
-        d = cache.new_segment()
-        qs = [cache.new_segment(d) for _ in range(n_q)]
-        toks = torch.randint(3, 1000, (doc + n_q * q_len,), generator=g)
-        pos = torch.cat([torch.arange(doc), torch.arange(doc, doc + q_len).repeat(n_q)])
-        segs = torch.cat([torch.full((doc,), d), torch.tensor(qs).repeat_interleave(q_len)])
-        with Launches() as prefill:  # the document and all questions in one pass: 1,280 tokens
-            model(toks, pos, segs, cache, logits_rows=torch.tensor([len(toks) - 1]))
-        with Launches() as step:  # one token for each of the 64 questions
-            model(toks[:n_q], torch.full((n_q,), doc + q_len), torch.tensor(qs), cache)
-        counts.append((step.total, prefill.total))
-    return counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]
+    (step1, prefill1), (step2, prefill2) = (launches(tiles, layers, 1, doc, n_q, q_len) for layers in (1, 2))
+    return step2 - step1, prefill2 - prefill1
+
+
+def test_a_decode_steps_plan_costs_few_launches_whatever_the_number_of_groups():
+    """Outside the layers (the plan, embedding, final norm, LM head): at most 100 launches per decode step,
+    whether the step's rows form 72 (segment, block) groups (64 questions on one 512-token document) or
+    160 (64 questions on each of two 1,024-token documents). The plan is built on the host in whole-pass
+    array ops, with one transfer per tensor."""
+    outside = []
+    for docs, doc in ((1, 512), (2, 1024)):
+        (one, _), (two, _) = (launches(CUDA_TILES, layers, docs, doc) for layers in (1, 2))
+        outside.append(one - (two - one))  # a 1-layer model's step minus one layer's launches
+    assert max(outside) <= 100 and outside[1] <= outside[0], f"launches outside the layers per step: {outside}"
 
 
 def test_a_layer_issues_few_launches_with_the_gpu_tiles():

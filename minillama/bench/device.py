@@ -32,6 +32,7 @@ import torch
 
 from ..config import LlamaConfig
 from ..generate import SamplingParams, generate
+from ..precision import describe
 from ..weights import build_model
 from .cost import CostModel
 from .shapes import SHAPES
@@ -225,6 +226,41 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
     return records
 
 
+def dtype_sweep(config: LlamaConfig, device: torch.device, task: IdTask, repeats: int,
+                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """`parallel` on one task in float32, bfloat16 and float16 (the same random weights, rounded), side by side
+    in round-robin repeats: each dtype's median time against float32's, and the path its products took."""
+    names = ("float32", "bfloat16", "float16")
+    models = {n: random_model(config, device, getattr(torch, n))[0] for n in names}
+    prompts, docs = task.build(config.vocab_size)
+
+    def once(n: str) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        _run_minillama(models[n], prompts, docs, task.new_tokens, "parallel", invariant=True)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    for n in names:  # warm-up
+        once(n)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names:
+            times[n].append(once(n))
+            log(f"  {task.describe()} parallel in {n} {r + 1}/{repeats}: {times[n][-1]:.3f} s")
+    base = statistics.median(times["float32"])
+    return [{"case": task.describe(), "dtype": n, "products": describe(device, getattr(torch, n)),
+             "wall_s": statistics.median(times[n]), "wall_s_all": times[n],
+             "x_float32": statistics.median(times[n]) / base} for n in names]
+
+
+def dtype_table(records: list[dict[str, Any]]) -> str:
+    lines = ["| case | dtype | products | wall s | x float32 |", "|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['dtype']} | {r['products']} | {r['wall_s']:.3f} | {r['x_float32']:.2f} |"
+              for r in records]
+    return "\n".join(lines)
+
+
 def table(records: list[dict[str, Any]]) -> str:
     lines = ["| case | method | questions run | wall s | generated tok/s | x roofline floor | same tokens as parallel |",
              "|---|---|---|---|---|---|---|"]
@@ -237,10 +273,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables: bool, repeats: int, sample: int,
-               use_hf: bool, log: Callable[[str], None] = print, tp: int = 1) -> dict[str, Any] | None:
+               use_hf: bool, log: Callable[[str], None] = print, tp: int = 1,
+               dtypes: bool = False) -> dict[str, Any] | None:
     """The whole run: rates, the headline with every method, the paper's tables with parallel alone.
     tp > 1: this is one rank of torchrun's; the model is sharded (distributed/tp.py), rank 0 returns the
-    results and the others None."""
+    results and the others None. `dtypes`: also the headline's `parallel` in every dtype (`dtype_sweep`)."""
     dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
     here = None
@@ -261,7 +298,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         parallel.place(model, opts, here)
         del sd
     hf = hf_model(config, sd, device, dtype) if use_hf else None
-    log(f"random {shape} on {device} in {dtype_name} (setup {time.perf_counter() - t0:.1f} s)")
+    log(f"random {shape} on {device} in {dtype_name}, products: {describe(device, dtype)} (setup {time.perf_counter() - t0:.1f} s)")
     small = dict(n=256, mib=64) if tiny else dict(n=4096, mib=1024)
     rates = {"gemm_tflops": gemm_tflops(device, dtype, small["n"]), "bandwidth_gbs": bandwidth_gbs(device, small["mib"])}
     log(f"device: GEMM {rates['gemm_tflops']:.2f} TFLOP/s ({dtype_name}), copy bandwidth {rates['bandwidth_gbs']:.0f} GB/s")
@@ -273,6 +310,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     if tables:
         for t in PAPER_TABLES:
             records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)
+    by_dtype = dtype_sweep(config, device, shrink(HEADLINE), repeats, log) if dtypes else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if here is not None:
         from ..distributed.world import finish
@@ -281,5 +319,6 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         if here.world.rank != 0:
             return None
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
+                     "products": describe(device, dtype),
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},
-            "records": records}
+            "records": records, "dtypes": by_dtype}

@@ -32,4 +32,14 @@ LLAMA3_8B_SHAPE = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_
                               num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
                               tie_word_embeddings=False, max_position_embeddings=8192, bos_token_id=128000,
                               eos_token_id=128009)
-SHAPES = {"llama3-8b": LLAMA3_8B_SHAPE, "smollm2": SMOLLM2_SHAPE, "tiny": TINY_SHAPE}
+# Llama-3.2-1B (rope scaling left out, as above) and SmolLM2-360M: the 1B class people run on a CPU.
+LLAMA32_1B_SHAPE = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                               rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=131072,
+                               bos_token_id=128000, eos_token_id=128009)
+SMOLLM2_360M_SHAPE = LlamaConfig(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                                 num_attention_heads=15, num_key_value_heads=5, head_dim=64, rms_norm_eps=1e-5,
+                                 rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
+                                 bos_token_id=1, eos_token_id=2)
+SHAPES = {"llama3-8b": LLAMA3_8B_SHAPE, "llama3.2-1b": LLAMA32_1B_SHAPE, "smollm2": SMOLLM2_SHAPE,
+          "smollm2-360m": SMOLLM2_360M_SHAPE, "tiny": TINY_SHAPE}

@@ -1,0 +1,95 @@
+"""The arithmetic of a 16-bit model's linear products on a CPU: native 16-bit, or float32 on 16-bit storage.
+
+A CPU without native 16-bit dot products has no fast 16-bit matrix product: measured on an AVX2 machine,
+a 64x576 @ 576x1536 `mm` ran at 74 GFLOP/s in float32 and 1.2 in bfloat16, and on an AVX512 machine
+without AVX512-FP16 a float16 `mm` runs ~4x slower than float32. There, a 16-bit model keeps its weights
+and activations in 16 bits (the memory saving) and computes each fixed tile's product in float32:
+`invariant.tiled_linear` casts the tile's rows and a fixed slice of the weight's columns
+(`FLOAT32_COLUMNS`) to float32, multiplies, and rounds the result back to the model's dtype.
+
+The choice is a property of the device and the dtype, never of the pass, so every mode and layout meets
+the same products and parity holds either way (tests/test_parity.py runs float32, bfloat16 and float16;
+tests/test_signatures.py checks the products). It is made from the CPU's feature flags, not from a timing
+probe: a probe on a loaded machine could choose differently in two processes (two tensor-parallel ranks,
+or the two runs of a comparison) and move the bits. Native 16-bit is used where the flags show it:
+
+    bfloat16: AVX512-BF16 or AMX        float16: AVX512-FP16 or AMX-FP16
+
+`MINILLAMA_CPU_16BIT=native|float32` overrides the flags (`auto`, the default, reads them). Attention
+already computes in float32 for 16-bit models (attention.py), on every device. A GPU always runs native.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENV = "MINILLAMA_CPU_16BIT"
+CHOICES = ("auto", "native", "float32")
+# Weight columns cast to float32 at a time: the float32 copy of one slice (1024 x K, 2.4 MB at K = 576)
+# stays in cache while every row tile meets it, and a 128k-vocabulary LM head never exists whole in float32.
+FLOAT32_COLUMNS = 1024
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_features(dtype: torch.dtype) -> list[str]:
+    """The features of this CPU that multiply `dtype` natively (none: no native dot products)."""
+    if not torch.backends.mkldnn.is_available():  # torch's 16-bit CPU products run through oneDNN
+        return []
+    flags = _cpu_flags()
+    if dtype == torch.bfloat16:
+        found = {"avx512_bf16": torch.cpu._is_avx512_bf16_supported(), "amx_bf16": torch.cpu._is_amx_tile_supported()}
+    elif dtype == torch.float16:
+        found = {"avx512_fp16": "avx512_fp16" in flags, "amx_fp16": torch.cpu._is_amx_fp16_supported()}
+    else:
+        return []
+    return [name for name, has in found.items() if has]
+
+
+def cpu_mode() -> str:
+    """The override in effect: auto, native or float32."""
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected one of {', '.join(CHOICES)}")
+    return mode
+
+
+@functools.lru_cache(maxsize=None)
+def _decide(dtype: torch.dtype, mode: str) -> torch.dtype:
+    if mode == "native" or (mode == "auto" and native_features(dtype)):
+        return dtype
+    return torch.float32
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a linear product of `dtype` operands is computed in on `device` (decided once per dtype)."""
+    if device.type != "cpu" or dtype not in HALF:
+        return dtype
+    return _decide(dtype, cpu_mode())
+
+
+def describe(device: torch.device | str, dtype: torch.dtype) -> str:
+    """One line for a report: which path this device and dtype take, and why."""
+    device = torch.device(device)
+    if device.type != "cpu" or dtype not in HALF:
+        return "native"
+    name = str(dtype).removeprefix("torch.")
+    mode, features = cpu_mode(), native_features(dtype)
+    if compute_dtype(device, dtype) == dtype:
+        return f"native {name} ({', '.join(features) if mode == 'auto' else ENV + '=native'})"
+    why = f"{ENV}=float32" if mode == "float32" else f"no native {name} dot products on this CPU"
+    return f"float32 products on {name} storage ({why})"
