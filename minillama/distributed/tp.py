@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..invariant import TiledLinear, tree_eval, tree_nodes, unit_bounds
+from ..invariant import TiledLinear, tree_eval, tree_nodes, tree_sum, unit_bounds
 from ..model import Llama
 
 
@@ -52,7 +52,7 @@ class TensorParallel:
         """This rank's unit partials (..., N) -> the tree's sum over every rank's units, on every rank."""
         mine = self.nodes[self.rank]
         run = self.local
-        values = [_tree_sum_range(partials, lo - run.start, hi - run.start) for lo, hi in mine]
+        values = [tree_sum(partials[lo - run.start:hi - run.start]) for lo, hi in mine]  # node (lo, hi) of the tree
         if self.plain_all_reduce:
             out = values[0]
             for v in values[1:]:
@@ -104,12 +104,6 @@ class NoComm:
     """One process: nothing is sent (for code that reads `bytes_moved` at every degree)."""
 
     bytes_moved = 0
-
-
-def _tree_sum_range(partials: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-    """The tree node over partials[lo:hi] (positions in this rank's run), added as invariant.tree_sum does."""
-    known = {(i, i + 1): p for i, p in enumerate(partials)}
-    return tree_eval(lo, hi, known)
 
 
 def check_degree(n_kv: int, units: int, size: int) -> None:
