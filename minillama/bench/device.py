@@ -312,12 +312,8 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
             records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)
     by_dtype = dtype_sweep(config, device, shrink(HEADLINE), repeats, log) if dtypes else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    if here is not None:
-        from ..distributed.world import finish
-
-        finish()
-        if here.world.rank != 0:
-            return None
+    if here is not None and not here.leave():
+        return None  # rank 0 reports
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
                      "products": describe(device, dtype),
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},

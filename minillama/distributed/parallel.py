@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -22,7 +23,7 @@ from ..model import Llama
 from . import launched
 from . import tp as tensor_parallel
 from .dp import Channel, share_documents
-from .world import World, init, single
+from .world import World, finish, init, single
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Here:
     _channel: Channel | None = field(default=None, repr=False)
 
     def channel(self, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[int], write) -> Channel:
-        self._channel = Channel(self.world, jobs, share, write if self.world.writes else None)
+        self._channel = Channel(self.world, jobs, share, write)
         return self._channel
 
     def failed(self, error: BaseException) -> None:
@@ -43,23 +44,22 @@ class Here:
 
     def finish(self, channel: Channel, stats: Stats) -> Stats:
         """Wait (rank 0) for every group; the totals over the groups."""
-        mine = {"prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-                "forward_passes": stats.forward_passes, "prefill_s": stats.prefill_s, "decode_s": stats.decode_s}
-        channel.done(mine)
-        totals = Stats(prefill_s=stats.prefill_s, decode_s=stats.decode_s, prompt_tokens=stats.prompt_tokens,
-                       generated_tokens=stats.generated_tokens, forward_passes=stats.forward_passes,
-                       peak_kv_bytes=stats.peak_kv_bytes)
+        channel.done(dataclasses.asdict(stats))
+        totals = dataclasses.replace(stats)
         for other in channel.remote_stats:  # the groups ran side by side: the slowest one's times
             totals.prompt_tokens += other["prompt_tokens"]
             totals.generated_tokens += other["generated_tokens"]
             totals.forward_passes += other["forward_passes"]
             if other["prefill_s"] + other["decode_s"] > totals.generate_s:
                 totals.prefill_s, totals.decode_s = other["prefill_s"], other["decode_s"]
-        if self.world.size > 1:
-            from .world import finish
-
-            finish()
+        self.leave()
         return totals
+
+    def leave(self) -> bool:
+        """Leave the process group (a distributed run); True on the rank that reports (rank 0, or alone)."""
+        if self.world.size > 1:
+            finish()
+        return self.world.rank == 0
 
     def summary(self) -> dict[str, Any]:
         if self.world.size == 1 and self.units == 1:

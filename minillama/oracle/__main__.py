@@ -194,12 +194,8 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
                  eos_ids=p["eos_ids"], hidden=hidden, questions=p["questions"], model_path=str(path))
     if here is not None:
         rec.manifest.update(here.summary())  # ranks, tp and units, when they are not one process's defaults
-        if here.world.size > 1:
-            from ..distributed.world import finish
-
-            finish()
-            if here.world.rank != 0:
-                return None, model  # every rank holds the same record; rank 0 writes it
+        if not here.leave():
+            return None, model  # every rank holds the same record; rank 0 writes it
     return rec, model
 
 
