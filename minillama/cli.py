@@ -156,8 +156,8 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     if not here.world.writes:
         return 0
 
-    summary = {"load_s": round(load_s, 3), "generate_s": round(stats.generate_s, 3),
-               "prefill_s": round(stats.prefill_s, 3), "decode_s": round(stats.decode_s, 3),
+    summary = {"load_s": round(load_s, 3), "generate_s": round(totals.generate_s, 3),
+               "prefill_s": round(totals.prefill_s, 3), "decode_s": round(totals.decode_s, 3),
                "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
                "tokens_per_s": round(totals.generated_tokens / totals.generate_s, 2) if totals.generate_s else 0.0,
                "forward_passes": totals.forward_passes, "peak_kv_mb": round(stats.peak_kv_bytes / 2**20, 2),
