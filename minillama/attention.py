@@ -73,6 +73,18 @@ def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tens
     return out
 
 
+def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
+    """e.sum(-1, keepdim=True) for e (I, T, B), issued as sums over exactly `batch` items each.
+
+    A reduction's kernel, like a product's, may follow the shape it is given (a GPU's splits a row across
+    more threads when there are fewer rows), so it too never sees the size of the pass.
+    """
+    out = e.new_empty(e.shape[0], e.shape[1], 1)
+    for i in range(0, e.shape[0], batch):
+        torch.sum(e[i:i + batch], dim=-1, keepdim=True, out=out[i:i + batch])
+    return out
+
+
 def _block_scores(q: torch.Tensor, k: torch.Tensor, batch: int, hidden: torch.Tensor | None) -> torch.Tensor:
     """(I, T, B) scores of query tiles q (I, T, D) against key blocks k (I, B, D); -inf where `hidden`."""
     s = batched_products(q, k.transpose(1, 2), batch)
@@ -125,7 +137,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 kb[0] = k_cache[h, blk].to(acc)
                 vb = torch.zeros_like(kb)
                 vb[0] = v_cache[h, blk].to(acc)
-                key_pos = torch.arange(b * B, b * B + B)
+                key_pos = torch.arange(b * B, b * B + B, device=q.device)
                 hidden = None if whole else ((key_pos > p) | (key_pos < first)).expand(batch, t, B)
                 scores.append(_block_scores(qt, kb, batch, hidden))
                 values.append(vb)
@@ -134,7 +146,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             for s, vb in zip(scores, values):
                 e = (s - m).exp()  # (batch, t, B), the row in [0, 0]
                 o = o + batched_products(e, vb, vb.shape[0])[0, 0]
-                l_sum = l_sum + e.sum(dim=-1)[0, 0]
+                l_sum = l_sum + batched_row_sums(e, vb.shape[0])[0, 0, 0]
             out[h, row] = o / l_sum
     return out
 
@@ -339,7 +351,7 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             rows = items.rows[lo:hi]
             e = s.sub_(m.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B); hidden: 0
             o = torch.cat([batched_products(e, gather(vf, items.keys[lo:hi]).to(acc), batch),
-                           e.sum(dim=-1, keepdim=True)], dim=-1)  # (I, T, D + 1)
+                           batched_row_sums(e, batch)], dim=-1)  # (I, T, D + 1)
             for a, b in zip(items.bounds, items.bounds[1:]):  # one block after another
                 a, b = max(a, lo), min(b, hi)
                 if a < b:

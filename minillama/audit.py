@@ -4,7 +4,7 @@ Two `TorchDispatchMode`s that see each aten op as the backend receives it, on an
 what a GPU run would be asked for):
 
 - `ProductSignatures` records every matrix product's signature: op, and for each tensor argument its shape,
-  strides, dtype and alignment. The library that runs a product (MKL, oneDNN, cuBLAS) chooses its kernel from
+  strides, dtype and alignment (and, apart, every order-dependent reduction's, `REDUCTIONS`). The library that runs a product (MKL, oneDNN, cuBLAS) chooses its kernel from
   exactly these, so a product issued with the same signature in every layout meets the same arithmetic.
   Bit-parity on every device rests on this set being fixed: tests/test_signatures.py checks it.
 - `Launches` counts the ops that launch work (views and bare allocations excluded): on a GPU each is a
@@ -29,6 +29,14 @@ PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vd
             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
             "convolution", "_int_mm", "_weight_int4pack_mm", "_scaled_mm"}
+# Every aten op whose result depends on the order in which it adds (or multiplies) along a dimension. A
+# backend chooses that order per shape (a GPU's reduction spreads a row over more threads when there are
+# fewer rows), so these too must be issued with fixed signatures. Maxima, minima and arg-maxima are exact
+# in any order and are not here. The softmax family is not here either: torch's kernels compute each row
+# alone (one thread block or warp per row on CUDA, one thread per row on a CPU), in an order that depends
+# on the row's length only.
+REDUCTIONS = {"sum", "mean", "nansum", "nanmean", "prod", "var", "std", "var_mean", "std_mean", "norm",
+              "linalg_vector_norm", "logsumexp", "cumsum", "cumprod", "trace"}
 # Ops that launch nothing: they make a tensor header, or memory that nobody has written yet.
 NO_WORK = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "lift_fresh", "detach"}
 
@@ -39,19 +47,30 @@ def _describe(t: torch.Tensor) -> tuple:
 
 
 class ProductSignatures(TorchDispatchMode):
-    """Records the signature of every matrix product run inside it; `signatures` is the set."""
+    """Records the signature of every matrix product run inside it; `signatures` is the set.
+
+    `reductions` is the same for every order-dependent reduction (`REDUCTIONS`), whose signature also holds
+    its other arguments (the dimensions reduced, keepdim).
+    """
 
     def __init__(self):
         super().__init__()
         self.signatures: set[tuple] = set()
+        self.reductions: set[tuple] = set()
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket.__name__ in PRODUCTS:
-            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-            self.signatures.add((str(func), tuple(_describe(t) for t in tensors)))
-            self.calls += 1
+        name = func.overloadpacket.__name__
+        if name in PRODUCTS or name in REDUCTIONS:
+            flat = tree_flatten((args, kwargs))[0]
+            tensors = tuple(_describe(a) for a in flat if isinstance(a, torch.Tensor))
+            if name in PRODUCTS:
+                self.signatures.add((str(func), tensors))
+                self.calls += 1
+            else:
+                others = tuple(repr(a) for a in flat if not isinstance(a, torch.Tensor))
+                self.reductions.add((str(func), tensors, others))
         return func(*args, **kwargs)
 
 

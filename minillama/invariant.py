@@ -16,8 +16,12 @@ Same signature in, same kernel out, so every row meets the same arithmetic in ev
   (One `bmm` over all tiles is not enough: its batch count follows the number of tiles, and with 2 threads
   MKL splits a lone tile's product differently from a batch of them.)
 - Attention (attention.py) runs its (query tile, key block) products in `bmm` calls of a fixed batch count.
-- Row-wise ops (RMSNorm, softmax, log-softmax) and elementwise ops are invariant as they are, given the
-  model's padding to whole row tiles (model.py says why).
+- Order-dependent reductions are issued the same way: RMSNorm's mean of squares per tile of rows
+  (`tiled_mean_square`), the softmax's sums per batch of items (attention.batched_row_sums). A GPU's
+  reduction kernel spreads a row over more threads when there are fewer rows: on an H100 the sum of a
+  row of 576 floats took other bits for 8 rows than for 1, and the audit records reductions too.
+- Softmax, log-softmax, maxima and elementwise ops are invariant as they are: torch computes each row of a
+  softmax alone, in an order set by the row's length, and a maximum is exact in any order.
 
 `Kernels.invariant = False` swaps in the plain ops (one `F.linear`, one masked softmax): the same
 mathematics with batch-dependent bits. That switch exists for the negative control (tests show parity breaks
@@ -134,6 +138,25 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
             for i in range(0, rows.shape[0], tile):
                 torch.mm(rows[i:i + tile], p, out=out[i:i + tile, a:a + p.shape[1]])
     return out[:m].to(x.dtype).reshape(*lead, n)
+
+
+def tiled_mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """mean(x ** 2) over the last dim, (..., 1), one fixed (tile, K) reduction per tile of rows.
+
+    A reduction is issued with a fixed shape for the same reason a product is: a GPU's reduction kernel
+    chooses how many threads share a row from the number of rows (on an H100 a row of 576 floats is summed
+    in another order for 8 rows than for 1), so a row's bits would follow the size of the pass.
+    """
+    *lead, k = x.shape
+    sq = x.reshape(-1, k).pow(2)  # (M, K)
+    m = sq.shape[0]
+    pad = (-m) % tile
+    if pad:
+        sq = torch.cat([sq, sq.new_zeros(pad, k)])
+    out = sq.new_empty(sq.shape[0], 1)
+    for i in range(0, sq.shape[0], tile):
+        torch.mean(sq[i:i + tile], dim=-1, keepdim=True, out=out[i:i + tile])
+    return out[:m].reshape(*lead, 1)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -28,20 +28,26 @@ import torch.nn.functional as F
 from .attention import AttentionPlan, blocked_attention, masked_attention, plan_attention
 from .cache import KVCache
 from .config import LlamaConfig
-from .invariant import Kernels, TiledLinear, Tiles
+from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
 from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: Kernels | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels  # None: the plain mean (a norm outside a model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As HF: normalise in float32, scale in the input dtype. Row-wise, so batch-invariant as it is.
+        # As HF: normalise in float32, scale in the input dtype. The mean of squares is a reduction, issued
+        # per fixed tile of rows like a product (invariant.tiled_mean_square).
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kernels is not None and self.kernels.invariant:
+            ms = tiled_mean_square(h, self.kernels.tiles_for(h.device).rows)
+        else:
+            ms = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(ms + self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -82,8 +88,8 @@ class Attention(nn.Module):
         self.o_proj = TiledLinear(self.n_heads * self.head_dim, config.hidden_size, kernels, bias=config.attention_bias,
                                   split="rows")
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -112,9 +118,9 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int, kernels: Kernels):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
 
     def forward(self, x, cos, sin, cache, slots, plan):
@@ -129,7 +135,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i, kernels) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
 
 class Llama(nn.Module):

@@ -15,10 +15,10 @@ from tiny import configs, tiny_config, tiny_model
 def test_matches_textbook_float64(config, seed, n):
     model = tiny_model(config, seed)
     tokens = torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    expected = reference_logits(model.state_dict(), config, tokens)
-    got32 = model(torch.tensor(tokens)).double()
+    expected = reference_logits({k: v.cpu() for k, v in model.state_dict().items()}, config, tokens)  # on the CPU
+    got32 = model(torch.tensor(tokens)).double().cpu()
     torch.testing.assert_close(got32, expected, atol=1e-4, rtol=1e-4)
-    got64 = model.double()(torch.tensor(tokens))
+    got64 = model.double()(torch.tensor(tokens)).cpu()
     torch.testing.assert_close(got64, expected, atol=1e-10, rtol=1e-10)
 
 
@@ -74,7 +74,7 @@ def test_matches_hf_transformers(kw):
     tokens = torch.randint(3, config.vocab_size, (1, 180), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(tokens).logits[0]
-    torch.testing.assert_close(model(tokens[0]), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model(tokens[0]).cpu(), expected, atol=1e-5, rtol=0)  # HF on the CPU
 
 
 def test_forward_rejects_bad_positions_and_segments():

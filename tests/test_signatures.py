@@ -20,13 +20,14 @@ from minillama.audit import Launches, ProductSignatures
 from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
-from minillama.model import Llama
+from minillama.model import Llama, RMSNorm
 from minillama.precision import ENV, FLOAT32_COLUMNS, compute_dtype
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
 def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
-    """The products a model may issue: one `mm` shape per weight, four `bmm` shapes for attention."""
+    """The products a model may issue (one `mm` shape per weight, four `bmm` shapes for attention) and its
+    order-dependent reductions (a mean per norm width, a sum per attention tile kind)."""
     c = model.config
     dt = model.dtype
     acc = torch.promote_types(dt, torch.float32)
@@ -43,7 +44,13 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
                 p = w[:, a:a + FLOAT32_COLUMNS].to(calc)
                 out.add(("aten.mm.out", (((t, k), (k, 1), calc, 0), (tuple(p.shape), p.stride(), calc, 0),
                                          ((t, p.shape[1]), (n, 1), calc, 0))))
+    for name, mod in model.named_modules():  # RMSNorm's mean of squares, one (t, K) reduction per tile
+        if isinstance(mod, RMSNorm):
+            k = mod.weight.shape[0]
+            out.add(("aten.mean.out", (((t, k), (k, 1), acc, 0), ((t, 1), (1, 1), acc, 0)), ("-1", "True")))
     for rows, batch in ((tiles.full, tiles.full_batch), (tiles.part, tiles.part_batch)):
+        out.add(("aten.sum.IntList_out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # the softmax's sums
+                                          ((batch, rows, 1), (rows, 1, 1), acc, 0)), ("-1", "True")))
         out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
                                   ((batch, d, b), (b * d, 1, d), acc, 0),
                                   ((batch, rows, b), (rows * b, b, 1), acc, 0))))
@@ -71,8 +78,8 @@ def answer(model, prompts, docs, params, layout) -> set[tuple]:
     with ProductSignatures() as seen:
         generate(model, prompts, params, mode="independent")
         generate(model, prompts, params, mode="parallel", docs=docs, **layout)
-    assert seen.calls > 0
-    return seen.signatures
+    assert seen.calls > 0 and seen.reductions
+    return seen.signatures | seen.reductions
 
 
 CONFIG = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, tied=True)
@@ -98,6 +105,18 @@ def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which, pa
         seen = answer(model, *work)
         expected = expected_signatures(model, model.tiles)
     assert seen <= expected, sorted(seen - expected)
+
+
+def test_a_norm_reduced_over_the_whole_pass_is_caught():
+    """Negative control: RMSNorm's mean taken over all the pass's rows at once (one reduction whose shape
+    follows the pass, the way that gave other bits on an H100) brings signatures outside the set."""
+    model = MODELS["default tiles"]
+    plain = lambda x, tile: x.pow(2).mean(-1, keepdim=True)  # noqa: E731
+    prompts = [[5, 6, 7] * 20 + [8], [5, 6, 7] * 20 + [9, 10]]
+    with mock.patch("minillama.model.tiled_mean_square", plain):
+        seen = answer(model, prompts, [0, 0], SamplingParams(max_new_tokens=2), {})
+    extra = seen - expected_signatures(model, model.tiles)
+    assert extra and all(sig[0] == "aten.mean.dim" for sig in extra), sorted(extra)
 
 
 def test_varied_layouts_bring_no_new_signature():
