@@ -4,7 +4,9 @@ Same signature in, same kernel out: this is what makes the bits of a question's 
 pass it shares, on any BLAS and any GPU. The audit records every product (op, shapes, strides, dtype,
 alignment) while answering many layouts, parallel and independent, and checks that they all come from one
 set: the set written out below from the config and the tiles alone. A layout that brought a new signature
-would be a place where some backend may pick another kernel and move the bits.
+would be a place where some backend may pick another kernel and move the bits. Order-dependent reductions
+(RMSNorm's mean, the softmax's sums) are held to the same rule: a GPU's reduction kernel, like a BLAS, picks
+its split of a row from the shape (on an H100 a row's sum took other bits for 8 rows than for 1).
 
 Also here: the launches a pass issues per layer (each work-launching aten op is a kernel launch on a GPU).
 """
