@@ -220,14 +220,16 @@ def test_a_killed_rank_ends_the_run_with_one_line(ckpt, tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["--model", ckpt, "--input", path, "--json", "-n", "40", "--ignore-eos"]
     cmd = [sys.executable, "-m", "minillama", "generate", *map(str, args), "--procs", "2"]
+    # Unbuffered bytes: a buffered readline() would hold the start of the next lines, which communicate()
+    # (reading the pipe itself) never sees.
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, encoding="utf-8")
+                            stderr=subprocess.PIPE, bufsize=0)
     try:
-        first = proc.stdout.readline()  # rank 0 has written an answer: the run is under way
-        assert first, proc.stderr.read()
+        first = proc.stdout.readline().decode()  # rank 0 has written an answer: the run is under way
+        assert first, proc.stderr.read().decode()
         victim = _rank_pid(proc.pid, rank=1)
         os.kill(victim, signal.SIGKILL)
-        rest, err = proc.communicate(timeout=120)
+        rest, err = (b.decode() for b in proc.communicate(timeout=120))
     finally:
         proc.kill()
     assert proc.returncode == 1
