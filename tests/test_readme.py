@@ -64,6 +64,13 @@ def test_every_relative_link_and_anchor_exists():
     assert not dead, "\n".join(dead)
 
 
+def test_the_docs_cite_nothing_outside_the_repository():
+    for page in PAGES:
+        text = page.read_text()
+        for outside in ("NOTES.md", "../shared", "/work/", "/tmp/"):
+            assert outside not in text, f"{page.relative_to(ROOT)} mentions {outside}"
+
+
 def test_the_readme_stays_short():
     """The README says what minillama is and how to start; the rest lives in docs/."""
     assert README.count("\n") <= 250, "move detail into docs/ and link it"
