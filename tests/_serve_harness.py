@@ -7,6 +7,8 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterator
 
+import pytest
+
 from minillama import api
 from minillama.serve.app import build_app
 from minillama.serve.cli import serve_in_thread
@@ -25,6 +27,17 @@ def write_checkpoint(out: Path) -> Path:
     tok = tiny_tokenizer()
     config = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=32, vocab=tok.vocab_size, max_pos=CONTEXT, tied=True)
     return save_hf_dir(config, tiny_model(config, seed=1).state_dict(), tok, out)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """The tiny checkpoint, written once per test module."""
+    return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt: Path) -> api.LoadedModel:
+    return api.load(ckpt)
 
 
 @contextlib.contextmanager

@@ -18,22 +18,11 @@ import httpx
 import pytest
 import torch
 
-from minillama import api
 from minillama.serve.prefix import PrefixCache
 from minillama.serve.identity import solo
-from _serve_harness import LONG_DOC, serving, write_checkpoint
+from _serve_harness import LONG_DOC, ckpt, model, serving  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return api.load(ckpt)
 
 
 BAD = [  # (route, body, HTTP status, the field the error names)

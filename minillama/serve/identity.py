@@ -7,7 +7,7 @@ is about the arithmetic, not the weights. The requests: the bench's document wit
 (a shared 512-token prefix), the question alone as text, or random token ids; greedy or seeded sampling
 with top-k / top-p; `n` of 1 or 2; stop strings; echo; streaming or not. The server's KV budget is small
 enough that cached document blocks are evicted during the run. The tests (tests/test_serve.py) use the
-same comparison (`mismatches`) on their own workloads.
+same generator (`workload`, with chat requests) and comparison (`mismatches`) on a tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -148,13 +148,18 @@ def identity_model(tokenizer: Any, context: int, seed: int = 0) -> api.LoadedMod
     return api.LoadedModel(random_llama(config, seed), tokenizer)
 
 
-def workload(rng: random.Random, n: int, doc_prompts: Sequence[list[int]], questions: Sequence[str], vocab: int,
-             spread_s: float) -> list[dict[str, Any]]:
-    """n random completion requests, each sent `delay` seconds after its client is free."""
+def workload(rng: random.Random, n: int, doc_prompts: Sequence[list[int] | str], questions: Sequence[str],
+             vocab: int, spread_s: float, *, stops: Sequence[str] = STOPS, chat_system: str | None = None,
+             max_tokens: int = 12, echo_rate: float = 0.2) -> list[dict[str, Any]]:
+    """n random requests, each sent `delay` seconds after its client is free: a document prompt (ids or
+    text), a question alone as text, or random token ids (a quarter each way); greedy or seeded sampling,
+    `n` of 1 or 2, stop strings from `stops`, echo, streaming or not. With `chat_system`, the text kind is a
+    chat request instead: that system message and one of the questions."""
     out = []
     for _ in range(n):
-        kind = rng.choice(["doc", "doc", "text", "ids"])
-        body: dict[str, Any] = {"max_tokens": rng.randint(0, 12), "return_tokens_as_token_ids": True,
+        kind = rng.choice(["doc", "doc", "text" if chat_system is None else "chat", "ids"])
+        body: dict[str, Any] = {"max_tokens": rng.randint(0 if kind != "chat" else 1, max_tokens),
+                                "return_tokens_as_token_ids": True,
                                 "ignore_eos": rng.random() < 0.5, "stream": rng.random() < 0.5,
                                 "n": rng.choice([1, 1, 2]), "logprobs": rng.randint(0, 3)}
         if rng.random() < 0.5:
@@ -166,14 +171,20 @@ def workload(rng: random.Random, n: int, doc_prompts: Sequence[list[int]], quest
             if rng.random() < 0.3:
                 body["top_p"] = rng.choice([0.5, 0.9])
         if rng.random() < 0.3:
-            body["stop"] = rng.choice(STOPS)
+            body["stop"] = rng.choice(stops)
+        if kind == "chat":  # chat log-probs are a flag and a count of alternatives; no echo
+            body.update(messages=[{"role": "system", "content": chat_system},
+                                  {"role": "user", "content": rng.choice(questions)}],
+                        logprobs=True, top_logprobs=body["logprobs"])
+            out.append({"route": "/chat/completions", "body": body, "delay": rng.random() * spread_s})
+            continue
         if kind == "doc":
             body["prompt"] = rng.choice(doc_prompts)
         elif kind == "text":
             body["prompt"] = rng.choice(questions)
         else:
             body["prompt"] = [rng.randrange(vocab) for _ in range(rng.randint(1, 90))]
-        body["echo"] = not body["stream"] and rng.random() < 0.2
+        body["echo"] = not body["stream"] and rng.random() < echo_rate
         out.append({"route": "/completions", "body": body, "delay": rng.random() * spread_s})
     return out
 
