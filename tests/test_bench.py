@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -453,3 +454,176 @@ def test_named_shapes_have_the_published_parameter_counts(shape, params):
     with torch.device("meta"):
         model = Llama(SHAPES[shape])
     assert sum(p.numel() for p in model.parameters()) == params
+
+
+# --------------------------------------------------------------------------------------------------
+# Many questions about one document (Table 3's sizes), llama.cpp past its cap on sequences, the FLOP rate
+
+def _need_llamacpp() -> None:
+    """As tests/test_oracle_llamacpp.py: a skip here, a failure in CI (.ci/run installs llama-cpp-python)."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("MINILLAMA_REQUIRE_LLAMA_CPP"):
+            pytest.fail("llama_cpp is missing; .ci/run installs llama-cpp-python[server]")
+        pytest.skip("llama_cpp is not installed")
+
+
+@pytest.mark.parametrize("n, cap, sizes", [(600, 256, [200, 200, 200]), (256, 256, [256]), (257, 256, [129, 128]),
+                                           (1024, 256, [256] * 4), (1, 256, [1]), (10, 4, [4, 3, 3])])
+def test_llamacpp_contexts_are_as_few_and_as_even_as_the_cap_allows(n, cap, sizes):
+    from minillama.bench.llamacpp import chunks, contexts
+
+    assert contexts(n, cap) == sizes
+    idx = list(range(100, 100 + n))
+    parts = chunks(idx, cap)
+    assert [len(p) for p in parts] == sizes and [i for p in parts for i in p] == idx  # in order, each once
+
+
+def test_llamacpp_contexts_refuse_nothing_to_split():
+    from minillama.bench.llamacpp import contexts
+
+    with pytest.raises(ValueError, match="at least 1"):
+        contexts(0, 256)
+
+
+def test_cost_model_and_flop_rate_against_a_hand_count():
+    """TINY_SHAPE (hidden 64, 4 query heads and 2 KV heads of 16, MLP 128, 2 layers, vocab 512), counted by
+    hand: a linear layer stack of 2 * (64*64 + 2*64*32 + 64*64 + 3*64*128) = 73,728 FLOPs per token and
+    layer, attention 4 * 16 * 4 = 256 per visible key, the LM head 2 * 64 * 512 = 65,536 per logits row."""
+    from minillama.bench.cost import flop_rates
+
+    cost = CostModel(TINY_SHAPE)
+    assert (cost.linear, cost.attn_per_key, cost.head, cost.layers) == (73_728, 256, 65_536, 2)
+    doc = list(range(3, 13))  # 10 shared tokens, then 2 and 1 tokens of question; 3 new tokens each
+    par = cost.parallel([doc + [20, 21], doc + [22]], [0, 0], 3)
+    doc_pass = 2 * (10 * 73_728 + 55 * 256)  # 10 tokens seeing 1 + 2 + ... + 10 keys
+    q1 = 2 * (2 * 73_728 + (11 + 12) * 256) + 65_536  # its 2 tokens, the logits row of the last
+    q2 = 2 * (1 * 73_728 + 11 * 256) + 65_536
+    step = lambda keys: 2 * (73_728 + 256 * keys) + 65_536  # noqa: E731
+    decode = step(13) + step(14) + step(12) + step(13)  # 2 steps each, keys = prompt + answer so far + itself
+    assert par == {"prefill": doc_pass + q1 + q2, "decode": decode, "total": doc_pass + q1 + q2 + decode}
+    assert par["total"] == 2_972_160
+    rates = flop_rates(2_972_160, 4_000_000, wall_s=0.5, gemm_gflops=0.25)
+    assert rates == {"useful_gflops": pytest.approx(5.94432e-3), "useful_frac_of_gemm": pytest.approx(5.94432e-3 / 0.25),
+                     "executed_frac_of_gemm": pytest.approx(8e-3 / 0.25)}
+    assert all(math.isnan(v) for v in flop_rates(1.0, 1.0, wall_s=0.0, gemm_gflops=1.0).values())
+
+
+def test_records_rate_the_useful_flops_against_a_gemm_at_the_models_shape(tmp_path, one_thread, monkeypatch):
+    import minillama.bench.runner as runner
+
+    shapes = []
+    monkeypatch.setattr(runner, "gemm_rate", lambda **kw: shapes.append(kw) or 40.0)
+    ctx = setup(None, TINY_SHAPE, hf=False, workdir=tmp_path)
+    records, gemm = run([Case("many", TASK, ("parallel",))], ctx, repeats=2, log=lambda s: None)
+    assert shapes == [{"k": 64, "n": 128}] * 2 and gemm == [40.0, 40.0]  # hidden x intermediate, each round
+    r = records[0]
+    assert r["gemm_gflops"] == 40.0 and r["contexts"] == 1
+    assert r["useful_gflops"] == pytest.approx(r["flops_useful"] / r["wall_s"] / 1e9)
+    assert r["useful_frac_of_gemm"] == pytest.approx(r["useful_gflops"] / 40.0)
+
+
+def test_llamacpp_past_its_cap_runs_several_contexts_with_the_same_tokens(tmp_path, one_thread, monkeypatch):
+    """10 questions at a cap of 4 sequences: contexts of 4, 3 and 3, each decoding the document once; the
+    tokens are parallel's on every question, and the record charges the document once per context."""
+    _need_llamacpp()
+    import minillama.bench.llamacpp as llamacpp
+    from tiny import tiny_config as model_config
+    from tiny import tiny_model
+
+    from minillama.bench import Context
+
+    monkeypatch.setattr(llamacpp, "MAX_SEQUENCES", 4)
+    config = model_config(head_dim=16, tied=True, vocab=TINY_SHAPE.vocab_size)
+    ctx = Context(tiny_model(config), WordTokenizer(config.vocab_size), None, checkpoint=None, workdir=tmp_path)
+    task_config = TaskConfig(doc_tokens=40, questions_per_doc=10, question_tokens=8, new_tokens=3, numbered=True)
+    records, _ = run([Case("many", task_config, ("independent", "parallel", "llamacpp"), sample=3, once=("independent",))],
+                     ctx, repeats=1, log=lambda s: None)
+    by = {r["method"]: r for r in records}
+    lc, par = by["llamacpp"], by["parallel"]
+    assert lc["contexts"] == 3 and par["contexts"] == 1
+    assert lc["identical_to_parallel"] == lc["checked_against_parallel"] == 10
+    assert par["identical_to_independent"] == par["checked_against_independent"] == 3
+    g = task_config.new_tokens
+    assert lc["forward_passes"] == 3 * (1 + g) and lc["decode_steps"] == 3 * (g - 1)
+    task = make_task(ctx.tokenizer, task_config, plain_prompt_ids(ctx.tokenizer))
+    cost = CostModel(config)
+    per_context = [cost.parallel(task.prompts[a:b], [0] * (b - a), g)["total"] for a, b in ((0, 4), (4, 7), (7, 10))]
+    assert lc["flops_executed"] == pytest.approx(sum(per_context))
+    assert lc["flops_useful"] == par["flops_useful"] < lc["flops_executed"]  # the document twice more
+    # The KV bytes are the largest context's (they run one after another): the document and 4 questions.
+    cells = par["doc_tokens_real"] + sum(len(p) - par["doc_tokens_real"] + g - 1 for p in task.prompts[:4])
+    assert lc["kv_bytes"] == cells * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+
+
+def test_many_sweep_smoke(tmp_path, one_thread, monkeypatch):
+    """`--only many` at --quick sizes: each question count's parallel, llama.cpp (past a cap made small)
+    and the sampled independent reference; the table, the findings and the plot."""
+    import minillama.bench.command as command
+    import minillama.bench.llamacpp as llamacpp
+
+    have = llamacpp.available()
+    monkeypatch.setattr(llamacpp, "MAX_SEQUENCES", 5)
+    assert command.main(["--quick", "--only", "many", "--repeats", "1", "--no-hf", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    by = {(r["questions"], r["method"]): r for r in data["records"]}
+    methods = {"independent", "parallel"} | ({"llamacpp"} if have else set())
+    assert set(by) == {(q, m) for q in (4, 12) for m in methods}
+    for q in (4, 12):
+        par = by[(q, "parallel")]
+        assert par["question_tokens"] == 12 and par["new_tokens"] == 3 and par["generated_tokens"] == 3 * q
+        assert par["identical_to_independent"] == par["checked_against_independent"] > 0
+        assert data["findings"][f"parallel_tokens_per_s_q{q}"] == pytest.approx(par["tokens_per_s"])
+        if have:
+            assert by[(q, "llamacpp")]["contexts"] == (1 if q == 4 else 3)
+            assert data["findings"][f"parallel_speedup_vs_llamacpp_q{q}"] == pytest.approx(
+                by[(q, "llamacpp")]["wall_s"] / par["wall_s"])
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## many" in summary and "| 12 | parallel | 1 |" in summary
+    assert (tmp_path / "many.png").stat().st_size > 0
+
+
+def test_numbered_questions_are_all_distinct():
+    tok = WordTokenizer(TINY_SHAPE.vocab_size)
+    config = TaskConfig(doc_tokens=100, questions_per_doc=40)  # 2 facts, 8 lead-ins: 16 distinct without numbers
+    plain = make_task(tok, config, plain_prompt_ids(tok))
+    numbered = make_task(tok, dataclasses.replace(config, numbered=True), plain_prompt_ids(tok))
+    assert len(set(map(tuple, plain.prompts))) == 16 and len(set(map(tuple, numbered.prompts))) == 40
+    assert numbered.prompts[:16] == plain.prompts[:16]  # the same task until the lead-ins run out
+    assert numbered.colors == plain.colors
+
+
+def test_task_bench_at_a_named_shape_runs_llamacpp_on_the_same_random_weights(tmp_path):
+    """--random SHAPE: the task bench on random weights at that shape, the task's token ids, llama.cpp on an
+    F32 GGUF of those weights written to the run's scratch directory."""
+    _need_llamacpp()
+    from minillama.bench import main
+
+    assert main(["--random", "tiny", "--only", "many", "--questions", "16", "--methods", "parallel,llamacpp",
+                 "--repeats", "1", "--no-hf", "--threads", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["model"] == "random tiny shape" and data["meta"]["gemm_shape"] == [2048, 64, 128]
+    by = {r["method"]: r for r in data["records"]}
+    assert set(by) == {"parallel", "llamacpp"} and by["llamacpp"]["questions"] == 16
+    assert by["llamacpp"]["checked_against_parallel"] == 16 and by["parallel"]["doc_tokens"] == 512
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--random", "nope"], "error: argument --random: invalid choice: 'nope'"),
+    (["--random", "tiny", "--quick"], "error: --random tiny: random weights replace --quick's; drop one"),
+    (["--random", "tiny", "--shape", "tiny"], "error: --shape tiny runs the shape bench, --random tiny the task"),
+    (["--questions", "12,many"], "error: --questions: expected comma-separated integers, got '12,many'"),
+    (["--questions", "0"], "error: --questions: expected positive integers, got '0'"),
+    (["--profile-questions", "0"], "error: --profile-questions must be at least 1, got 0"),
+    (["--quick", "--only", "many", "--questions", "7"], "error: no case left to run"),
+    (["--tables", "--bogus"], "error: unrecognized arguments: --bogus"),
+])
+def test_bad_bench_options_are_one_line(tmp_path, capsys, argv, message):
+    from minillama.bench import main
+
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message) and captured.out == ""

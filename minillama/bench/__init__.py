@@ -4,6 +4,7 @@
     python -m minillama.bench --quick      # tiny random model, seconds (the CI smoke run)
     python -m minillama.bench --full       # every method on every question, no extrapolation
     python -m minillama.bench --random     # random weights with the default model's shape (same speed)
+    python -m minillama.bench --random llama3.2-1b --only many   # the task at a named shape, llama.cpp beside
 
 The task is the synthetic one of the parallel-prompting paper, generated here: a document of filler text
 holding facts "The {animal} named {name} has {part} that is {color}.", questions "What color is the

@@ -18,14 +18,14 @@ from ..files import json_text, make_dir, write_file
 from . import __doc__ as _package_doc
 from .llamacpp import available as llamacpp_available
 from .methods import METHODS
-from .presets import preset
+from .presets import MANY_QUESTIONS, preset
 from .profile import _profile_main
-from .report import findings, headline_table, target_rows, update_readme, write_outputs
+from .report import findings, headline_table, many_table, target_rows, update_readme, write_outputs
 from .runner import run, setup
-from .shapes import SHAPES, SMOLLM2_SHAPE, TINY_SHAPE
+from .shapes import SHAPES, TINY_SHAPE
 
 DESCRIPTION = (_package_doc or "").split("\n")[0]
-SWEEPS = ("headline", "docs", "doclen", "grid", "questions")
+SWEEPS = ("headline", "answer16", "docs", "doclen", "grid", "questions", "many")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,6 +46,16 @@ def _names(option: str, value: str, known: Sequence[str], noun: str) -> set[str]
         what = f"unknown {noun}(s) {', '.join(unknown)}" if unknown else f"no {noun} named"
         raise BadInput(f"{option}: {what} (known: {', '.join(known)})")
     return names
+
+
+def _counts(option: str, value: str) -> set[int]:
+    try:
+        counts = {int(x) for x in value.split(",") if x.strip()}
+    except ValueError:
+        raise BadInput(f"{option}: expected comma-separated integers, got {value!r}") from None
+    if not counts or min(counts) < 1:
+        raise BadInput(f"{option}: expected positive integers, got {value!r}")
+    return counts
 
 
 def _read_results(path: str) -> dict:
@@ -70,13 +80,18 @@ def _main(argv: Sequence[str] | None) -> int:
     g.add_argument("--quick", action="store_true", help="tiny random model, seconds (CI smoke test)")
     g.add_argument("--full", action="store_true", help="no sampling, 3 repeats (long)")
     ap.add_argument("-m", "--model", help="checkpoint (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--random", action="store_true", help="random weights with the default model's shape")
+    ap.add_argument("--random", nargs="?", const="smollm2", choices=sorted(SHAPES), metavar="SHAPE",
+                    help="random weights at a named shape (default: smollm2, the default model's), the task's "
+                         "token ids with no tokenizer; llama.cpp runs an F32 GGUF of the same weights "
+                         f"({', '.join(sorted(SHAPES))})")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers methods")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp method")
     ap.add_argument("--methods", help="comma-separated methods to keep in every case "
                     f"({','.join(METHODS)})")
     ap.add_argument("--only", help=f"comma-separated sweeps to run ({','.join(SWEEPS)})")
     ap.add_argument("--doc-lengths", help="comma-separated document lengths to keep in the doclen sweep (512,...,4096)")
+    ap.add_argument("--questions", help="comma-separated question counts to keep in the many sweep "
+                    f"({','.join(map(str, MANY_QUESTIONS))})")
     ap.add_argument("--repeats", type=int, help="repeats per method (medians are reported)")
     ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -84,6 +99,8 @@ def _main(argv: Sequence[str] | None) -> int:
                     help="instead of benchmarking: profile parallel and independent at the paper's configuration "
                          "(--doc-tokens to change the document) and write profile.md")
     ap.add_argument("--doc-tokens", type=int, default=512, help="document length for --profile")
+    ap.add_argument("--profile-questions", type=int, default=64, help="questions for --profile (default: 64)")
+    ap.add_argument("--new-tokens", type=int, default=8, help="new tokens per question for --profile (default: 8)")
     ap.add_argument("--out", default="bench_results", help="output directory")
     d = ap.add_argument_group("random weights at a named shape, on any device, against its roofline (no checkpoint)")
     d.add_argument("--shape", choices=sorted(SHAPES), help="run this benchmark instead of the task one")
@@ -105,6 +122,13 @@ def _main(argv: Sequence[str] | None) -> int:
     _positive("--repeats", a.repeats)
     _positive("--sample", a.sample, 0)
     _positive("--doc-tokens", a.doc_tokens)
+    _positive("--profile-questions", a.profile_questions)
+    _positive("--new-tokens", a.new_tokens)
+    if a.random and a.shape:
+        raise BadInput(f"--shape {a.shape} runs the shape bench, --random {a.random} the task bench: choose one")
+    if a.random and (a.quick or a.model):
+        raise BadInput(f"--random {a.random}: random weights replace {'--quick' if a.quick else '--model'}'s; drop one")
+    counts = _counts("--questions", a.questions) if a.questions else None
     only = _names("--only", a.only, SWEEPS, "sweep") if a.only else None
     methods = _names("--methods", a.methods, METHODS, "method") if a.methods else None
     out = make_dir(a.out)  # an unwritable --out is found now, not after the run
@@ -148,17 +172,17 @@ def _main(argv: Sequence[str] | None) -> int:
     if only:
         cases = [c for c in cases if c.sweep in only]
     if a.doc_lengths:
-        try:
-            lengths = {int(x) for x in a.doc_lengths.split(",")}
-        except ValueError:
-            raise BadInput(f"--doc-lengths: expected comma-separated integers, got {a.doc_lengths!r}") from None
+        lengths = _counts("--doc-lengths", a.doc_lengths)
         cases = [c for c in cases if c.sweep != "doclen" or c.task.doc_tokens in lengths]
+    if counts:
+        cases = [c for c in cases if c.sweep != "many" or c.task.questions_per_doc in counts]
     if methods:
         for c in cases:
             c.methods = tuple(m for m in c.methods if m in methods)
         cases = [c for c in cases if c.methods]
     if not cases:
-        raise BadInput("no case left to run: --only, --methods and --doc-lengths together exclude every case")
+        raise BadInput("no case left to run: --only, --methods, --doc-lengths and --questions together exclude "
+                       "every case")
     if a.repeats:
         repeats = a.repeats
     if a.sample is not None:
@@ -166,21 +190,27 @@ def _main(argv: Sequence[str] | None) -> int:
             if c.sweep == "headline":
                 c.sample = a.sample or None
     t0 = time.perf_counter()
-    shape = TINY_SHAPE if a.quick else SMOLLM2_SHAPE if a.random else None
+    shape = TINY_SHAPE if a.quick else SHAPES[a.random] if a.random else None
     scratch = tempfile.TemporaryDirectory(prefix="minillama-bench-")  # HF copies of random weights
     ctx = setup(a.model, shape, hf, Path(scratch.name))
-    model_name = "random " + ("tiny" if a.quick else "SmolLM2-135M shape") if shape else (a.model or "SmolLM2-135M-Instruct")
+    model_name = ("random tiny" if a.quick else f"random {a.random} shape" if a.random
+                  else a.model or "SmolLM2-135M-Instruct")
     if a.profile:
-        return _profile_main(ctx, out, a.doc_tokens, 8 if a.quick else 64, model_name)
+        return _profile_main(ctx, out, a.doc_tokens, 8 if a.quick else a.profile_questions, model_name,
+                             a.new_tokens)
     print(f"minillama bench, preset {name}: {len(cases)} cases, {repeats} repeats, model {model_name} "
           f"(setup {time.perf_counter() - t0:.1f} s)", flush=True)
     records, gemm = run(cases, ctx, repeats, log=lambda s: print(s, flush=True))
+    c = ctx.model.config
     meta = {"preset": name, "model": model_name, "commit": _commit(), "threads": torch.get_num_threads(), "repeats": repeats,
             "gemm_gflops": statistics.median(gemm), "gemm_gflops_all": gemm, "torch": torch.__version__,
+            "gemm_shape": [2048, c.hidden_size, c.intermediate_size],
             "run_s": time.perf_counter() - t0, "command": " ".join(["python -m minillama.bench", *(argv or sys.argv[1:])])}
     paths = write_outputs(out, records, meta)
     table = headline_table(records)  # empty when no headline case ran (--only doclen)
     print("\n" + table + "\n" if table else "")
+    if any(r["sweep"] == "many" for r in records):
+        print(many_table(records) + "\n")
     if a.quick:
         print("(a tiny random model: the targets are about the default model; these lines only show the harness works)")
     for t, v, m in target_rows(findings(records)):

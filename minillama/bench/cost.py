@@ -72,8 +72,20 @@ class CostModel:
         return total
 
 
+def flop_rates(useful: float, executed: float, wall_s: float, gemm_gflops: float) -> dict[str, float]:
+    """A method's FLOP rates from its counted FLOPs and wall time: the useful rate (the cost model's least
+    work, `CostModel.parallel`, per second) in GFLOP/s and as a fraction of the GEMM rate measured in the
+    same run, and the executed FLOPs' (what the method really computes) fraction of it."""
+    if not wall_s or not gemm_gflops:
+        nan = float("nan")
+        return {"useful_gflops": nan, "useful_frac_of_gemm": nan, "executed_frac_of_gemm": nan}
+    return {"useful_gflops": useful / wall_s / 1e9, "useful_frac_of_gemm": useful / wall_s / 1e9 / gemm_gflops,
+            "executed_frac_of_gemm": executed / wall_s / 1e9 / gemm_gflops}
+
+
 def gemm_rate(m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
-    """fp32 GFLOP/s of one (m, k) @ (k, n) matmul on this machine: the median of `repeats`."""
+    """fp32 GFLOP/s of one (m, k) @ (k, n) matmul on this machine: the median of `repeats`. The defaults
+    are SmolLM2-135M's MLP (hidden 576, intermediate 1536); the task bench passes its model's."""
     a, b = torch.randn(m, k), torch.randn(k, n)
     torch.matmul(a, b)
     times = []

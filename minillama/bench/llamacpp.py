@@ -7,7 +7,8 @@ What the method does, per run:
 
 1. one llama.cpp context sized for the run (every question its own sequence, one unified KV cache, F16
    keys and values: llama.cpp's defaults), created and warmed up outside the timed region and freed
-   after it, as a server would hold one;
+   after it, as a server would hold one; past llama.cpp's cap of 256 sequences in a context, as few
+   contexts as the cap allows, of even sizes (`contexts`), run one after another, their times added;
 2. each document's shared prefix decoded once, in the sequence of its first question, then shared with
    its other questions' sequences (`llama_memory_seq_cp`: in the unified cache the prefix's cells are
    given more sequence ids, nothing is copied);
@@ -147,7 +148,39 @@ def _model(ctx: Context) -> Model:
     return ctx._llamacpp
 
 
+def contexts(n: int, cap: int = MAX_SEQUENCES) -> list[int]:
+    """How many questions each llama.cpp context runs: as few contexts as the cap allows, sizes as even
+    as possible (600 at a cap of 256: 200, 200, 200), so that no context is left with a small remainder."""
+    if n < 1 or cap < 1:
+        raise ValueError(f"contexts({n}, cap={cap}): both must be at least 1")
+    k = -(-n // cap)  # ceil
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def chunks(idx: list[int], cap: int | None = None) -> list[list[int]]:
+    """`idx` cut into consecutive runs of the sizes `contexts` gives (the questions of one context each)."""
+    out, start = [], 0
+    for size in contexts(len(idx), MAX_SEQUENCES if cap is None else cap):
+        out.append(idx[start:start + size])
+        start += size
+    return out
+
+
 def llamacpp(ctx: Context, task: Task, idx: list[int], **_: Any) -> Measured:
+    """Every question of `idx`, in as many contexts as llama.cpp's cap on sequences requires, one after
+    another: the times add up (each context's set-up outside them), each context decodes its documents'
+    prefixes once, and the KV bytes are the largest context's."""
+    parts = [_one_context(ctx, task, part) for part in chunks(idx)]
+    answers: dict[int, list[int]] = {}
+    for p in parts:
+        answers.update(p.answers)
+    return Measured(answers, sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
+                    sum(p.cpu_s for p in parts), max(p.kv_bytes for p in parts), max(p.rss_bytes for p in parts),
+                    sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts),
+                    setup_s=sum(p.setup_s for p in parts), contexts=len(parts))
+
+
+def _one_context(ctx: Context, task: Task, idx: list[int]) -> Measured:
     model, g = _model(ctx), task.config.new_tokens
     prompts = [task.prompts[i] for i in idx]
     groups: dict[int, list[int]] = {}  # document -> positions in idx of its questions

@@ -35,6 +35,7 @@ class Measured:
     forward_passes: int
     decode_steps: int  # forward passes after prefill (per document batch, summed)
     setup_s: float = 0.0  # untimed set-up of the run (llama.cpp's context), reported beside the times
+    contexts: int = 1  # llama.cpp contexts the questions were split into (its cap on sequences per context)
 
 
 @dataclass

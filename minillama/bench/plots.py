@@ -88,6 +88,27 @@ def plot(out: Path, records: list[dict[str, Any]]) -> list[Path]:
         ax.legend(fontsize=8)
         save(fig, "decode_step.png")
 
+    many = [r for r in records if r["sweep"] == "many" and not r["extrapolated"]]
+    if many:  # generated tok/s and the useful FLOP rate against questions, one line per method
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for m in dict.fromkeys(r["method"] for r in many):
+            pts = sorted((r["questions"], r["tokens_per_s"], 100 * r["useful_frac_of_gemm"]) for r in many
+                         if r["method"] == m)
+            a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[m], label=m)
+            a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", color=colors[m], label=m)
+        xs = sorted({r["questions"] for r in many})
+        for a in (a1, a2):
+            a.set_xscale("log", base=2)
+            a.set_xticks(xs, [str(v) for v in xs])
+            a.minorticks_off()
+            a.set_xlabel("questions about one document")
+            a.legend(fontsize=8)
+        a1.set_ylabel("generated tokens / s")
+        a2.set_ylabel("useful FLOP/s, % of the GEMM rate")
+        m0 = many[0]
+        a1.set_title(f"doc {m0['doc_tokens']} tokens, {m0['new_tokens']} new tokens")
+        save(fig, "many.png")
+
     grid = [r for r in records if r["sweep"] == "grid"]
     if grid:
         bds = sorted({r["batch_docs"] for r in grid})

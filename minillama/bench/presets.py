@@ -11,6 +11,7 @@ from .task import TaskConfig
 ALL = METHODS
 SWEEP = ("independent", "independent_plain", "parallel")  # independent: the identity check; plain: the baseline
 ONCE = ("independent",)  # in sweeps the reference run is only needed once
+MANY_QUESTIONS = (16, 32, 64, 128, 256, 512, 1024)  # the "many" sweep: Table 3's sizes from 128
 
 
 def preset(name: str, hf: bool, llamacpp: bool = False) -> tuple[list[Case], int]:
@@ -23,6 +24,8 @@ def preset(name: str, hf: bool, llamacpp: bool = False) -> tuple[list[Case], int
     methods = tuple(m for m in ALL if (hf or not m.startswith("hf_")) and (llamacpp or m != "llamacpp"))
     # llama.cpp evaluates the shared document once, as parallel does: it runs in the document-length sweep too.
     doclen = SWEEP + (("llamacpp",) if llamacpp else ())
+    # Many questions: independent on a sample (the identity check), parallel and llama.cpp on every one.
+    many = ("independent", "parallel") + (("llamacpp",) if llamacpp else ())
     cases: list[Case] = []
     if name == "quick":
         t = TaskConfig(doc_tokens=48, questions_per_doc=6, new_tokens=4)
@@ -36,6 +39,10 @@ def preset(name: str, hf: bool, llamacpp: bool = False) -> tuple[list[Case], int
                               parallel_size=ps, batch_docs=bd, label=f"batch={bd} parallel={ps}"))
         for q in (2, 8):
             cases.append(Case("questions", dataclasses.replace(t, questions_per_doc=q), SWEEP, label=f"q={q}"))
+        for q in (4, 12):
+            cases.append(Case("many", dataclasses.replace(t, questions_per_doc=q, question_tokens=12, new_tokens=3,
+                                                           numbered=True),
+                              many, sample=2, once=ONCE, label=f"q={q}"))
         return cases, 2
     full = name == "full"
     paper = TaskConfig(doc_tokens=512, questions_per_doc=64, new_tokens=8)
@@ -61,4 +68,10 @@ def preset(name: str, hf: bool, llamacpp: bool = False) -> tuple[list[Case], int
     for q in (8, 32, 64) if not full else (8, 16, 32, 64, 128):
         cases.append(Case("questions", dataclasses.replace(paper, doc_tokens=256, questions_per_doc=q), SWEEP,
                           sample=2, once=ONCE, label=f"q={q}"))
+    # Table 3: one 512-token document, 12-token questions, 5 new tokens, 128 to 1,024 questions; and below
+    # it, from 16, the curve of generated tokens per second against questions.
+    table3 = TaskConfig(doc_tokens=512, questions_per_doc=128, question_tokens=12, new_tokens=5, numbered=True)
+    for q in MANY_QUESTIONS:
+        cases.append(Case("many", dataclasses.replace(table3, questions_per_doc=q), many, sample=2, once=ONCE,
+                          label=f"q={q}"))
     return cases, (3 if full else 2)

@@ -107,8 +107,11 @@ def profile_table(p: dict[str, Any]) -> str:
 
 
 
-def _profile_main(ctx: Context, out: Path, doc_tokens: int, questions: int, model_name: str) -> int:
-    task = make_task(ctx.tokenizer, TaskConfig(doc_tokens=doc_tokens, questions_per_doc=questions, new_tokens=8),
+def _profile_main(ctx: Context, out: Path, doc_tokens: int, questions: int, model_name: str,
+                  new_tokens: int = 8) -> int:
+    # Numbered questions: every one distinct, as in the many-questions sweep.
+    task = make_task(ctx.tokenizer, TaskConfig(doc_tokens=doc_tokens, questions_per_doc=questions,
+                                               new_tokens=new_tokens, numbered=True),
                      plain_prompt_ids(ctx.tokenizer))
     runs = {}
     for mode, inv, idx in (("parallel", True, None), ("parallel", False, None), ("independent", True, [0]),
@@ -117,7 +120,7 @@ def _profile_main(ctx: Context, out: Path, doc_tokens: int, questions: int, mode
         runs[f"{mode}{'' if inv else '_plain'}"] = p
         print(profile_table(p) + "\n", flush=True)
     write_file(out / "profile.json", json_text(runs, indent=1) + "\n")
-    head = f"# Profile: {model_name}, doc {doc_tokens} tokens, {questions} questions, 8 new tokens, " \
+    head = f"# Profile: {model_name}, doc {doc_tokens} tokens, {questions} questions, {new_tokens} new tokens, " \
            f"{torch.get_num_threads()} threads\n"
     write_file(out / "profile.md", head + "\n" + "\n\n".join(profile_table(p) for p in runs.values()) + "\n")
     print(f"wrote {out / 'profile.md'}, {out / 'profile.json'}")

@@ -82,9 +82,17 @@ def findings(records: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"parallel_speedup_vs_llamacpp_doc{L}"] = lc[L]["wall_s"] / d[L]["wall_s"]
     if 4096 in d and 4096 in lc:
         out["parallel_speedup_vs_llamacpp_long_doc"] = out["parallel_speedup_vs_llamacpp_doc4096"]
+    many = {(r["questions"], r["method"]): r for r in records if r["sweep"] == "many"}
+    for (q, m), r in sorted(many.items()):
+        if m == "parallel":
+            out[f"parallel_tokens_per_s_q{q}"] = r["tokens_per_s"]
+            out[f"parallel_useful_frac_of_gemm_q{q}"] = r["useful_frac_of_gemm"]
+            if (q, "llamacpp") in many:
+                out[f"parallel_speedup_vs_llamacpp_q{q}"] = many[(q, "llamacpp")]["wall_s"] / r["wall_s"]
     for r in records:  # llama.cpp is another program: its tokens, not its bits, can match
         if r["method"] == "llamacpp" and r.get("checked_against_parallel"):
-            where = "" if r["sweep"] == "headline" else f"_{r['sweep']}_doc{r['doc_tokens']}"
+            where = ("" if r["sweep"] == "headline" else f"_many_q{r['questions']}" if r["sweep"] == "many"
+                     else f"_{r['sweep']}_doc{r['doc_tokens']}")
             out[f"llamacpp_same_tokens_as_parallel{where}"] = (f"{r['identical_to_parallel']}/"
                                                                f"{r['checked_against_parallel']}")
     if 4096 in d:
@@ -145,8 +153,37 @@ def write_outputs(out: Path, records: list[dict[str, Any]], meta: dict[str, Any]
                    f"{_fmt(r['decode_s'])} | {_fmt(r.get('speedup_vs_independent_plain'), 1)} | "
                    f"{_fmt(r['kv_bytes'] / 2**20, 1)} | {r['accuracy'] * 100:.0f}% | "
                    f"{r['identical_to_independent']}/{r['checked_against_independent']} |" for r in rows]
+    if any(r["sweep"] == "many" for r in records):
+        md += ["", "## many: one document, many questions (Table 3 from 128)", "", many_table(records)]
     write_file(out / "summary.md", "\n".join(md) + "\n")
     return plot(out, records)
+
+
+def many_table(records: list[dict[str, Any]]) -> str:
+    """The many-questions sweep: per question count and method, the times, generated tokens per second,
+    the useful FLOP rate against the GEMM rate of the same run, and the tokens compared with parallel's."""
+    order = {"parallel": 0, "llamacpp": 1}
+    rows = sorted((r for r in records if r["sweep"] == "many"), key=lambda r: (r["questions"], order.get(r["method"], 2)))
+    par = {r["questions"]: r for r in rows if r["method"] == "parallel"}
+    head = ("| questions | method | contexts | wall s | prefill s | decode s | generated tok/s | useful GFLOP/s "
+            "| useful % of GEMM | executed % of GEMM | parallel is faster by | same tokens as parallel "
+            "| identical to independent |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        p = par.get(r["questions"])
+        lines.append("| " + " | ".join([
+            str(r["questions"]), r["method"] + (f" (x{r['questions'] / r['measured_questions']:.0f} from "
+                                                 f"{r['measured_questions']} q)" if r["extrapolated"] else ""),
+            str(r.get("contexts", 1)), _fmt(r["wall_s"]), _fmt(r["prefill_s"]), _fmt(r["decode_s"]),
+            _fmt(r["tokens_per_s"], 1), _fmt(r["useful_gflops"], 1), _fmt(100 * r["useful_frac_of_gemm"], 1),
+            _fmt(100 * r["executed_frac_of_gemm"], 1),
+            _fmt(r["wall_s"] / p["wall_s"], 2) if p and r is not p else "-",
+            f"{r['identical_to_parallel']}/{r['checked_against_parallel']}" if r.get("checked_against_parallel")
+            else "-",
+            f"{r['identical_to_independent']}/{r['checked_against_independent']}"]) + " |")
+    gemm = sorted({round(r["gemm_gflops"], 1) for r in rows})
+    return "\n".join(lines) + (f"\n\nGEMM rate in the run (a fp32 matmul at the model's MLP shape): "
+                               f"{gemm[0]:.1f}-{gemm[-1]:.1f} GFLOP/s." if gemm else "")
 
 
 # ------------------------------------------------------------------------------------------------------

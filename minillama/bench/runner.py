@@ -10,9 +10,9 @@ from typing import Any, Callable, Sequence
 
 from ..config import LlamaConfig
 from ..generate import shared_prefix_length
-from .cost import CostModel, gemm_rate
+from .cost import CostModel, flop_rates, gemm_rate
 from .hf import hf_batched, hf_prefix
-from .llamacpp import llamacpp
+from .llamacpp import chunks, llamacpp
 from .methods import ADDITIVE, SAMPLED, Context, Measured, _minillama
 from .shapes import random_llama
 from .task import Task, TaskConfig, WordTokenizer, make_task, plain_prompt_ids
@@ -57,10 +57,14 @@ def _flops(cost: CostModel, method: str, task: Task, idx: list[int]) -> float:
     prompts, docs, g = [task.prompts[i] for i in idx], [task.docs[i] for i in idx], task.config.new_tokens
     if method in ("independent", "independent_plain", "batched"):
         return cost.independent(prompts, g)
-    if method in ("parallel", "parallel_plain", "llamacpp"):
-        # llama.cpp also evaluates each shared prefix once; the scores its kernels compute and mask out in
-        # its one cache of all sequences are not counted.
+    if method in ("parallel", "parallel_plain"):
         return cost.parallel(prompts, docs, g)["total"]
+    if method == "llamacpp":
+        # llama.cpp also evaluates each shared prefix once per context (past its cap on sequences, a
+        # document's prefix again in every context its questions run in); the scores its kernels compute
+        # and mask out in its one cache of all sequences are not counted.
+        return sum(cost.parallel([task.prompts[i] for i in part], [task.docs[i] for i in part], g)["total"]
+                   for part in chunks(idx))
     if method == "seqbatch":
         return cost.seqbatch(prompts, docs, g)
     if method == "hf_batched":
@@ -86,8 +90,9 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     # A long run-once method made of separate runs (each question alone) is cut into `repeats` slices, one
     # per round, so that it meets the same machine weather as the repeated methods it is compared with.
     sliced = {m: [idx_of[m][k::repeats] for k in range(repeats)] for m in case.once if m in ADDITIVE and m in per}
+    c = ctx.model.config
     for r in range(repeats):
-        gemm.append(gemm_rate())
+        gemm.append(gemm_rate(k=c.hidden_size, n=c.intermediate_size))  # a GEMM at the model's MLP shape
         for m in case.methods:
             if m in sliced:
                 idx = sliced[m][r]
@@ -150,10 +155,8 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
             "checked_against_parallel": len(idx) if par_answers else 0,
             "stable_across_repeats": stable,
             "flops_executed": flops, "flops_useful": useful["total"],
-            "gemm_gflops": rate / 1e9,
-            "useful_gflops": useful["total"] / wall / 1e9 if wall else float("nan"),
-            "useful_frac_of_gemm": useful["total"] / wall / rate if wall else float("nan"),
-            "executed_frac_of_gemm": flops / wall / rate if wall else float("nan"),
+            "gemm_gflops": rate / 1e9, **flop_rates(useful["total"], flops, wall, rate / 1e9),
+            "contexts": runs[0].contexts,
         }
         if m == "parallel":
             rec["prefill_flops"] = useful["prefill"]
@@ -161,7 +164,6 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
             rec["decode_flops_per_step"] = useful["decode"] / max(g - 1, 1) if g > 1 else 0.0
             # What `batched` would hold at its peak (every prompt and g - 1 answer tokens, each its own copy):
             # exact, as the cache stores one slot per token.
-            c = ctx.model.config
             per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ctx.model.dtype.itemsize
             rec["kv_bytes_batched_equiv"] = per_token * sum(len(p) + g - 1 for p in task.prompts)
         records.append(rec)

@@ -40,6 +40,8 @@ class TaskConfig:
     # 0: the natural question, 11 to 15 tokens with SmolLM2's tokenizer (the paper's ~12)
     new_tokens: int = 8  # answer length: max new tokens, EOS ignored
     seed: int = 0
+    numbered: bool = False  # once the lead-ins run out, number the rounds ("Question 2: ..."), so that
+    # every question is distinct however many there are; False: the lead-ins go round again
 
 
 @dataclass
@@ -103,7 +105,9 @@ def make_task(tokenizer: Any, config: TaskConfig, prompt_ids: Callable[[str, str
         texts.append(text)
         for q in range(config.questions_per_doc):
             a, nm, p, c = facts[q % n_facts]
-            lead = _LEADS[(q // n_facts) % len(_LEADS)]
+            rnd = q // n_facts
+            lead = (f"Question {rnd - len(_LEADS) + 2}:" if config.numbered and rnd >= len(_LEADS)
+                    else _LEADS[rnd % len(_LEADS)])
             core = f"What color is the {p} of the {a} named {nm}?"
             question = f"{lead} {core}".strip()
             words = 0
