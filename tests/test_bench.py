@@ -180,6 +180,26 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
     assert "x roofline floor" in (tmp_path / "shape_summary.md").read_text()
 
 
+def test_shape_bench_parity_check_counts_differing_steps(tmp_path, one_thread):
+    """--parity: the invariant kernels give the independent run's logits at every step; the plain ones (the
+    check's own negative control) do not, and the report says so."""
+    from minillama.bench import main
+
+    assert main(["--shape", "tiny", "--tiny", "--parity", "--repeats", "1", "--sample", "2", "--no-hf",
+                 "--out", str(tmp_path)]) == 0
+    checked = json.loads((tmp_path / "shape_results.json").read_text())["parity"]
+    assert [(r["sampled"], r["kernels"]) for r in checked] == [(False, "invariant"), (False, "plain"),
+                                                              (True, "invariant"), (True, "plain")]
+    for r in checked:
+        assert r["steps"] == 4 * 3  # 4 questions, 3 steps each
+        if r["kernels"] == "invariant":
+            assert r["steps_differing"] == 0 and r["max_abs_diff"] == 0 and r["questions_with_other_tokens"] == 0
+        else:
+            assert r["steps_differing"] > 0 and r["max_abs_diff"] > 0
+    assert "| greedy | invariant | 0 of 12 |" in (tmp_path / "shape_summary.md").read_text()
+    assert main(["--shape", "tiny", "--parity", "--tp", "2"]) == 2  # one process only
+
+
 def test_shape_bench_says_which_16bit_path_it_took(tmp_path, one_thread, monkeypatch):
     from minillama.bench import main
 

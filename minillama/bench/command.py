@@ -109,6 +109,8 @@ def _main(argv: Sequence[str] | None) -> int:
     d.add_argument("--tables", action="store_true", help="also the paper's Table 3 and Table 4 configurations")
     d.add_argument("--compare-dtypes", action="store_true", help="also the headline's parallel in float32, bfloat16 "
                    "and float16 side by side, with the path each dtype's products took")
+    d.add_argument("--parity", action="store_true", help="first check parallel against independent, every step's "
+                   "logits bit for bit, with the invariant and the plain kernels (bench/parity.py)")
     d.add_argument("--tiny", action="store_true", help="every size divided down: seconds on a CPU (tests)")
     d.add_argument("--tp", type=int, default=1, help="tensor parallel over this many ranks (start them with torchrun "
                    "--nproc-per-node N); minillama's methods only (default: 1)")
@@ -241,16 +243,19 @@ def _shape_main(a: argparse.Namespace) -> int:
     import importlib.util
 
     from .device import dtype_table, shape_main, table
+    from .parity import parity_table
 
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(f"--device {a.device}: no CUDA device here")
     if a.compare_dtypes and a.tp > 1:
         raise BadInput("--compare-dtypes runs in one process; drop --tp")
+    if a.parity and a.tp > 1:
+        raise BadInput("--parity runs in one process; drop --tp")
     if a.threads:
         torch.set_num_threads(a.threads)
     hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
     data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, a.sample or 4, hf,
-                      log=lambda s: print(s, flush=True), tp=a.tp, dtypes=a.compare_dtypes)
+                      log=lambda s: print(s, flush=True), tp=a.tp, dtypes=a.compare_dtypes, parity_check=a.parity)
     if data is None:  # a tensor-parallel rank other than 0: rank 0 reports
         return 0
     data["meta"]["command"] = " ".join(["python -m minillama.bench", *sys.argv[1:]])
@@ -261,6 +266,8 @@ def _shape_main(a: argparse.Namespace) -> int:
             f"{m['gemm_tflops']:.2f} TFLOP/s, copy bandwidth {m['bandwidth_gbs']:.0f} GB/s; medians of "
             f"{data['records'][0]['repeats']} repeats; independent ran on a sample of the questions, its time scaled")
     body = table(data["records"]) + (f"\n\n{dtype_table(data['dtypes'])}" if data["dtypes"] else "")
+    if data["parity"]:
+        body = f"{parity_table(data['parity'])}\n\n{body}"
     write_file(out / "shape_summary.md", f"# {head}\n\n{body}\n")
     print(f"\n{head}\n\n{body}\n\nwrote {out / 'shape_results.json'}, {out / 'shape_summary.md'}")
     return 0

@@ -35,6 +35,7 @@ from ..generate import SamplingParams, generate
 from ..precision import describe
 from ..weights import build_model
 from .cost import CostModel
+from .parity import parity
 from .shapes import SHAPES
 
 
@@ -274,10 +275,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables: bool, repeats: int, sample: int,
                use_hf: bool, log: Callable[[str], None] = print, tp: int = 1,
-               dtypes: bool = False) -> dict[str, Any] | None:
+               dtypes: bool = False, parity_check: bool = False) -> dict[str, Any] | None:
     """The whole run: rates, the headline with every method, the paper's tables with parallel alone.
     tp > 1: this is one rank of torchrun's; the model is sharded (distributed/tp.py), rank 0 returns the
-    results and the others None. `dtypes`: also the headline's `parallel` in every dtype (`dtype_sweep`)."""
+    results and the others None. `dtypes`: also the headline's `parallel` in every dtype (`dtype_sweep`).
+    `parity_check`: first, parallel against independent logits bit for bit (bench/parity.py)."""
     dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
     here = None
@@ -305,6 +307,10 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     shrink = (lambda t: dataclasses.replace(t, doc_tokens=max(8, t.doc_tokens // 16), questions=max(2, t.questions // 16),
                                             question_tokens=max(2, t.question_tokens // 4),
                                             new_tokens=min(t.new_tokens, 3))) if tiny else (lambda t: t)
+    checked = []
+    if parity_check:
+        sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}
+        checked = parity(model, log=log, **sizes)
     methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ())
     records = run_task(shrink(HEADLINE), model, hf, device, methods, repeats, sample, rates, log)
     if tables:
@@ -317,4 +323,4 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
                      "products": describe(device, dtype),
                      "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},
-            "records": records, "dtypes": by_dtype}
+            "records": records, "dtypes": by_dtype, "parity": checked}
