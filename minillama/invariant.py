@@ -56,17 +56,16 @@ class Tiles:
     part_batch: int = 256  # (tile, block) items per bmm, partial blocks
     # Most items whose scores are held at once (a multiple of the batch): a longer pass computes its
     # scores twice (once for the row maxima, once for the values) rather than hold them all. On a CPU,
-    # small chunks win: a chunk's gathered tiles, keys and scores (~4 MiB) stay in cache, where fresh
-    # multi-megabyte temporaries cost page faults and memory traffic (measured: a 2,048-token prefill's
-    # attention 2-3x faster with chunks of 64-128 items than of 4,096, recomputation included).
+    # small chunks win: a chunk's gathered tiles, keys and scores stay in cache, where fresh multi-megabyte
+    # temporaries cost page faults and memory traffic (docs/bench/README.md has the measurements).
     full_chunk: int = 128
     part_chunk: int = 512
     # A kind with at most this many items in a pass keeps its scores (one chunk, nothing recomputed),
-    # whatever the chunk size: a decode step over a long document (576 whole items at 4,096 tokens) is
-    # ~25% faster in one chunk, while a prefill's tens of thousands of items still go in small chunks.
+    # whatever the chunk size: a decode step over a long document (576 whole items at 4,096 tokens) gains
+    # from one chunk, while a prefill's tens of thousands of items still go in small chunks.
     keep: int = 0
     # How a block's terms are added to its rows (attention._add_rows): one `index_add_` (one launch), or a
-    # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is ~1000x slower with 2 threads).
+    # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is far slower with few threads).
     # The same IEEE additions either way: the bits do not depend on it.
     index_add: bool = False
 
@@ -75,8 +74,8 @@ class Tiles:
             raise ValueError("chunks must hold whole batches")
 
 
-# A CPU: the masked own-block items in bmm calls of 64 rather than 256 (prefill attention ~20% faster at the
-# paper's layout, decode ~10%: the 8-row tiles' scores and keys stay in cache through each call).
+# A CPU: the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles' scores and keys stay
+# in cache through each call; docs/bench/README.md has the measurement).
 CPU_TILES = Tiles(part_batch=64, keep=640)
 # Untuned on a GPU so far: bigger row tiles (a 256-row product still reads each weight once per tile),
 # batches and chunks big enough that a pass issues few launches (tests/test_signatures.py counts them).

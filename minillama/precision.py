@@ -1,8 +1,7 @@
 """The arithmetic of a 16-bit model's linear products on a CPU: native 16-bit, or float32 on 16-bit storage.
 
-A CPU without native 16-bit dot products has no fast 16-bit matrix product: measured on an AVX2 machine,
-a 64x576 @ 576x1536 `mm` ran at 74 GFLOP/s in float32 and 1.2 in bfloat16, and on an AVX512 machine
-without AVX512-FP16 a float16 `mm` runs ~4x slower than float32. There, a 16-bit model keeps its weights
+A CPU without native 16-bit dot products has no fast 16-bit matrix product: its 16-bit `mm` runs many times
+slower than float32 (docs/precision.md has the measurements). There, a 16-bit model keeps its weights
 and activations in 16 bits (the memory saving) and computes each fixed tile's product in float32:
 `invariant.tiled_linear` casts the tile's rows and a fixed slice of the weight's columns
 (`FLOAT32_COLUMNS`) to float32, multiplies, and rounds the result back to the model's dtype.
