@@ -1,7 +1,7 @@
 """Model configuration, with Hugging Face's field names.
 
 `LlamaConfig` holds what a checkpoint says about its architecture. Readers for HF `config.json` and
-Meta `params.json` live here; the GGUF reader lives in `weights.py` (it needs the `gguf` package).
+Meta `params.json` live here; the GGUF reader lives in `weights/gguf.py` (it needs the `gguf` package).
 Nothing here is guessed from a model's name: config is data read from the checkpoint.
 """
 

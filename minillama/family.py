@@ -11,7 +11,7 @@ Llama, Mistral, Qwen2 and Qwen3 are the same decoder with a few switches (`Llama
 
 A field a model type's HF class does not read is ignored here too (HF Mistral has no biases whatever its
 config.json says); a value minillama does not implement is refused in one line naming the field.
-Nothing here imports the rest of minillama: config.py and weights.py call in.
+Nothing here imports the rest of minillama: config.py and weights/ call in.
 """
 
 from __future__ import annotations

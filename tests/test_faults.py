@@ -299,7 +299,7 @@ def test_a_gguf_with_a_huge_context_is_refused_naming_the_field(tmp_path):
 def test_gguf_metadata_of_the_wrong_type_is_one_line():
     from types import SimpleNamespace
 
-    from minillama import weights
+    from minillama.weights import gguf as weights
 
     meta = {"general.architecture": "llama", "llama.embedding_length": "64", "llama.attention.head_count": 4,
             "llama.block_count": 2}

@@ -30,8 +30,8 @@ from _faults import ROOT, ckpt, inputs, one_line_error, run_tool  # noqa: E402,F
 
 def test_every_file_write_goes_through_files_write_file():
     """Writes anywhere else would meet a full disk with an error type no front end catches."""
-    allowed = {("minillama/weights.py", 'open(lock_path, "a")'),  # the lock file: flock, nothing written
-               ("minillama/weights.py", 'open(part, "wb")')}  # inside a write_file callable
+    allowed = {("minillama/weights/default.py", 'open(lock_path, "a")'),  # the lock file: flock, nothing written
+               ("minillama/weights/default.py", 'open(part, "wb")')}  # inside a write_file callable
     pattern = re.compile(r"\.write_text\(|\.write_bytes\(|\.mkdir\(|open\([^)]*[\"'][wax]b?[\"']|\.savefig\(\w+ /"
                          r"|save_file\([^)]*str\((?!f\))")
     found = []
@@ -153,7 +153,7 @@ def _tool_bodies(monkeypatch):
     """Each tool's main() with its body replaced by `raise_it`."""
     import minillama.bench.command as bench
     import minillama.oracle.__main__ as oracle
-    import minillama.weights as weights
+    import minillama.weights.cli as weights
 
     def patch(raise_it):
         monkeypatch.setattr(cli, "_main", lambda argv: raise_it())

@@ -516,7 +516,7 @@ def test_weights_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("MINILLAMA_WEIGHTS_DIR", str(tmp_path))
     assert weights.default_model_dir() == tmp_path / "smollm2-135m-instruct"
     monkeypatch.delenv("MINILLAMA_WEIGHTS_DIR")
-    assert weights.weights_dir() == Path(weights.__file__).resolve().parent.parent / "weights"
+    assert weights.weights_dir() == Path(weights.__file__).resolve().parents[2] / "weights"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -583,7 +583,7 @@ def test_concurrent_first_use_all_succeed(default_dir, tmp_path):
     results = [(p.wait(timeout=900), p.stdout.read(), p.stderr.read()) for p in procs]
     assert all(code == 0 for code, _, _ in results), [err for _, _, err in results]
     assert all(out.strip() == str(wdir / weights.DEFAULT_MODEL_NAME) for _, out, _ in results)
-    assert weights._sha256(wdir / weights.default_gguf_path().name) == weights.DEFAULT_GGUF_SHA256
+    assert weights.default._sha256(wdir / weights.default_gguf_path().name) == weights.DEFAULT_GGUF_SHA256
     assert sorted(p.name for p in wdir.iterdir()) == sorted(
         [f".{weights.DEFAULT_MODEL_NAME}.lock", weights.default_gguf_path().name, weights.DEFAULT_MODEL_NAME])
     _, got = load_state_dict(wdir / weights.DEFAULT_MODEL_NAME)

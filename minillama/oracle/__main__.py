@@ -27,8 +27,10 @@ from ..files import json_text
 from ..generate import MODES
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
-from .diff import (BACKEND_PRESETS, PRESETS, Comparison, Tolerances, compare, diff_hidden, diff_layers, report,
-                   run_backend)
+from .diff import Comparison, compare, diff_hidden, run_backend
+from .layers import diff_layers
+from .report import report
+from .tolerances import BACKEND_PRESETS, PRESETS, Tolerances
 from .server import OpenAIBackend
 from .record import Record, export, load, save
 

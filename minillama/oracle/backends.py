@@ -46,6 +46,7 @@ import torch
 from ..errors import OneLineError
 from ..model import Llama
 from ..rope import apply_rope_folded, signed_sin
+from .schema import QuestionRecord
 
 
 class BackendError(OneLineError):
@@ -141,11 +142,9 @@ class Backend:
     def activations(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> Activations:
         raise BackendError(f"{self.name}: no layer-by-layer activations from this backend")
 
-    def teacher_force(self, prompt: Sequence[int], answer: Sequence[int]):
+    def teacher_force(self, prompt: Sequence[int], answer: Sequence[int]) -> QuestionRecord:
         """The backend's logits at each step of `answer` after `prompt`: one pass over prompt + answer[:-1];
         row P - 1 + s predicts answer token s. Its greedy token at each step is the argmax there."""
-        from .record import QuestionRecord
-
         p, steps = len(prompt), len(answer)
         logits = self.logits(list(prompt) + list(answer[:-1]))[p - 1:p - 1 + steps]  # (steps, vocab)
         return QuestionRecord(list(prompt), logits.argmax(dim=-1).tolist(), logits)

@@ -1,4 +1,4 @@
-"""Comparing a candidate with the reference: per question, and layer by layer.
+"""Comparing a candidate with the reference, question by question.
 
 Per question (`compare`): the first step where the greedy tokens part, the largest and mean absolute error of
 the logits and log-probabilities, the top-k overlap, and a verdict. Tolerances are elementwise, as
@@ -13,12 +13,8 @@ reference's margin logit[r] - logit[c] must be within what the tolerances allow 
 tol(r) + tol(c). With full logits inside tolerance this always holds; with logprobs only it is the check;
 with token ids only, tokens must agree exactly.
 
-Layer by layer (`layer_diff`): both backends run the same token ids; every activation (backends.py names
-them) is compared in forward order, and the first whose max |error| exceeds `layer_rtol * max |reference|`
-is named, with its layer, its kind (embedding, norm, attention, RoPE, MLP, residual, lm_head) and the first
-token where it leaves tolerance. The error is scaled by the activation's own magnitude because the residual
-stream of a real model holds features of 10^4 next to features of 10^-2 (the fp32 noise between minillama
-and HF transformers stays near 4e-6 of each activation's scale on the default model).
+`diff_hidden` compares the hidden states two records hold, block by block, with `layers.layer_diff`.
+Tolerances and their presets are in tolerances.py, the report a person reads in report.py.
 """
 
 from __future__ import annotations
@@ -29,150 +25,10 @@ from typing import Any
 
 import torch
 
-from .backends import Activations, Backend, activation_names, kind_of, layer_of
-from .record import QuestionRecord, Record, RecordError
-
-
-@dataclass
-class Tolerances:
-    atol: float = 1e-4  # logits
-    rtol: float = 1e-4
-    logprob_atol: float = 1e-4
-    logprob_rtol: float = 1e-4
-    layer_rtol: float = 1e-4  # activations: max |err| <= layer_rtol * max |reference|
-    top_k: int = 5
-    preset: str | None = None  # the preset these came from, "+" when some were changed
-
-    def describe(self) -> str:
-        head = f"preset {self.preset}: " if self.preset else ""
-        return (f"{head}logits |err| <= {self.atol:g} + {self.rtol:g}*|ref|; logprobs |err| <= {self.logprob_atol:g} "
-                f"+ {self.logprob_rtol:g}*|ref|; activations max|err| <= {self.layer_rtol:g} * max|ref|")
-
-
-# Tolerances by what the candidate is. Logit and log-prob tolerances go together: a log-prob is a logit minus
-# the row's log-sum-exp, so it moves by up to about twice what the logits move.
-#   exact      minillama against minillama (another mode, a saved run on the same machine): the same bits
-#   fp32       an fp32 implementation of the same arithmetic in another order (HF transformers: ~6e-5 on
-#              logits of ~40 on the default model)
-#   half       F16/BF16 somewhere (a half-precision KV cache: ~3e-2 on the default model's logits)
-#   quantized  quantized weights and activations (llama.cpp on the Q4_1 file: up to ~1.3)
-PRESETS: dict[str, Tolerances] = {
-    "exact": Tolerances(0.0, 0.0, 0.0, 0.0, 0.0, preset="exact"),
-    "fp32": Tolerances(1e-4, 1e-4, 1e-4, 1e-4, 1e-4, preset="fp32"),
-    "half": Tolerances(0.1, 0.0, 0.1, 0.0, 1e-2, preset="half"),
-    "quantized": Tolerances(1.5, 0.0, 1.5, 0.0, 0.1, preset="quantized"),
-}
-# The preset each backend gets unless told otherwise; candidate files get fp32 ("exact" if minillama made them).
-BACKEND_PRESETS = {"minillama": "exact", "transformers": "fp32", "llama-cpp": "quantized", "openai": "fp32"}
-
-
-# --------------------------------------------------------------------------------------------------
-# Layer diff
-
-
-@dataclass
-class LayerRow:
-    name: str
-    kind: str
-    layer: int | None
-    max_err: float
-    scale: float  # max |reference|
-    rel: float  # max_err / scale
-    worst_token: int
-    first_bad_token: int | None  # first token out of tolerance, None if within
-
-
-@dataclass
-class LayerDiff:
-    tokens: int
-    rows: list[LayerRow]
-    first_bad: LayerRow | None
-    hint: str | None = None
-
-    @property
-    def worst(self) -> LayerRow:
-        return max(self.rows, key=lambda r: r.rel)
-
-    def summary(self) -> str:
-        b = self.first_bad
-        if b is None:
-            w = self.worst
-            return f"every activation within tolerance (largest: {w.rel:.1e} of scale at {w.name})"
-        where = f"layer {b.layer} {b.kind}" if b.layer is not None else b.kind
-        return (f"first out of tolerance: {where} ({b.name}), from token {b.first_bad_token}: "
-                f"max|err| {b.max_err:.2e} = {b.rel:.1e} of scale")
-
-
-def layer_diff(ref: Activations, cand: Activations, tol: Tolerances) -> LayerDiff:
-    """Compare two runs on the same tokens, activation by activation, in forward order."""
-    n_layers = 1 + max((layer_of(k) for k in ref.tensors if layer_of(k) is not None), default=-1)
-    rows: list[LayerRow] = []
-    first_bad = None
-    tokens = next(iter(ref.tensors.values())).shape[0]
-    for name in activation_names(n_layers):
-        r, c = ref.tensors.get(name), cand.tensors.get(name)
-        if r is None or c is None:
-            continue
-        if r.shape != c.shape:
-            raise RecordError(f"activation {name}: reference shape {tuple(r.shape)}, candidate {tuple(c.shape)}")
-        err = (c - r).abs().reshape(r.shape[0], -1)
-        per_token = err.max(dim=1).values  # (T,)
-        scale = float(r.abs().max()) or 1.0
-        bad = (~(per_token <= tol.layer_rtol * scale)).nonzero()  # NaN is out of tolerance
-        max_err = float(per_token.max())
-        row = LayerRow(name, kind_of(name), layer_of(name), max_err, scale, max_err / scale,
-                       int(per_token.argmax()), int(bad[0]) if len(bad) else None)
-        rows.append(row)
-        if first_bad is None and row.first_bad_token is not None:
-            first_bad = row
-    diff = LayerDiff(tokens, rows, first_bad)
-    if first_bad is not None:
-        diff.hint = _hint(first_bad, ref, cand, tol)
-    return diff
-
-
-def _hint(bad: LayerRow, ref: Activations, cand: Activations, tol: Tolerances) -> str | None:
-    """A likely cause for the two classic porting bugs: Q/K row order and the rotation itself."""
-    if bad.kind == "RoPE" and ref.cos is not None and cand.cos is not None:
-        return _rope_hint(bad.first_bad_token, ref, cand)
-    if bad.name.endswith(("q_proj", "k_proj")) and ref.cos is not None:
-        d = ref.cos.shape[-1]
-        r, c = ref.tensors[bad.name], cand.tensors[bad.name]
-        heads = r.shape[1] // d
-        rs = r.view(r.shape[0], heads, d).sort(dim=-1).values
-        cs = c.view(c.shape[0], heads, d).sort(dim=-1).values
-        if float((rs - cs).abs().max()) <= tol.layer_rtol * bad.scale:
-            return ("the same values in another order within each head: Q/K rows are in interleaved RoPE order "
-                    "(Meta, GGUF) where rotate-half order (HF) is expected, or the other way round; "
-                    "permute the Q and K weights (minillama.weights.interleaved_to_half)")
-    return None
-
-
-def _rope_hint(token: int, ref: Activations, cand: Activations) -> str:
-    # Which reference position rotates like the candidate's token? Search the reference's own table.
-    table = torch.cat([ref.cos, ref.sin], dim=-1)  # (T, 2D)
-    row = torch.cat([cand.cos[token], cand.sin[token]])
-    err = (table - row).abs().max(dim=-1).values
-    match = int(err.argmin())
-    if float(err[match]) < 1e-5 and match != token:
-        return (f"token {token} is rotated as the reference rotates token {match}: its position is off by "
-                f"{match - token:+d} (position ids, or a segment's start offset)")
-    # Otherwise the frequencies differ. At position 1 the angle of pair j is inv_freq[j] = theta^(-2j/D);
-    # pair 1 gives theta back.
-    d = ref.cos.shape[-1]
-    if ref.cos.shape[0] > 1:
-        thetas = []
-        for c in (ref, cand):
-            angle = float(torch.atan2(c.sin[1, 1], c.cos[1, 1]))
-            thetas.append(angle ** (-d / 2) if angle > 0 else float("nan"))
-        return (f"rotation angles differ from token {token} on and match no reference position: the frequencies "
-                f"differ (rope_theta, rope_scaling or head_dim); the angles fit rope_theta ~ {thetas[1]:.4g} "
-                f"against the reference's {thetas[0]:.4g} (if token 1 sits at position 1)")
-    return "rotation angles differ: rope_theta, rope_scaling or positions"
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-question comparison
+from .backends import Activations, Backend
+from .layers import LayerDiff, layer_diff
+from .schema import QuestionRecord, Record, RecordError
+from .tolerances import Tolerances
 
 
 @dataclass
@@ -426,15 +282,6 @@ def run_backend(ref: Record, backend: Backend) -> Record:
                   teacher_forced=True)
 
 
-def diff_layers(ref: Record, reference: Backend, candidate: Backend, tol: Tolerances) -> list[LayerDiff]:
-    """Layer diff of every question, on its prompt and the reference's answer."""
-    out = []
-    for q in ref.questions:
-        ids = q.prompt_ids + q.token_ids[:-1]
-        out.append(layer_diff(reference.activations(ids), candidate.activations(ids), tol))
-    return out
-
-
 def diff_hidden(ref: Record, cand: Record, tol: Tolerances) -> list[LayerDiff | None]:
     """Block-level layer diff from the hidden states two records hold (None where one has none), over the
     tokens both runs share: the prompt and the answers' common prefix."""
@@ -449,73 +296,3 @@ def diff_hidden(ref: Record, cand: Record, tol: Tolerances) -> list[LayerDiff | 
         rows = len(r.prompt_ids) + same  # hidden row P + s holds answer token s: the same in both below `same`
         out.append(layer_diff(_hidden_activations(r, rows), _hidden_activations(c, rows), tol))
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# The report
-
-
-def _fmt(x: float | None, spec: str = ".1e") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def report(c: Comparison) -> str:
-    tol = c.tolerances
-    lines = [f"reference  {c.reference.get('describe', '')}",
-             f"candidate  {c.candidate.get('describe', '')}",
-             f"tolerance  {tol.describe()}", ""]
-    head = (f"{'q':>3}  {'steps':>5}  {'diverges':>8}  {'max|dlogit|':>11}  {'mean|dlogit|':>12}  "
-            f"{'max|dlogprob|':>13}  {'top-' + str(tol.top_k):>5}  verdict")
-    lines.append(head)
-    for q in c.questions:
-        steps = f"{q.compared}" if q.compared == q.steps else f"{q.compared}/{q.steps}"
-        div = "-" if q.first_divergence is None else f"step {q.first_divergence}"
-        verdict = "pass" if q.passed else f"FAIL: {q.reason}"
-        lines.append(f"{q.index + 1:>3}  {steps:>5}  {div:>8}  {_fmt(q.logit_max):>11}  {_fmt(q.logit_mean):>12}  "
-                     f"{_fmt(q.logprob_max):>13}  {_fmt(q.top_k_overlap, '.2f'):>5}  {verdict}")
-        for note in q.notes:
-            lines.append(f"{'':>5}note: {note}")
-    for q in c.questions:
-        if q.layers is not None:
-            lines += ["", f"layer diff, question {q.index + 1} ({q.layers.tokens} tokens): {q.layers.summary()}"]
-            if q.layers.hint:
-                lines.append(f"  hint: {q.layers.hint}")
-    with_layers = [q for q in c.questions if q.layers is not None]
-    shown = next((q for q in with_layers if q.layers.first_bad is not None), with_layers[0] if with_layers else None)
-    if shown is not None:
-        lines += ["", f"layer table, question {shown.index + 1}:", layer_table(shown.layers)]
-    for h in hints(c):
-        lines += ["", f"hint: {h}"]
-    n_pass = sum(q.passed for q in c.questions)
-    lines += ["", f"{n_pass} of {len(c.questions)} questions pass: {'PASS' if c.passed else 'FAIL'}"]
-    return "\n".join(lines)
-
-
-_COLUMNS = [("in_norm", ["input_layernorm"]), ("q/k/v", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-            ("rope", ["self_attn.q_rope", "self_attn.k_rope"]), ("attn", ["self_attn"]),
-            ("post_norm", ["post_attention_layernorm"]), ("mlp", ["mlp"]), ("out", [])]  # []: the block output
-
-
-def layer_table(d: LayerDiff) -> str:
-    """One line per layer: max |err| / max |ref| of each sub-module; `<` marks the first out of tolerance."""
-    by_name = {r.name: r for r in d.rows}
-    bad = d.first_bad.name if d.first_bad else None
-
-    def cell(names: list[str]) -> str:
-        rows = [by_name[n] for n in names if n in by_name]
-        if not rows:
-            return f"{'':>9}"
-        mark = "<" if any(r.name == bad for r in rows) else " "
-        return f"{max(r.rel for r in rows):>8.1e}{mark}"
-
-    lines = ["  relative error per sub-module (max|err| / max|ref|), '<' first out of tolerance",
-             f"  {'layer':>5}  " + " ".join(f"{name:>9}" for name, _ in _COLUMNS)]
-    lines.append(f"  {'embed':>5}  {cell(['embed'])}")
-    layers = sorted({r.layer for r in d.rows if r.layer is not None})
-    for i in layers:
-        names = [[f"layers.{i}.{s}" for s in subs] or [f"layers.{i}"] for _, subs in _COLUMNS]
-        lines.append(f"  {i:>5}  " + " ".join(cell(n) for n in names))
-    tail = [n for n in ("norm", "logits") if n in by_name]
-    if tail:
-        lines.append(f"  {'final':>5}  " + "  ".join(f"{n} {cell([n]).strip()}" for n in tail))
-    return "\n".join(lines)

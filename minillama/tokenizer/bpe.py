@@ -1,0 +1,130 @@
+"""Tokenizers of the `tokenizers` library: a `tokenizer.json`, or byte-level BPE built from a GGUF `gpt2`
+vocabulary and merges, with text split the way llama.cpp splits it for that vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..files import write_file
+from .base import CONTROL, USER_DEFINED, Tokenizer, TokenizerError
+
+
+class HFTokenizer(Tokenizer):
+    """A `tokenizers.Tokenizer` (tokenizer.json). Its added special tokens are matched in text by the
+    library; `add_special` runs the file's own post-processor (e.g. Llama 3 adds BOS there)."""
+
+    def __init__(self, tok: Any, *, bos_token: str | None = None, eos_tokens: Sequence[str] = (),
+                 extra_eos_ids: Sequence[int] = (), chat_template: str | None = None,
+                 add_bos: bool | None = None, add_eos: bool | None = None) -> None:
+        self._tok = tok
+        self.bos_token = bos_token
+        self.bos_id = tok.token_to_id(bos_token) if bos_token is not None else None
+        self.eos_ids = _unique([tok.token_to_id(t) for t in eos_tokens if tok.token_to_id(t) is not None]
+                               + [int(i) for i in extra_eos_ids])
+        self.eos_token = self.id_to_token(self.eos_ids[0]) if self.eos_ids else None
+        self.chat_template = chat_template
+        self.add_bos, self.add_eos = add_bos, add_eos
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> "HFTokenizer":
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            tok = _Tok.from_file(str(path))
+        except Exception as e:
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
+        return cls(tok, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        if parse_special:
+            ids = self._tok.encode(text, add_special_tokens=add_special).ids
+        else:  # the library's switch that spells special tokens out as text
+            saved, self._tok.encode_special_tokens = self._tok.encode_special_tokens, True
+            try:
+                ids = self._tok.encode(text, add_special_tokens=add_special).ids
+            finally:
+                self._tok.encode_special_tokens = saved
+        if add_special and self._tok.post_processor is None:  # then tokenizer_config.json decides
+            if self.add_bos and self.bos_id is not None:
+                ids.insert(0, self.bos_id)
+            if self.add_eos and self.eos_ids:
+                ids.append(self.eos_ids[0])
+        return ids
+
+    def special_tokens(self) -> list[str]:
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._tok.id_to_token(int(token_id))
+
+    def save(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        write_file(out / "tokenizer.json", self._tok.to_str(pretty=True))  # what `save` writes
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **self._config_json()}
+        if cfg["add_bos_token"] is None:
+            del cfg["add_bos_token"], cfg["add_eos_token"]  # the post-processor in tokenizer.json decides
+        write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _unique(ids: Sequence[int]) -> list[int]:
+    return list(dict.fromkeys(ids))
+
+
+# How llama.cpp splits text before byte-level BPE, by GGUF `tokenizer.ggml.pre` (llama-vocab.cpp):
+# (regex for a Split pre-tokenizer or None for GPT-2's own, digits one by one?, ignore_merges?).
+_GPT2_SPLIT = None
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BPE_PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
+    "gpt-2": (_GPT2_SPLIT, False, False),
+    "smollm": (_GPT2_SPLIT, True, False),
+    "starcoder": (_GPT2_SPLIT, True, False),
+    "refact": (_GPT2_SPLIT, True, False),
+    "llama-bpe": (_LLAMA3_SPLIT, False, True),
+    "llama3": (_LLAMA3_SPLIT, False, True),
+}
+
+
+def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre: str,
+                       *, bos_id: int | None, add_bos: bool) -> Any:
+    """A `tokenizers.Tokenizer` for a GGUF `gpt2` vocabulary: BPE over byte-level symbols, text split
+    as llama.cpp splits it for this `pre` type, control tokens matched whole as special tokens."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _Tok
+
+    if pre not in BPE_PRE_TOKENIZERS:
+        raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: {', '.join(BPE_PRE_TOKENIZERS)})")
+    split, single_digits, ignore_merges = BPE_PRE_TOKENIZERS[pre]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = _Tok(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if single_digits else []
+    if split is None:
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    else:
+        steps += [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED])
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return tok

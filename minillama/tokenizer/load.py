@@ -1,0 +1,123 @@
+"""A checkpoint's tokenizer: from an HF or Meta directory (with its tokenizer_config.json, chat template and
+end-of-sequence ids), a single tokenizer file, or a GGUF file's `tokenizer.ggml.*` metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .base import NORMAL, Tokenizer, TokenizerError
+from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer
+from .spm import SentencePieceTokenizer, sentencepiece_proto
+
+
+def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF file") -> Tokenizer:
+    """The tokenizer a GGUF file describes. `meta` maps keys (`tokenizer.ggml.tokens`, ...) to values."""
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
+        raise TokenizerError(f"{source}: no tokenizer in the metadata (tokenizer.ggml.model/tokens missing)")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = _unique([int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                "tokenizer.ggml.eom_token_id") if meta.get(k) is not None])
+    template = meta.get("tokenizer.chat_template")
+    if kind == "llama":
+        proto = sentencepiece_proto(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                                    add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        try:
+            return SentencePieceTokenizer(proto, bos_id=bos_id, eos_ids=eos_ids, chat_template=template,
+                                          add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+                                          add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+        except TokenizerError as e:
+            raise TokenizerError(f"{source}: {e}") from None
+    if kind == "gpt2":
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        try:
+            tok = byte_bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges") or [], types,
+                                     meta.get("tokenizer.ggml.pre", "default"), bos_id=bos_id, add_bos=add_bos)
+        except TokenizerError as e:
+            raise TokenizerError(f"{source}: {e}") from None
+        return HFTokenizer(tok, bos_token=tokens[bos_id] if bos_id is not None else None,
+                           extra_eos_ids=eos_ids, chat_template=template, add_bos=add_bos,
+                           add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+    raise TokenizerError(f"{source}: unsupported tokenizer type {kind!r} (supported: llama, gpt2)")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint: an HF or Meta directory, a .gguf file, a tokenizer.json or a
+    sentencepiece tokenizer.model."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".gguf":
+        return tokenizer_from_gguf_metadata(read_gguf_tokenizer_metadata(p), str(p))
+    if p.is_file() and p.name.endswith(".json"):
+        return HFTokenizer.from_file(p)
+    if p.is_file():
+        return SentencePieceTokenizer.from_file(p)
+    if not p.is_dir():
+        raise TokenizerError(f"{p}: no such file or directory")
+    cfg = _read_json(p / "tokenizer_config.json") if (p / "tokenizer_config.json").exists() else {}
+    template = _chat_template(p, cfg)
+    eos_ids = _eos_ids_from_configs(p)
+    bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    if (p / "tokenizer.json").exists():
+        return HFTokenizer.from_file(
+            p / "tokenizer.json", bos_token=bos, eos_tokens=[eos] if eos else [],
+            extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
+            add_bos=cfg.get("add_bos_token"), add_eos=cfg.get("add_eos_token"))
+    if (p / "tokenizer.model").exists():
+        tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
+                                               add_eos=cfg.get("add_eos_token", False), chat_template=template)
+        if bos is not None and tok.token_to_id(bos) is not None:
+            tok.bos_id, tok.bos_token = tok.token_to_id(bos), bos
+        extra = [tok.token_to_id(eos)] if eos is not None and tok.token_to_id(eos) is not None else []
+        tok.eos_ids = _unique(extra + tok.eos_ids + list(cfg.get("eos_token_ids") or []) + eos_ids)
+        return tok
+    raise TokenizerError(f"{p}: no tokenizer (looked for tokenizer.json and tokenizer.model)")
+
+
+def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from None
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise TokenizerError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise TokenizerError(f"{path}: must be a JSON object, got a {type(d).__name__}")
+    return d
+
+
+def _token_text(tok: Any) -> str | None:
+    # tokenizer_config.json writes special tokens as strings or as AddedToken dicts.
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _chat_template(d: Path, cfg: dict[str, Any]) -> str | None:
+    t = cfg.get("chat_template")
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        t = {x.get("name"): x.get("template") for x in t}.get("default")
+    if t is None and (d / "chat_template.jinja").exists():
+        t = (d / "chat_template.jinja").read_text()
+    if t is None and (d / "chat_template.json").exists():
+        t = _read_json(d / "chat_template.json").get("chat_template")
+    return t
+
+
+def _eos_ids_from_configs(d: Path) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        if (d / name).exists():
+            e = _read_json(d / name).get("eos_token_id")
+            ids += [] if e is None else list(e) if isinstance(e, list) else [e]
+    return _unique(ids)

@@ -1,0 +1,148 @@
+"""Sentencepiece tokenizers: a `tokenizer.model` (Llama 1/2 family), or one rebuilt from a GGUF `llama`
+vocabulary (`sentencepiece_proto`: pieces, scores and types are sentencepiece's own, so the rebuilt model
+tokenizes exactly as sentencepiece does).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..files import write_file
+from .base import BYTE, Tokenizer, TokenizerError
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model. Text is split on control tokens first (sentencepiece itself would spell
+    "<s>" as pieces), and each piece of text between them is encoded on its own, which is how HF's
+    Llama tokenizers treat special tokens in text."""
+
+    def __init__(self, model_proto: bytes, *, bos_id: int | None = None, eos_ids: Sequence[int] | None = None,
+                 add_bos: bool = True, add_eos: bool = False, chat_template: str | None = None) -> None:
+        import sentencepiece as spm
+
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(model_proto)
+        except Exception as e:  # sentencepiece raises RuntimeError / OSError with its own text
+            raise TokenizerError(f"not a sentencepiece model ({e})") from None
+        self._proto = model_proto
+        n = self._sp.get_piece_size()
+        self.bos_id = bos_id if bos_id is not None else _none_if_negative(self._sp.bos_id())
+        self.eos_ids = list(eos_ids) if eos_ids is not None else [i for i in [self._sp.eos_id()] if i >= 0]
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.chat_template = chat_template
+        self.bos_token = self._sp.id_to_piece(self.bos_id) if self.bos_id is not None else None
+        self.eos_token = self._sp.id_to_piece(self.eos_ids[0]) if self.eos_ids else None
+        self._special = {self._sp.id_to_piece(i): i for i in range(n)
+                         if self._sp.is_control(i) or self._sp.is_unknown(i)}
+        # Longest first, so that a control token that is a prefix of another does not win.
+        names = sorted(self._special, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs: Any) -> "SentencePieceTokenizer":
+        data = Path(path).read_bytes()
+        if _looks_like_tiktoken(data):
+            raise TokenizerError(f"{path}: a tiktoken BPE file (Llama 3 style), not a sentencepiece model; "
+                                 "convert the checkpoint to an HF directory with a tokenizer.json")
+        try:
+            return cls(data, **kwargs)
+        except TokenizerError as e:
+            raise TokenizerError(f"{path}: {e}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        ids: list[int] = []
+        parts = self._split.split(text) if self._split and parse_special else [text]
+        for k, part in enumerate(parts):
+            if k % 2:  # odd parts are the control tokens the split captured
+                ids.append(self._special[part])
+            elif part:
+                ids.extend(self._sp.encode(part, out_type=int))
+        if add_special:
+            if self.add_bos and self.bos_id is not None:
+                ids.insert(0, self.bos_id)
+            if self.add_eos and self.eos_ids:
+                ids.append(self.eos_ids[0])
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        out: list[str] = []
+        run: list[int] = []
+        for i in map(int, ids):
+            if self._sp.is_control(i) or self._sp.is_unknown(i):
+                out.append(self._sp.decode(run))
+                run = []
+                if not skip_special:
+                    out.append(self._sp.id_to_piece(i))
+            else:
+                run.append(i)
+        out.append(self._sp.decode(run))
+        return "".join(out)
+
+    def special_tokens(self) -> list[str]:
+        return list(self._special)
+
+    def token_to_id(self, token: str) -> int | None:
+        i = self._sp.piece_to_id(token)
+        return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
+
+    def id_to_token(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
+
+    def save(self, out_dir: str | Path) -> None:
+        out = Path(out_dir)
+        write_file(out / "tokenizer.model", self._proto)
+        cfg = {"tokenizer_class": "LlamaTokenizer", "legacy": True, **self._config_json()}
+        write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _none_if_negative(i: int) -> int | None:
+    return i if i >= 0 else None
+
+
+def _looks_like_tiktoken(data: bytes) -> bool:
+    # tiktoken files are lines "<base64 token> <rank>"; a sentencepiece model is a binary protobuf.
+    head = data[:200].split(b"\n")[0].split(b" ")
+    return len(head) == 2 and head[1].isdigit() and re.fullmatch(rb"[A-Za-z0-9+/=]+", head[0]) is not None
+
+
+def _pb_varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # protobuf writes negative int32 as 10-byte two's complement
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _pb(field: int, value: int | float | bytes | str) -> bytes:
+    """One protobuf field: bool/int as varint, float as fixed32, str/bytes length-delimited."""
+    if isinstance(value, float):
+        return _pb_varint(field << 3 | 5) + struct.pack("<f", value)
+    if isinstance(value, (bool, int)):
+        return _pb_varint(field << 3) + _pb_varint(int(value))
+    data = value.encode() if isinstance(value, str) else value
+    return _pb_varint(field << 3 | 2) + _pb_varint(len(data)) + data
+
+
+def sentencepiece_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int], *,
+                        add_dummy_prefix: bool = True) -> bytes:
+    """A serialized sentencepiece BPE `ModelProto` with these pieces (field numbers from
+    sentencepiece_model.proto). Normalization is "identity" and whitespace is kept as it is, as in
+    Llama's own tokenizer.model; the GGUF `llama` vocabulary is such a model, written out."""
+    pieces = b"".join(_pb(1, _pb(1, t) + _pb(2, float(s)) + _pb(3, int(k)))
+                      for t, s, k in zip(tokens, scores, types))
+    # TrainerSpec: model_type=3 (BPE=2), vocab_size=4, byte_fallback=35.
+    trainer = _pb(3, 2) + _pb(4, len(tokens)) + _pb(35, BYTE in set(types))
+    # NormalizerSpec: name=1, add_dummy_prefix=3, remove_extra_whitespaces=4, escape_whitespaces=5.
+    normalizer = _pb(1, "identity") + _pb(3, add_dummy_prefix) + _pb(4, False) + _pb(5, True)
+    return pieces + _pb(2, trainer) + _pb(3, normalizer)

@@ -1,0 +1,162 @@
+"""Checkpoints out: an HF directory written beside its destination and renamed into place (a reader never
+sees half of one), replacing only what minillama wrote; `convert` from any supported checkpoint. Temporary
+files and directories left by a killed run are recognized by their writer's process id and removed.
+`_say` is the progress line slow work (downloading, converting) shows at a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minillama.config import LlamaConfig
+from minillama.errors import CannotWrite
+from minillama.files import make_dir, write_file
+from minillama.tokenizer import Tokenizer
+
+from .layout import StateDict, WeightsError, check_state_dict
+from .read import load_state_dict, load_tokenizer
+
+
+def _say(msg: str) -> None:
+    """Progress of slow work (downloading, converting), for a person at a terminal; logs and pipes get
+    only the outcome, so a failure stays the one line that names it."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        print(f"minillama: {msg}", file=sys.stderr, flush=True)
+
+
+# Temporary names carry the writing process's id, so a later run can tell a leftover (its writer is
+# dead) from work in progress: ".NAME.tmp-PID-RANDOM" (a directory, or a file from `files.write_file`);
+# "NAME.PID.part" is what earlier versions left beside a file.
+_LEFTOVER = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[^/]+$|^.+\.(\d+)\.part$")
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # no cheap check: never remove what might be in use
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_leftovers(folder: Path, stem: str = "") -> None:
+    """Remove temporary files and directories in `folder` whose writer is no longer running."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        m = _LEFTOVER.match(p.name)
+        if m is None or not p.name.lstrip(".").startswith(f"{stem}." if stem else "") or _pid_alive(int(m.group(1) or m.group(2))):
+            continue
+        _say(f"removing {p}, left by an interrupted run")
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+# What `save_hf_dir` writes: a directory holding only these is a conversion it may replace.
+CONVERSION_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
+                              "tokenizer_config.json"})
+
+
+def is_conversion(d: Path) -> bool:
+    """A directory `save_hf_dir` could have written: config.json and nothing but the files it writes."""
+    names = {p.name for p in d.iterdir()}
+    return "config.json" in names and names <= CONVERSION_FILES
+
+
+def check_output_dir(out: Path, replace: bool = False) -> None:
+    """Raise unless `out` may be written: absent, an empty directory, or (with replace) a conversion.
+    Nothing that minillama did not write is ever replaced."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise WeightsError(f"{out}: exists and is not a directory; choose a new directory to write to")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not is_conversion(out):
+        raise WeightsError(f"{out}: not empty and not a minillama conversion; refusing to replace it "
+                           "(choose a new directory)")
+    if not replace:
+        raise WeightsError(f"{out}: already holds a conversion; --force replaces it")
+
+
+def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer | None,
+                out_dir: str | Path, dtype: torch.dtype | None = None, replace: bool = False) -> Path:
+    """Write an HF directory (config.json, model.safetensors, tokenizer files) that minillama and HF
+    transformers both load. `out_dir` must be new or empty; with `replace`, it may also be an earlier
+    conversion (`check_output_dir`). The directory is written beside and renamed into place, so a reader
+    never sees half of one, and a failed write (a full disk) leaves `out_dir` as it was. `dtype` casts
+    floating tensors (default: keep them)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    check_output_dir(out, replace)
+    check_state_dict(config, {k: v for k, v in state_dict.items()
+                              if not (config.tie_word_embeddings and k == "lm_head.weight")}, out)
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+               for k, v in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    stored = {str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()}
+    try:
+        make_dir(out.parent)
+        _remove_leftovers(out.parent, out.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    except (OSError, CannotWrite) as e:
+        raise WeightsError(f"{out}: cannot write ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        cfg = {**config.to_dict(), "hidden_act": "silu",
+               "torch_dtype": stored.pop() if len(stored) == 1 else "float32"}
+        write_file(tmp / "config.json", json.dumps(cfg, indent=2) + "\n")
+        write_file(tmp / "model.safetensors", lambda f: save_file(tensors, str(f), metadata={"format": "pt"}))
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in [tmp, *tmp.iterdir()]:  # mkdtemp made them private; make them like any other file
+            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+        _move_into_place(tmp, out)
+    except (OSError, CannotWrite) as e:  # a full disk, a read-only folder: nothing of the new conversion is left
+        why = e.reason if isinstance(e, CannotWrite) else e.strerror or e
+        raise WeightsError(f"{out}: cannot write the conversion ({why}); {out} is unchanged") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory `tmp` to `out`. An earlier `out` (empty, or a conversion the caller
+    may replace) is first renamed aside and removed only once the new one is in place."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+    os.replace(out, old / out.name)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old / out.name, out)  # put the old one back
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
+    """Any supported checkpoint to an HF directory (GGUF tensors are written dequantized, float32).
+    `out_dir` must be new or empty; `replace` lets it replace an earlier conversion (never anything else)."""
+    src, out = Path(src), Path(out_dir)
+    if src.exists() and out.exists() and (src.resolve() == out.resolve() or out.resolve() in src.resolve().parents):
+        raise WeightsError(f"{out}: holds the source {src}; write the conversion to another directory")
+    check_output_dir(out, replace)  # before the slow part
+    config, sd = load_state_dict(src)
+    tok = load_tokenizer(src)
+    return save_hf_dir(config, sd, tok, out, replace=replace)

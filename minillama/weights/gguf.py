@@ -1,0 +1,218 @@
+"""GGUF files (llama.cpp), architecture llama, qwen2 or qwen3: the config is the `ARCH.*` metadata (RoPE
+scaling included, Llama 3's read back from its `rope_freqs` tensor), tensors are dequantized with
+`gguf.quants.dequantize` (llama.cpp's own reference) and `llama` Q/K rows permuted to rotate-half order.
+The tokenizer is the `tokenizer.ggml.*` metadata (tokenizer package).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from minillama.config import LlamaConfig
+from minillama.family import GGUF_ARCHS
+
+from .layout import GGUF_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, map_name
+
+
+def _gguf_types() -> set[Any]:
+    from gguf import GGMLQuantizationType as Q
+
+    return {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+
+
+def open_gguf(path: str | Path) -> Any:
+    """A `gguf.GGUFReader`, with the file's problems as WeightsError."""
+    from gguf import GGUFReader
+
+    p = Path(path)
+    if not p.is_file():
+        raise WeightsError(f"{p}: no such file")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise WeightsError(f"{p}: bad magic {magic!r}, not a GGUF file")
+    try:
+        reader = GGUFReader(str(p))
+    except Exception as e:  # the reader raises ValueError/IndexError on truncated or corrupt files
+        raise WeightsError(f"{p}: truncated or corrupt GGUF file ({e})") from None
+    for t in reader.tensors:
+        if t.data.nbytes != t.n_bytes:
+            raise WeightsError(f"{p}: truncated GGUF file (tensor {t.name} has {t.data.nbytes} of "
+                               f"{t.n_bytes} bytes)")
+    return reader
+
+
+def gguf_metadata(reader: Any) -> dict[str, Any]:
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path,
+                rope_factors: np.ndarray | None = None) -> LlamaConfig:
+    """LlamaConfig from GGUF metadata (llama.cpp's `ARCH.*` keys; ARCH llama, qwen2 or qwen3)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise WeightsError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHS)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    def f32(x: float) -> float:
+        return float(str(np.float32(x)))  # GGUF stores float32: 1e-5 reads back as 9.99999974e-06
+
+    if key("expert_count", 0):
+        raise WeightsError(f"{source}: mixture-of-experts {arch} ({arch}.expert_count) is not supported")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    if hidden is None or heads is None or key("block_count") is None:
+        raise WeightsError(f"{source}: incomplete llama metadata (embedding_length, attention.head_count, "
+                           "block_count are required)")
+    head_dim = key("attention.key_length", hidden // heads)
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise WeightsError(f"{source}: partial RoPE (rope.dimension_count {key('rope.dimension_count')} < "
+                           f"head dim {head_dim}) is not supported")
+    vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
+    theta = f32(key("rope.freq_base", 10000.0))
+    scaling = _gguf_rope_scaling(key, rope_factors, head_dim, theta, source)
+    if key("attention.sliding_window"):
+        raise WeightsError(f"{source}: {arch}.attention.sliding_window is not supported in GGUF files "
+                           "(an HF directory's sliding_window is)")
+    try:
+        return LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
+            num_hidden_layers=key("block_count"), num_attention_heads=heads,
+            num_key_value_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
+            rms_norm_eps=f32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+            rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensor_names,
+            max_position_embeddings=key("context_length", 2048), model_type=GGUF_ARCHS[arch],
+            attention_bias=any(n.endswith("attn_output.bias") for n in tensor_names),
+            mlp_bias=any(n.endswith("ffn_gate.bias") for n in tensor_names),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        )
+    except (TypeError, ValueError) as e:
+        raise WeightsError(f"{source}: {e}") from None
+
+
+def _gguf_rope_scaling(key: Any, rope_factors: np.ndarray | None, head_dim: int, theta: float,
+                       source: str | Path) -> dict[str, Any] | None:
+    """HF's rope_scaling from what llama.cpp's converter writes: `rope.scaling.type` linear or yarn with
+    `rope.scaling.factor` (and yarn's original context), or Llama 3's factors in a `rope_freqs` tensor."""
+    kind = key("rope.scaling.type", "none")
+    factor = key("rope.scaling.factor", key("rope.scale_linear", 1.0))
+    if kind == "none" and factor not in (None, 1.0):  # older files: rope.scale_linear alone
+        kind = "linear"
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        out = {"rope_type": "yarn", "factor": float(factor)}
+        if key("rope.scaling.original_context_length"):
+            out["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+        for name in ("beta_fast", "beta_slow"):
+            if key(f"rope.scaling.yarn_{name}") is not None:
+                out[name] = float(key(f"rope.scaling.yarn_{name}"))
+        # llama.cpp's own yarn knobs, at the values that leave HF's yarn as it is; anything else is refused.
+        neutral = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0),
+                   "yarn_log_multiplier": (0.0,)}
+        for name, ok in neutral.items():
+            if key(f"rope.scaling.{name}") not in (None, *ok):
+                raise WeightsError(f"{source}: rope.scaling.{name} {key(f'rope.scaling.{name}')} is not "
+                                   "supported (only HF's yarn)")
+        return out
+    if kind != "none":
+        raise WeightsError(f"{source}: rope.scaling.type {kind!r} is not supported "
+                           "(supported: linear, yarn, and llama3's rope_freqs)")
+    return None if rope_factors is None else llama3_scaling_from_factors(rope_factors, head_dim, theta, source)
+
+
+def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, theta: float) -> np.ndarray:
+    """Per-frequency divisors of Llama 3 RoPE scaling, as llama.cpp writes them into `rope_freqs`."""
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old / hi, 1.0, np.where(wavelen > old / lo, factor, mid))
+
+
+def llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float,
+                                source: str | Path) -> dict[str, Any]:
+    """The Llama 3 `rope_scaling` a GGUF `rope_freqs` tensor was written from. The factors only fix
+    the ratios of original_max_position_embeddings to the two frequency factors, so 8192 (Llama 3's)
+    is taken and the factors solved from the smoothly interpolated band; checked by recomputing.
+
+    A band of two or more frequencies fixes both factors. With one frequency (or none) in the band, many
+    pairs give the same factors, so the same model: one is taken with the band's frequency as far from
+    either edge as its neighbours allow."""
+    f = np.asarray(factors, dtype=np.float64)
+    factor, old = float(f.max()), 8192
+    a = old / (2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    band = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    s = (1 / f[band] - 1 / factor) / (1 - 1 / factor)  # smooth, linear in a: s = (a - lo) / (hi - lo)
+    if factor > 1 and band.sum() >= 2:
+        slope, icept = np.polyfit(a[band], s, 1)
+        lo, hi = float(f"{-icept / slope:.6g}"), float(f"{(1 - icept) / slope:.6g}")
+    elif factor > 1:
+        # Kept frequencies need a > hi, fully scaled ones a < lo, the band's lo <= a <= hi.
+        kept, scaled = a[f <= 1 + 1e-6], a[f >= factor * (1 - 1e-6)]
+        a_hi = float(kept.min()) if kept.size else math.inf
+        a_lo = float(scaled.max()) if scaled.size else 0.0
+        if band.sum() == 1:
+            ab, sb = float(a[band][0]), float(s[0])
+            width = 0.5 * min((ab - a_lo) / sb if sb > 0 else math.inf,
+                              (a_hi - ab) / (1 - sb) if sb < 1 else math.inf)
+            lo, hi = ab - sb * width, ab + (1 - sb) * width
+        else:
+            span = a_hi - a_lo if a_hi < math.inf else 3 * a_lo  # no band: any lo < hi between the two sides
+            lo, hi = a_lo + span / 3, a_lo + 2 * span / 3
+    if factor > 1 and 0 < lo < hi < math.inf:
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
+                   "original_max_position_embeddings": old}
+        if np.allclose(llama3_rope_factors(scaling, head_dim, theta), f, rtol=1e-5, atol=0):
+            return scaling
+    raise WeightsError(f"{source}: rope_freqs.weight does not follow Llama 3 RoPE scaling; not supported")
+
+
+def _rope_factors(reader: Any) -> np.ndarray | None:
+    from gguf.quants import dequantize
+
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else dequantize(t.data, t.tensor_type).reshape(-1)
+
+
+def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Path, reader: Any) -> LlamaConfig:
+    """`gguf_config`, with metadata of the wrong type (a string where a count belongs) as WeightsError."""
+    try:
+        return gguf_config(meta, names, source, _rope_factors(reader))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise WeightsError(f"{source}: llama metadata of the wrong type or value ({e})") from None
+
+
+def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
+    """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file."""
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    supported = _gguf_types()
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise WeightsError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
+                               f"(supported: {', '.join(sorted(q.name for q in supported))})")
+    config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)
+    sd: StateDict = {}
+    for t in reader.tensors:
+        name = map_name(t.name, GGUF_NAMES, path)
+        if name is None:
+            continue
+        # GGUF lists dimensions fastest-first; numpy/torch want (rows, cols).
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        if not w.flags.writeable:  # F32 tensors come back as views of the read-only file map
+            w = w.copy()
+        sd[name] = _unpermute_qk(name, torch.from_numpy(w), config)
+    check_state_dict(config, sd, path)
+    return config, sd, meta

@@ -1,0 +1,69 @@
+"""Model and tokenizer from a checkpoint: `load_model` (any format, or the default model) and `build_model`
+(a minillama `Llama` around a state dict)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from minillama.config import LlamaConfig
+from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_metadata
+
+from .default import fetch_default
+from .gguf import read_gguf
+from .layout import StateDict, WeightsError, check_state_dict
+from .read import detect_format, load_state_dict, load_tokenizer
+
+
+def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A minillama `Llama` holding these weights, in eval mode. The tensors are assigned, not copied,
+    so a float32 safetensors file loaded on CPU stays memory-mapped."""
+    from minillama.model import Llama
+
+    check_state_dict(config, {k: v for k, v in state_dict.items()
+                              if not (config.tie_word_embeddings and k == "lm_head.weight")}, "state dict")
+    sd = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
+          for k, v in state_dict.items()}
+    if config.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    with torch.device(device), _no_random_init():
+        model = Llama(config)
+    model.load_state_dict(sd, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.column_major_().eval()
+
+
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Build modules without drawing random initial weights (about a second for 135M parameters),
+    as every one of them is replaced by a checkpoint tensor right after."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, fn in saved.items():
+            cls.reset_parameters = fn  # type: ignore[method-assign]
+
+
+def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Tokenizer]:
+    """Model and tokenizer of a checkpoint: an HF or Meta directory or a .gguf file. Without a path,
+    the default model (SmolLM2-135M-Instruct), fetched and converted on first use."""
+    path = fetch_default() if path is None else Path(path)
+    if detect_format(path) == "gguf":  # read the file once: the tokenizer is in its metadata
+        config, sd, meta = read_gguf(path)
+        try:
+            tok = tokenizer_from_gguf_metadata(meta, str(path))
+        except TokenizerError as e:
+            raise WeightsError(str(e)) from None
+    else:
+        config, sd = load_state_dict(path)
+        tok = load_tokenizer(path)
+    return build_model(config, sd, device, dtype), tok
