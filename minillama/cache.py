@@ -12,7 +12,7 @@ A token sees its ancestors' tokens and the earlier tokens of its own segment (at
 down). The document's keys and values live in the cache once, however many questions hang off it; a
 finished question is `release`d and its slots are reused.
 
-Storage follows gpt-fast's preallocated cache written by index, with one slot axis for all sequences:
+Storage is one preallocated cache written by index, with one slot axis for all sequences:
 `k[layer]` is (Hkv, S, D). Slot 0 is never handed out and stays zero: attention reads it as padding.
 """
 

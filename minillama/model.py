@@ -1,7 +1,7 @@
 """The Llama model, whose forward pass takes token ids, positions and segment ids.
 
 Follows HF transformers' `modeling_llama.py` in names and layout (so HF checkpoints load as they are and
-activations compare one to one) and gpt-fast's `model.py` in size. The one departure: a forward pass is
+activations compare one to one), in one small file. The one departure: a forward pass is
 a packed list of N tokens from any number of segments (cache.py), each with its own position, so one
 call can prefill a document and all its questions, or advance every unfinished question by one token.
 

@@ -1,7 +1,7 @@
 """The one layout every reader returns: HF LlamaForCausalLM tensor names, HF's rotate-half RoPE order.
 
 Here: the error every reader raises (`WeightsError`), the name maps from Meta and GGUF names to HF's (they
-raise on tensors they do not know, in the manner of torchtune's `convert_weights.py`), the shapes a config
+raise on tensors they do not know), the shapes a config
 implies, and the one Q/K permutation (`interleaved_to_half`, tested by logits equality with HF
 transformers) that brings Meta's and llama.cpp's interleaved RoPE rows to rotate-half order.
 """
