@@ -133,9 +133,10 @@ def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[in
     return text[:min(cuts)] if cuts else text
 
 
-def ask(model: LoadedModel, doc: str, questions: Sequence[str], **options: Any) -> list[Reply]:
+def ask(model: LoadedModel, doc: str, questions: Sequence[str], params: SamplingParams | None = None,
+        **options: Any) -> list[Reply]:
     """Answer questions about one document; one Reply per question, in order. Options: see `ask_many`."""
-    return ask_many(model, [(doc, questions)], **options)[0]
+    return ask_many(model, [(doc, questions)], params, **options)[0]
 
 
 def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], params: SamplingParams | None = None,
