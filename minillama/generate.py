@@ -63,12 +63,6 @@ class StopStrings:
         return f"StopStrings({self.strings!r})"
 
 
-def _stop_kind(value: Any, name: str) -> None:
-    if not (value is None or callable(value) or isinstance(value, str)
-            or (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value))):
-        raise options.BadType(f"{name} must be a string or a list of strings, got {value!r}")
-
-
 @dataclass
 class SamplingParams:
     """How each question's tokens are chosen and when its answer ends: the one carrier of these options from
@@ -99,7 +93,7 @@ class SamplingParams:
     # become a StopStrings.
     stop: Callable[[list[int]], bool] | None = options.option(
         None, "--stop", "stop an answer at this string (repeatable); the answer is cut before it",
-        _stop_kind, options.non_empty_texts, metavar="STR", action="append", cli_default=[])
+        options.stops_or_function, options.non_empty_texts, metavar="STR", action="append", cli_default=[])
     keep_logits: bool = options.option(
         False, None, "keep every step's raw logits row (memory: vocab floats per token)", options.BOOLEAN,
         no_flag="the command line writes no logits; the oracle's export does (python -m minillama.oracle)")

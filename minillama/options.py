@@ -108,6 +108,13 @@ def strings(value: Any) -> tuple[str, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else ()
 
 
+def stops_or_function(value: Any, name: str) -> None:
+    """None, a function of the answer's ids (`SamplingParams.stop`), one string, or a list of strings."""
+    if not (value is None or callable(value) or isinstance(value, str)
+            or (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value))):
+        raise BadType(f"{name} must be a string or a list of strings, got {value!r}")
+
+
 def non_empty_texts(value: Any, name: str) -> None:
     """Each string of `value` (one or a list) not empty, and text (`text`)."""
     for s in strings(value):
