@@ -2,8 +2,8 @@
 
 Every command line of minillama (`generate`, `weights`, `oracle`, `bench`, `serve`), each hosted in its own
 `cli`/`__main__` module and dispatched by `python -m minillama` (`minillama/__main__.py`), runs its body
-through `run_command`, which maps what escapes to one line on stderr and an exit status (and checks a
-`--device` with `check_device`, the same way for every tool):
+through `run_command`, which maps what escapes to one line on stderr and an exit status (`check_device`
+checks a `--device` the same way for every tool that takes one):
 
 - 0: done (a tool may return 1 itself for a negative verdict, as the oracle does for a failed comparison);
 - 2: something the user gave cannot be used, or the machine refused (a `OneLineError`: bad input, a
