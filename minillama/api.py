@@ -13,13 +13,13 @@ at the boundary; docs/design.md). So the modes differ only in how the same token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .checks import BadType, check_jobs, check_options, too_long
+from .checks import SAMPLING_OPTIONS, BadType, check_jobs, check_options, too_long
 from .errors import BadInput
 from .generate import SamplingParams, Stats, generate
 from .model import Llama
@@ -112,23 +112,13 @@ def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None
 def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int = 0, ignore_eos: bool = False, stop: str | Sequence[str] = (),
                     tokenizer: Tokenizer | None = None, keep_logits: bool = False) -> SamplingParams:
-    """SamplingParams with stop strings (one string, or a list of them) turned into a stop callback (it
-    needs the tokenizer). Raises ValueError on a bad value, e.g. a negative token count or top_p outside
-    (0, 1], naming the option (`checks.check_options`)."""
-    stop = check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         seed=seed, ignore_eos=ignore_eos, stop=stop, keep_logits=keep_logits)
-    if stop and tokenizer is None:
+    """SamplingParams with the stop strings' tokenizer bound. Raises ValueError on a bad value, e.g. a
+    negative token count or top_p outside (0, 1], naming the option (the option table, `options.py`)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            seed=seed, ignore_eos=ignore_eos, stop=stop, keep_logits=keep_logits)
+    if params.stop_strings and tokenizer is None:
         raise ValueError("stop strings need the tokenizer")
-    check = None
-    if stop:
-        def check(ids: list[int]) -> bool:
-            # The whole answer so far, decoded: a stop string may span tokens, and the decoded text of
-            # a tail of ids is not always a tail of the decoded text (partial UTF-8, leading spaces).
-            text = tokenizer.decode(ids)
-            return any(s in text for s in stop)
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
-                          top_p=float(top_p), seed=seed, ignore_eos=ignore_eos, stop=check,
-                          keep_logits=keep_logits)
+    return params.with_tokenizer(tokenizer)
 
 
 def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[int],
@@ -143,19 +133,18 @@ def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[in
     return text[:min(cuts)] if cuts else text
 
 
-def ask(model: LoadedModel, doc: str, questions: Sequence[str], **options: Any) -> list[Reply]:
+def ask(model: LoadedModel, doc: str, questions: Sequence[str], params: SamplingParams | None = None,
+        **options: Any) -> list[Reply]:
     """Answer questions about one document; one Reply per question, in order. Options: see `ask_many`."""
-    return ask_many(model, [(doc, questions)], **options)[0]
+    return ask_many(model, [(doc, questions)], params, **options)[0]
 
 
-def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, mode: str = "parallel",
-             system: str | None = None, chat_template: bool = True, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             ignore_eos: bool = False, stop: str | Sequence[str] = (), keep_logits: bool = False,
+def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], params: SamplingParams | None = None,
+             *, mode: str = "parallel", system: str | None = None, chat_template: bool = True,
              parallel_size: int | None = None, batch_docs: int | None = None, prefill_chunk: int = 512,
              on_token: Callable[[int], None] | None = None, stats: Stats | None = None,
              on_reply: Callable[[int, Reply], None] | None = None,
-             first_question: Sequence[int] | None = None) -> list[list[Reply]]:
+             first_question: Sequence[int] | None = None, **sampling: Any) -> list[list[Reply]]:
     """Answer questions about several documents together: jobs are (document, questions) pairs. Returns
     one list of Replies per document. In `parallel` mode each document is prefilled once and all its
     questions decode together; parallel_size caps the questions per document and batch_docs the
@@ -165,25 +154,30 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], *, m
     questions over all jobs, in job order. first_question[d] (default: the count before job d) numbers job
     d's first question's random stream: a share of a larger run (a data-parallel rank's) keeps its streams.
 
-    Every option and input is checked first, as the command line checks them (`checks.py`): ValueError
-    (TypeError for a value of the wrong type, such as bytes for a document) names the bad one;
-    PromptTooLong when a prompt does not fit in the context, found from the text's length where it
-    can be (one pass over the input, not a tokenization of every question's prompt).
+    How tokens are chosen comes as `params` (a SamplingParams), or as its fields by keyword
+    (`max_new_tokens=16, temperature=0.7, stop=["\\n"]`), which replace those of `params` when both are given.
+    Every option and input is checked first, as the command line checks them (the option table,
+    `options.py`): ValueError (TypeError for a value of the wrong type, such as bytes for a document) names
+    the bad one; PromptTooLong when a prompt does not fit in the context, found from the text's length
+    where it can be (one pass over the input, not a tokenization of every question's prompt).
     """
     llama, tok = model
-    stop = check_options(mode=mode, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, seed=seed, ignore_eos=ignore_eos, stop=stop, parallel_size=parallel_size,
-                         batch_docs=batch_docs, prefill_chunk=prefill_chunk, system=system,
-                         chat_template=chat_template, keep_logits=keep_logits)
+    check_options(mode=mode, system=system, chat_template=chat_template, parallel_size=parallel_size,
+                  batch_docs=batch_docs, prefill_chunk=prefill_chunk)
+    unknown = sorted(set(sampling) - set(SAMPLING_OPTIONS))
+    if unknown:
+        raise TypeError(f"ask_many() got an unexpected keyword argument {unknown[0]!r}")
+    if params is not None and not isinstance(params, SamplingParams):
+        raise BadType(f"params must be a SamplingParams or None, got {type(params).__name__}")
+    params = (SamplingParams(**sampling) if params is None else replace(params, **sampling)).with_tokenizer(tok)
+    stop = params.stop_strings
     for name, f in (("on_token", on_token), ("on_reply", on_reply)):
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be a function or None")
     jobs = check_jobs(jobs)
-    params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop, tok,
-                             keep_logits)
     prompts, docs, where = build_prompts(tok, jobs, system, chat_template, llama.config.max_position_embeddings)
     eos = list(dict.fromkeys([*tok.eos_ids, *llama.config.eos_token_ids]))
-    stop_ids = set(params.stop_token_ids) | (set() if ignore_eos else set(eos))
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
 
     def reply(i: int, a: Any) -> Reply:
         d, qi = where[i]

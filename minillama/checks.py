@@ -1,7 +1,8 @@
 """What the Python API and the command line check before any work, in one place.
 
-`check_options` checks every option of `api.ask_many` (the CLI's options are the same values), naming
-the option as the caller spells it (`max_new_tokens` for the API, `--max-new-tokens` for the CLI);
+`check_options` checks options of `api.ask_many` by their rows in the option table (`options.py`): the
+run's own (`RUN_OPTIONS`, here) and the sampling ones (`SAMPLING_OPTIONS`, declared on `SamplingParams`),
+naming the option as the caller spells it (`max_new_tokens` for the API, `--max-new-tokens` for the CLI);
 `check_jobs` checks the documents and questions (text, not bytes; not empty; encodable as UTF-8); and
 `too_long` refuses a document or question that cannot fit in the model's context from its length in
 characters alone, before the slow part (rendering and tokenizing every question's prompt).
@@ -11,74 +12,55 @@ wrong type, in one line.
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 from typing import Any, Callable, Sequence
 
+from . import options
 from .errors import BadInput
-from .generate import MODES
+from .generate import MODES, SamplingParams
+from .options import BadType, Option, text as _text
+
+__all__ = ["BadType", "OPTIONS", "RUN_OPTIONS", "SAMPLING_OPTIONS", "check_options", "check_jobs", "too_long"]
+
+_COUNT = (options.INTEGER, options.at_least(1))
+_SOME = (options.need(options.is_int, "an integer or None", BadType, optional=True),
+         options.at_least(1, optional=True))
+
+# api.ask_many's options that are not SamplingParams fields: how the questions are scheduled and prompted.
+RUN_OPTIONS: dict[str, Option] = {
+    "mode": Option("parallel (default): one document, all its questions packed; independent: each question "
+                   "alone; seqbatch: one stream, question after answer after question", (options.one_of(MODES),),
+                   "--mode", metavar="{" + ",".join(MODES) + "}", default="parallel"),
+    "parallel_size": Option("most questions of one document decoded together (default: as many as --max-memory "
+                            "allows)", _SOME, "--parallel-size", metavar="P", parse=int),
+    "batch_docs": Option("documents per forward pass (default: as many as --max-memory allows)", _SOME,
+                         "--batch-docs", metavar="N", parse=int),
+    "prefill_chunk": Option("most prompt tokens per prefill pass", _COUNT, default=512,
+                            no_flag="a knob of the Python API's callers (the benchmark), not of answers"),
+    "system": Option("system prompt (default: the chat template's own)",
+                     (options.need(lambda v: isinstance(v, str), "a string or None", BadType, optional=True),
+                      options.text), "--system", metavar="TEXT", group="prompt"),
+    "chat_template": Option("plain text instead of the chat template: the document, then 'Question: ...' and "
+                            "'Answer:'", (options.BOOLEAN,), "--no-chat-template", action="store_false",
+                            group="prompt", default=True),
+}
+SAMPLING_OPTIONS: dict[str, Option] = options.table(SamplingParams)
+# Every option of api.ask_many, in the command line's order of help.
+OPTIONS: dict[str, Option] = {"mode": RUN_OPTIONS["mode"], **SAMPLING_OPTIONS, **RUN_OPTIONS}
 
 
-class BadType(BadInput, TypeError):
-    """A value of the wrong type (a string where a list belongs, bytes where text belongs)."""
+def check_options(*, spell: Callable[[str], str] = str, **values: Any) -> None:
+    """Raise BadInput (BadType for a wrong type) for the first bad value of the options given by name;
+    `spell` names an option the caller's way. An unknown name is a TypeError, as Python's own."""
+    for name, value in values.items():
+        if name not in OPTIONS:
+            raise TypeError(f"unexpected keyword argument {name!r}")
+        OPTIONS[name].check(spell(name), value)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy's integers too
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def check_options(*, mode: Any = "parallel", max_new_tokens: Any = 64, temperature: Any = 0.0, top_k: Any = 0,
-                  top_p: Any = 1.0, seed: Any = 0, ignore_eos: Any = False, stop: Any = (),
-                  parallel_size: Any = None, batch_docs: Any = None, prefill_chunk: Any = 512,
-                  system: Any = None, chat_template: Any = True, keep_logits: Any = False,
-                  spell: Callable[[str], str] = str) -> tuple[str, ...]:
-    """Raise BadInput for the first bad option; returns the stop strings as a tuple (one string, as
-    OpenAI, vLLM and HF take it, is one stop string). `spell` names an option the caller's way."""
-    def need(ok: bool, name: str, what: str, value: Any, kind: type = BadInput) -> None:
-        if not ok:
-            raise kind(f"{spell(name)} must be {what}, got {value!r}")
-
-    need(isinstance(mode, str) and mode in MODES, "mode", f"one of {', '.join(MODES)}", mode)
-    need(_is_int(max_new_tokens), "max_new_tokens", "an integer", max_new_tokens, BadType)
-    need(max_new_tokens >= 0, "max_new_tokens", ">= 0", max_new_tokens)
-    need(_is_real(temperature), "temperature", "a number", temperature, BadType)
-    need(math.isfinite(temperature) and temperature >= 0, "temperature", "a finite number >= 0", temperature)
-    need(_is_int(top_k), "top_k", "an integer", top_k, BadType)
-    need(top_k >= 0, "top_k", ">= 0 (0: off)", top_k)
-    need(_is_real(top_p), "top_p", "a number", top_p, BadType)
-    need(0 < top_p <= 1, "top_p", "in (0, 1] (1: off)", top_p)
-    need(_is_int(seed), "seed", "an integer", seed, BadType)
-    for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs)):
-        if v is not None:
-            need(_is_int(v), name, "an integer or None", v, BadType)
-            need(v >= 1, name, "at least 1", v)
-    need(_is_int(prefill_chunk), "prefill_chunk", "an integer", prefill_chunk, BadType)
-    need(prefill_chunk >= 1, "prefill_chunk", "at least 1", prefill_chunk)
-    for name, v in (("ignore_eos", ignore_eos), ("chat_template", chat_template), ("keep_logits", keep_logits)):
-        need(isinstance(v, bool), name, "True or False", v, BadType)
-    if system is not None:
-        need(isinstance(system, str), "system", "a string or None", system, BadType)
-        _text(system, spell("system"))
-    stops = (stop,) if isinstance(stop, str) else stop
-    need(isinstance(stops, (list, tuple)), "stop", "a string or a list of strings", stop, BadType)
-    for s in stops:
-        need(isinstance(s, str), "stop", "a string or a list of strings", stop, BadType)
-        need(s != "", "stop", "non-empty", s)
-        _text(s, spell("stop"))
-    return tuple(stops)
-
-
-def _text(s: str, where: str) -> None:
-    """Text that can be encoded: a lone surrogate (from a JSON "\\ud800" escape) is not a character."""
-    m = re.search("[\ud800-\udfff]", s)
-    if m:
-        raise BadInput(f"{where}: a lone surrogate U+{ord(m.group()):04X} at character {m.start()} is not "
-                       "text (it cannot be encoded as UTF-8)")
+def flag(name: str) -> str:
+    """An option's name on the command line (`top_k` -> `--top-k`)."""
+    return OPTIONS[name].flag or name
 
 
 def check_jobs(jobs: Any) -> list[tuple[str, list[str]]]:

@@ -6,7 +6,8 @@
 A thin shell around `minillama.api`: read and check the input, load the model, `ask_many`, and write
 each answer as soon as it and every answer before it (in input order) are finished. Parallel mode runs
 the questions of a document in waves sized to a memory budget (`--max-memory`), which changes no answer.
-Options follow the names users know from llama.cpp, vLLM and HF `generate`.
+Options follow the names users know from llama.cpp, vLLM and HF `generate`; those of `api.ask_many` come
+from the option table (`options.py`), so the flag and the API's keyword refuse a bad value alike.
 Exit status: 0 on success; 2 on bad input (one line on stderr, `BadInput`); 130 on Ctrl-C (the answers
 written so far stay written); 141 when the reader of stdout goes away; 1 on a bug (a traceback).
 """
@@ -14,7 +15,6 @@ written so far stay written); 141 when the reader of stdout goes away; 1 on a bu
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import math
 import sys
@@ -30,16 +30,15 @@ except ImportError:
 
 from . import api
 from . import distributed, precision
-from .checks import check_jobs, check_options as check_api_options, too_long
-from .errors import BadInput, OneLineParser, one_line, run_command
+from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as check_api_options, flag, too_long
+from .errors import BadInput, OneLineParser, check_device, one_line, run_command
 from .files import json_text
-from .generate import MODES, Stats, StreamTooLong
+from .generate import SamplingParams, Stats, StreamTooLong
+from .inputs import read_jobs
+from .options import parse_or_keep
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_MEMORY_MB = 1024
-
-
-_Parser = OneLineParser  # the name the oracle's command line imported first
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,41 +55,39 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input", metavar="FILE.jsonl",
                      help='many documents: one JSON object per line, {"doc": "...", "questions": ["...", ...]}; '
                           "'-' reads standard input")
-    m = p.add_argument_group("model")
-    m.add_argument("--model", "-m", metavar="PATH", help="HF or Meta directory, or .gguf file (default: the "
-                   "default model, SmolLM2-135M-Instruct, converted on first use)")
-    m.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    m.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default: float32)")
-    g = p.add_argument_group("generation")
-    g.add_argument("--mode", default="parallel", choices=MODES,
-                   help="parallel (default): one document, all its questions packed; independent: each "
-                        "question alone; seqbatch: one stream, question after answer after question")
-    g.add_argument("--max-new-tokens", "-n", type=int, default=64, metavar="N",
-                   help="most tokens per answer (default: 64)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling, in (0, 1] (1: off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    g.add_argument("--stop", action="append", default=[], metavar="STR",
-                   help="stop an answer at this string (repeatable); the answer is cut before it")
-    g.add_argument("--parallel-size", type=int, metavar="P",
-                   help="most questions of one document decoded together (default: as many as --max-memory allows)")
-    g.add_argument("--batch-docs", type=int, metavar="N",
-                   help="documents per forward pass (default: as many as --max-memory allows)")
-    g.add_argument("--max-memory", type=float, default=DEFAULT_MAX_MEMORY_MB, metavar="MB",
-                   help="memory budget in MiB for the KV cache and per-question activations of parallel mode; "
-                        "the questions run in waves that fit (default: %(default)g; 0: no bound)")
-    pr = p.add_argument_group("prompt")
-    pr.add_argument("--system", metavar="TEXT", help="system prompt (default: the chat template's own)")
-    pr.add_argument("--no-chat-template", action="store_true",
-                    help=f"plain prompt instead of the chat template: {api.PLAIN_TEMPLATE!r}")
+    add_model_options(p.add_argument_group("model"))
+    groups = {"generation": p.add_argument_group("generation"), "prompt": p.add_argument_group("prompt")}
+    for name, row in OPTIONS.items():  # api.ask_many's options, each as its row of the table says
+        if row.flag is not None:
+            default = row.default if row.cli_default is None else row.cli_default
+            how = {"action": row.action}
+            if row.action in (None, "append"):
+                how.update(type=parse_or_keep(row.parse or str), metavar=row.metavar)
+            groups[row.group].add_argument(*filter(None, (row.flag, row.short)), dest=name, default=default,
+                                           help=row.help, **how)
+    groups["generation"].add_argument(
+        "--max-memory", type=float, default=DEFAULT_MAX_MEMORY_MB, metavar="MB",
+        help="memory budget in MiB for the KV cache and per-question activations of parallel mode; the questions "
+             "run in waves that fit (default: %(default)g; 0: no bound)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="JSON Lines on stdout, one object per question; the last stderr line is a JSON summary")
     o.add_argument("--logprobs", action="store_true", help="also the log-probability of each generated token")
     distributed.add_options(p)
     return p
+
+
+def add_model_options(group: Any) -> None:
+    """--model, --device and --dtype, as every tool that loads a model offers them (generate, serve)."""
+    group.add_argument("--model", "-m", metavar="PATH", help="HF or Meta directory, or .gguf file (default: the "
+                       "default model, SmolLM2-135M-Instruct, converted on first use)")
+    group.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default: float32)")
+
+
+def sampling(args: argparse.Namespace) -> SamplingParams:
+    """The command line's SamplingParams: every field that has a flag, from it (checked by check_options)."""
+    return SamplingParams(**{name: getattr(args, name) for name, row in SAMPLING_OPTIONS.items() if row.flag})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,7 +122,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
     # a tensor-parallel rank reads the checkpoint on the host (memory-mapped where it can) and moves only its
     # shard to the device
-    model = _load(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
+    model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
@@ -172,14 +169,11 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
 
 
 def _ask(model, jobs, share, args, plan, progress, stats, channel) -> None:
+    run = {name: getattr(args, name) for name, row in RUN_OPTIONS.items() if row.flag}
+    run.update(parallel_size=plan.parallel_size, batch_docs=plan.batch_docs)
     try:
-        api.ask_many(
-            model, [jobs[d] for d in share], mode=args.mode, system=args.system,
-            chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            ignore_eos=args.ignore_eos, stop=args.stop, parallel_size=plan.parallel_size,
-            batch_docs=plan.batch_docs, on_token=progress.update, stats=stats, on_reply=channel.on_reply,
-            first_question=channel.first_question)
+        api.ask_many(model, [jobs[d] for d in share], sampling(args), **run, on_token=progress.update, stats=stats,
+                     on_reply=channel.on_reply, first_question=channel.first_question)
     except api.PromptTooLong as e:  # numbered within this rank's share: say which input document it is
         raise BadInput(re.sub(r"^document (\d+)", lambda m: f"document {share[int(m[1]) - 1] + 1}", str(e))) from None
     except StreamTooLong as e:
@@ -199,12 +193,9 @@ def check_options(args: argparse.Namespace) -> None:
         raise BadInput("--doc and --questions cannot both read standard input")
     if not (args.max_memory >= 0) or math.isinf(args.max_memory):
         raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
-    check_api_options(  # the API's own checks, naming the options as the command line spells them
-        mode=args.mode, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, stop=args.stop,
-        parallel_size=args.parallel_size, batch_docs=args.batch_docs, system=args.system,
-        chat_template=not args.no_chat_template, spell=lambda name: "--" + name.replace("_", "-"))
-    _check_device(args.device)
+    # the API's own checks, from the option table, naming the options as the command line spells them
+    check_api_options(spell=flag, **{name: getattr(args, name) for name, row in OPTIONS.items() if row.flag})
+    check_device(args.device)
     try:
         precision.cpu_mode()
     except ValueError as e:
@@ -212,90 +203,7 @@ def check_options(args: argparse.Namespace) -> None:
     distributed.check_options(args)
 
 
-def _check_device(device: str) -> None:
-    import torch
-
-    try:
-        dev = torch.device(device)
-        torch.zeros(1, device=dev).cpu()  # a device must hold data and give it back
-    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
-        raise BadInput(f"--device {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-    if dev.type == "meta":
-        raise BadInput(f"--device {device}: holds shapes, not numbers; choose cpu or an accelerator")
-
-
-def read_text(path: str, what: str) -> str:
-    """A UTF-8 text file (or standard input for '-'), whole, with Windows line endings (\\r\\n) made \\n.
-    A leading byte-order mark is dropped."""
-    if path == "-" and sys.stdin is None:
-        raise BadInput(f"{what} -: standard input is closed")
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except FileNotFoundError:
-        raise BadInput(f"{what} {path}: no such file") from None
-    except IsADirectoryError:
-        raise BadInput(f"{what} {path}: is a directory, not a file") from None
-    except OSError as e:
-        raise BadInput(f"{what} {path}: cannot read ({e.strerror or e})") from None
-    if b"\0" in data:
-        raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
-    try:
-        return data.decode("utf-8-sig").replace("\r\n", "\n")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {e.start})") from None
-
-
-def lines(text: str) -> list[str]:
-    """Lines end at \\n only: U+2028, U+0085, form feeds and other characters `str.splitlines` also
-    breaks at belong to the line (and are valid inside a JSON string)."""
-    return text.split("\n")
-
-
-def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(document, questions) pairs from --doc/--questions or --input."""
-    if args.input is None:
-        doc = read_text(args.doc, "--doc")
-        if not doc.strip():
-            raise BadInput(f"--doc {args.doc}: the document is empty")
-        questions = [q.strip() for q in lines(read_text(args.questions, "--questions")) if q.strip()]
-        if not questions:
-            raise BadInput(f"--questions {args.questions}: no questions (one per line)")
-        return [(doc, questions)]
-    jobs = []
-    for n, line in enumerate(lines(read_text(args.input, "--input")), 1):
-        if not line.strip():
-            continue
-        where = f"--input {args.input}, line {n}"
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise BadInput(f"{where}: not JSON ({e})") from None
-        except RecursionError:
-            raise BadInput(f"{where}: JSON nested too deeply to read") from None
-        if not isinstance(obj, dict):
-            raise BadInput(f'{where}: expected an object {{"doc": ..., "questions": [...]}}')
-        extra = sorted(set(obj) - {"doc", "questions"})
-        if extra:
-            raise BadInput(f"{where}: unknown key {extra[0]!r} (expected doc and questions)")
-        doc, questions = obj.get("doc"), obj.get("questions")
-        if not isinstance(doc, str) or not doc.strip():
-            raise BadInput(f'{where}: "doc" must be a non-empty string')
-        if not isinstance(questions, list) or not questions:
-            raise BadInput(f'{where}: "questions" must be a non-empty list of strings')
-        for k, q in enumerate(questions):
-            if not isinstance(q, str) or not q.strip():
-                raise BadInput(f'{where}: question {k + 1} must be a non-empty string')
-        try:
-            check_jobs([(doc, questions)])  # what the API refuses too: text that is not text
-        except BadInput as e:
-            raise BadInput(f"{where}: {str(e).split(': ', 1)[-1]}") from None
-        jobs.append((doc, questions))
-    if not jobs:
-        raise BadInput(f"--input {args.input}: no documents")
-    return jobs
-
-
-def _load(path: str | None, device: str, dtype: Any) -> api.LoadedModel:
+def load_checkpoint(path: str | None, device: str, dtype: Any) -> api.LoadedModel:
     from .tokenizer import TokenizerError
     from .weights import WeightsError
 
@@ -412,7 +320,7 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     if args.mode != "parallel":
         return WavePlan(args.parallel_size, args.batch_docs, 0)
     tok, config = model.tokenizer, model.llama.config
-    text = api.prompt_text(tok, "\ue000", "\ue001", args.system, not args.no_chat_template)
+    text = api.prompt_text(tok, "\ue000", "\ue001", args.system, args.chat_template)
     head, rest = text.split("\ue000", 1)
     middle, tail = rest.split("\ue001", 1)
     around_doc = len(tok.encode(head + middle, parse_special=False))

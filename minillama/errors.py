@@ -1,7 +1,9 @@
 """The errors that are the user's or the machine's, and the one runner every command line goes through.
 
-Every command line of minillama (`generate`, `weights`, `oracle`, `bench`) runs its body through
-`run_command`, which maps what escapes to one line on stderr and an exit status:
+Every command line of minillama (`generate`, `weights`, `oracle`, `bench`, `serve`), each hosted in its own
+`cli`/`__main__` module and dispatched by `python -m minillama` (`minillama/__main__.py`), runs its body
+through `run_command`, which maps what escapes to one line on stderr and an exit status (`check_device`
+checks a `--device` the same way for every tool that takes one):
 
 - 0: done (a tool may return 1 itself for a negative verdict, as the oracle does for a failed comparison);
 - 2: something the user gave cannot be used, or the machine refused (a `OneLineError`: bad input, a
@@ -52,7 +54,25 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def one_line(s: str) -> str:
+    """Any text as one line: runs of whitespace, line breaks included, made one space."""
     return " ".join(str(s).split())
+
+
+def check_device(device: str, option: str = "--device") -> None:
+    """A torch device this machine can use, or BadInput: a name torch does not know, a device that cannot
+    hold data and give it back here (CUDA without a GPU), or `meta` (shapes without numbers)."""
+    import torch  # here: `minillama --help` and the weights tool start without torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise BadInput(f"{option} {device}: not a torch device") from None
+    try:
+        torch.zeros(1, device=dev).cpu()
+    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
+        raise BadInput(f"{option} {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+    if dev.type == "meta":
+        raise BadInput(f"{option} {device}: holds shapes, not numbers; choose cpu or an accelerator")
 
 
 def _stdout_to_devnull() -> None:

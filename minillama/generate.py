@@ -1,4 +1,4 @@
-"""Generation on token ids in three modes, sampling, and the `python -m minillama.generate` command.
+"""Generation on token ids in three modes, and sampling (`python -m minillama.generate` is the CLI: cli.py).
 
 - `independent`: each prompt alone, prefill then decode. The reference every other mode must match.
 - `parallel` (the parallel-prompting paper): the shared document once, then every question as a child
@@ -15,12 +15,21 @@ seeded from (seed, question index), so sampled answers also agree across modes.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m minillama.generate`: the `generate` command of `python -m minillama`,
+    import sys  # handed over before this module's body runs as __main__ (minillama.cli imports the real one)
+
+    from minillama.__main__ import main
+
+    sys.exit(main(["generate", *sys.argv[1:]]))
+
+import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 import torch
 
+from . import options
 from .cache import KVCache
 from .errors import BadInput
 from .model import Llama
@@ -32,28 +41,80 @@ class StreamTooLong(ValueError):
     """seqbatch's one stream (the shared prefix, then every question and its answer) outgrew the context."""
 
 
+class StopStrings:
+    """`SamplingParams.stop` for stop strings: True once the decoded answer holds one of them. Decoding needs
+    the tokenizer, which `SamplingParams.with_tokenizer` binds (`api.ask_many` does)."""
+
+    def __init__(self, strings: Sequence[str], tokenizer: Any = None):
+        self.strings, self.tokenizer = tuple(strings), tokenizer
+
+    def __call__(self, ids: list[int]) -> bool:
+        if self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
+        # The whole answer so far, decoded: a stop string may span tokens, and the decoded text of a tail of
+        # ids is not always a tail of the decoded text (partial UTF-8, leading spaces).
+        text = self.tokenizer.decode(ids)
+        return any(s in text for s in self.strings)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StopStrings) and other.strings == self.strings
+
+    def __repr__(self) -> str:
+        return f"StopStrings({self.strings!r})"
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    # Called with a question's generated ids after each token; True stops it (e.g. a stop string).
-    stop: Callable[[list[int]], bool] | None = None
-    keep_logits: bool = False  # keep every step's raw logits row (memory: vocab floats per token)
+    """How each question's tokens are chosen and when its answer ends: the one carrier of these options from
+    the command line and the API to `generate`. Each field is declared with its row of the option table
+    (`options.option`: flag, help, checks), from which the command line's flags and every refusal come."""
+
+    max_new_tokens: int = options.option(
+        64, "--max-new-tokens", "most tokens per answer (default: 64)", options.INTEGER, options.at_least(0, ">= 0"),
+        short="-n", metavar="N", parse=int)
+    temperature: float = options.option(
+        0.0, "--temperature", "0: greedy (default)", options.NUMBER,
+        options.need(lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"), metavar="T", parse=float)
+    top_k: int = options.option(
+        0, "--top-k", "keep the K likeliest tokens (0: off)", options.INTEGER, options.at_least(0, ">= 0 (0: off)"),
+        metavar="K", parse=int)
+    top_p: float = options.option(
+        1.0, "--top-p", "nucleus sampling, in (0, 1] (1: off)", options.NUMBER,
+        options.need(lambda p: 0 < p <= 1, "in (0, 1] (1: off)"), metavar="P", parse=float)
+    seed: int = options.option(0, "--seed", "sampling seed (default: 0)", options.INTEGER, parse=int)
+    ignore_eos: bool = options.option(
+        False, "--ignore-eos", "keep generating past end-of-sequence tokens", options.BOOLEAN, action="store_true")
+    stop_token_ids: tuple[int, ...] = options.option(
+        (), None, "stop an answer at these token ids",
+        options.need(lambda ids: isinstance(ids, (list, tuple)) and all(options.is_int(i) and i >= 0 for i in ids),
+                     "a list of token ids (integers >= 0)", options.BadType),
+        no_flag="token ids are the Python API's; the command line stops at text (--stop)")
+    # Called with a question's generated ids after each token; True stops it. Stop strings (one, or a list)
+    # become a StopStrings.
+    stop: Callable[[list[int]], bool] | None = options.option(
+        None, "--stop", "stop an answer at this string (repeatable); the answer is cut before it",
+        options.stops_or_function, options.non_empty_texts, metavar="STR", action="append", cli_default=[])
+    keep_logits: bool = options.option(
+        False, None, "keep every step's raw logits row (memory: vocab floats per token)", options.BOOLEAN,
+        no_flag="the command line writes no logits; the oracle's export does (python -m minillama.oracle)")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not (self.temperature >= 0) or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, row in options.table(SamplingParams).items():
+            row.check(name, getattr(self, name))
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if not callable(self.stop):
+            self.stop = StopStrings(options.strings(self.stop)) if options.strings(self.stop) else None
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.stop.strings if isinstance(self.stop, StopStrings) else ()
+
+    def with_tokenizer(self, tokenizer: Any) -> "SamplingParams":
+        """These options with the stop strings' tokenizer bound (the same object when there are none)."""
+        if not self.stop_strings:
+            return self
+        return replace(self, stop=StopStrings(self.stop_strings, tokenizer))
 
 
 @dataclass
@@ -364,8 +425,3 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
                 on_token(1)
         pending = [q.answer.token_ids[-1]]  # the last answer token has not been run yet
 
-
-if __name__ == "__main__":
-    from .cli import main
-
-    raise SystemExit(main())

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
 from .. import distributed
-from ..errors import BadInput, OneLineParser, run_command
+from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text
 from ..generate import MODES
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
@@ -334,21 +333,12 @@ def _same_setup(ref: Record, cand: Record) -> bool:
             and (ref.manifest.get("versions") or {}).get("torch") == (cand.manifest.get("versions") or {}).get("torch"))
 
 
-def _check_device(name: str) -> None:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise BadInput(f"--device {name}: not a torch device") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput(f"--device {name}: no CUDA device here")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status (`errors.run_command`): 0 every question passes, 1 one fails, 2 bad input or a file
     that cannot be written (one line on stderr), 130 Ctrl-C; a bug is a traceback."""
     def body() -> int:
         args = build_parser().parse_args(argv)
-        _check_device(args.device)
+        check_device(args.device)
         return cmd_export(args) if args.cmd == "export" else cmd_compare(args)
 
     return run_command(body)

@@ -108,12 +108,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
     from .. import api
     from ..bench.task import TaskConfig, make_task, plain_prompt_ids
-    from ..cli import _load
+    from ..cli import load_checkpoint
     from ..generate import Stats, generate
     from . import identity
     from .servers import llamacpp_available, minillama_server
 
-    model = _load(args.model, "cpu", torch.float32)
+    model = load_checkpoint(args.model, "cpu", torch.float32)
     tok = model.tokenizer
     task = make_task(tok, TaskConfig(args.doc_tokens, 1, args.questions, new_tokens=args.new_tokens),
                      plain_prompt_ids(tok))

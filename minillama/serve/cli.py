@@ -3,7 +3,8 @@
     minillama serve --model path/to/ckpt                 # http://127.0.0.1:8000/v1
     minillama serve --host 0.0.0.0 --api-key SECRET      # reachable from elsewhere: ask for a key
 
-Model loading, device checks and the one-line errors are the generate command's (cli.py). Ctrl-C or
+Model options and loading are the generate command's (cli.py); device checks, exit statuses and the
+one-line errors are every command's (errors.py). Ctrl-C or
 SIGTERM stops taking connections, lets the requests in flight finish (at most --drain seconds), and exits 0.
 Exit status 2 on bad input (one line on stderr).
 """
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..cli import DEFAULT_MAX_MEMORY_MB, DTYPES, _check_device, _load
-from ..errors import BadInput, OneLineParser, run_command
+from ..cli import DEFAULT_MAX_MEMORY_MB, add_model_options, load_checkpoint
+from ..errors import BadInput, OneLineParser, check_device, run_command
 
 API_KEY_ENV = "MINILLAMA_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -34,9 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                       description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
                                   "/health) whose answers are bit-identical to each request run alone, "
                                   "whatever else it is serving.")
-    p.add_argument("--model", "-m", metavar="PATH", help="HF or Meta directory, or .gguf file (default: the default model)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default: float32)")
+    add_model_options(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free port)")
     p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, if set)")
@@ -75,7 +74,7 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput(f"--drain must be a number of seconds >= 0, got {args.drain}")
     if args.api_key is not None and not args.api_key:
         raise BadInput("--api-key must not be empty")
-    _check_device(args.device)
+    check_device(args.device)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -113,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)
-    model = _load(args.model, args.device, getattr(torch, args.dtype))
+    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype))
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
