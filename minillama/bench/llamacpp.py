@@ -170,14 +170,7 @@ def llamacpp(ctx: Context, task: Task, idx: list[int], **_: Any) -> Measured:
     """Every question of `idx`, in as many contexts as llama.cpp's cap on sequences requires, one after
     another: the times add up (each context's set-up outside them), each context decodes its documents'
     prefixes once, and the KV bytes are the largest context's."""
-    parts = [_one_context(ctx, task, part) for part in chunks(idx)]
-    answers: dict[int, list[int]] = {}
-    for p in parts:
-        answers.update(p.answers)
-    return Measured(answers, sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
-                    sum(p.cpu_s for p in parts), max(p.kv_bytes for p in parts), max(p.rss_bytes for p in parts),
-                    sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts),
-                    setup_s=sum(p.setup_s for p in parts), contexts=len(parts))
+    return Measured.combine([_one_context(ctx, task, part) for part in chunks(idx)])
 
 
 def _one_context(ctx: Context, task: Task, idx: list[int]) -> Measured:

@@ -37,6 +37,18 @@ class Measured:
     setup_s: float = 0.0  # untimed set-up of the run (llama.cpp's context), reported beside the times
     contexts: int = 1  # llama.cpp contexts the questions were split into (its cap on sequences per context)
 
+    @staticmethod
+    def combine(parts: list["Measured"]) -> "Measured":
+        """Parts of one method run one after another (slices of the questions, llama.cpp's contexts): the
+        times, passes and contexts add up, the peaks are the largest part's."""
+        answers: dict[int, list[int]] = {}
+        for p in parts:
+            answers.update(p.answers)
+        return Measured(answers, sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
+                        sum(p.cpu_s for p in parts), max(p.kv_bytes for p in parts), max(p.rss_bytes for p in parts),
+                        sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts),
+                        setup_s=sum(p.setup_s for p in parts), contexts=sum(p.contexts for p in parts))
+
 
 @dataclass
 class Context:

@@ -112,7 +112,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
             log(f"  {case.sweep} {case.label} {m} {'slice' if m in sliced else 'repeat'} {r + 1}/{repeats}: "
                 f"{res.prefill_s + res.decode_s:.2f} s ({len(idx)} questions)")
     for m in sliced:
-        per[m] = [_combine(per[m])]
+        per[m] = [Measured.combine(per[m])]
     rate = statistics.median(gemm[-repeats:]) * 1e9
     par_answers = per["parallel"][0].answers if per.get("parallel") else None
     records = []
@@ -175,15 +175,6 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
     return records
 
 
-def _combine(parts: list[Measured]) -> Measured:
-    """Slices of one method run one after another: times add up, peaks are the largest slice's."""
-    answers: dict[int, list[int]] = {}
-    for p in parts:
-        answers.update(p.answers)
-    return Measured(answers, sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
-                    sum(p.cpu_s for p in parts), max(p.kv_bytes for p in parts), max(p.rss_bytes for p in parts),
-                    sum(p.forward_passes for p in parts), sum(p.decode_steps for p in parts),
-                    sum(p.setup_s for p in parts))
 
 
 def _mean_shared(task: Task) -> float:
