@@ -202,7 +202,8 @@ def setup(model_path: str | None, random_shape: LlamaConfig | None, hf: bool, wo
 
             hf_path = str(save_hf_dir(random_shape, model.state_dict(), None, workdir / "hf_random"))
         return Context(model, tok, hf_path, checkpoint=None, workdir=workdir)
-    from ..weights import _is_hf_dir, default_model_dir, load_model
+    from ..weights import default_model_dir, load_model
+    from ..weights.hf import _is_hf_dir
 
     model, tok = load_model(model_path)
     path = Path(model_path) if model_path else default_model_dir()

@@ -22,7 +22,7 @@ from .default import (DEFAULT_GGUF_SHA256, DEFAULT_GGUF_SIZE, DEFAULT_MODEL_NAME
                       default_gguf_path, default_model_dir, fetch_default, weights_dir)
 from .gguf import (gguf_config, gguf_metadata, llama3_rope_factors, llama3_scaling_from_factors, open_gguf,
                    read_gguf)
-from .hf import _is_hf_dir, hf_config  # noqa: F401  (_is_hf_dir: the bench asks whether a conversion exists)
+from .hf import hf_config
 from .layout import (GGUF_NAMES, HF_NAMES, META_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes,
                      interleaved_to_half, map_name)
 from .load import build_model, load_model
