@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import (KEY_BLOCK, blocked_attention, masked_attention, plan_attention,
-                                 reference_attention)
+from minillama.attention import (KEY_BLOCK, blocked_attention, first_visible, masked_attention, reference_attention,
+                                 segment_attention, visible_blocks)
 from minillama.audit import Launches
 from minillama.cache import PAD_SLOT, KVCache
 from minillama.invariant import CPU_TILES, Tiles
+from minillama.plan import plan_attention
 from tiny import DEVICE, SMALL_TILES, tiny_config
 
 TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, full=8, part=8, full_batch=2, part_batch=2,
@@ -70,17 +71,17 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles,
     q = fill(cache, n, g, seed, torch.float64)
     got = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
 
-    # Reference: per query, softmax over exactly the keys the segment rule (and window) allow, in float64.
+    # The rule: per token, one softmax over exactly the keys the segment rule (and window) allow, in float64.
     for t in range(n):
         sid, p = int(segs[t]), int(poss[t])
-        first = 0 if window is None else max(0, p - window + 1)  # q.position - k.position < window
-        keys = cache.chain_slots(sid)[first:p + 1]
-        assert plan.visible[t].nonzero().flatten().tolist() == sorted(keys)
-        k, v = cache.k[0][:, keys], cache.v[0][:, keys]  # (Hkv, K, D)
-        for j in range(g):
-            qr = q[:, t * g + j]  # (Hkv, D)
-            w = torch.softmax((k @ qr[:, :, None])[..., 0] / 8 ** 0.5, dim=-1)
-            torch.testing.assert_close(got[:, t * g + j], (w[..., None] * v).sum(1), atol=1e-12, rtol=1e-12)
+        chain = cache.chain_slots(sid)  # the whole chain: the token's later ones are past p, hidden
+        assert plan.visible[t].nonzero().flatten().tolist() == sorted(chain[first_visible(p, window):p + 1])
+        rows = slice(t * g, t * g + g)  # the token's G query rows
+        want = segment_attention(q[:, rows], cache.k[0], cache.v[0], chain, p, window)
+        torch.testing.assert_close(got[:, rows], want, atol=1e-12, rtol=1e-12)
+        if t == 0:  # one row alone gives that row
+            one = segment_attention(q[:, :1], cache.k[0], cache.v[0], chain, p, window)
+            torch.testing.assert_close(got[:, :1], one, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(masked_attention(q, cache.k[0], cache.v[0], plan), got, atol=1e-12, rtol=1e-12)
 
 
@@ -240,8 +241,6 @@ def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():
 def test_a_window_cuts_blocks_on_the_left_and_skips_blocks_before_it():
     """Position 150 with a window of 100 sees 51 .. 150: block 0 cut on the left (51 .. 63), block 1 whole,
     block 2 cut on the right (128 .. 150); with a window of 23, blocks 0 and 1 are not visited at all."""
-    from minillama.attention import visible_blocks
-
     assert visible_blocks(150, None) == (range(0, 2), [2])
     whole, cut = visible_blocks(150, 100)  # first visible position 51
     assert list(whole) == [1] and cut == [0, 2]
