@@ -83,6 +83,14 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles,
             one = segment_attention(q[:, :1], cache.k[0], cache.v[0], chain, p, window)
             torch.testing.assert_close(got[:, :1], one, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(masked_attention(q, cache.k[0], cache.v[0], plan), got, atol=1e-12, rtol=1e-12)
+    for items in (plan.whole, plan.partial):  # every item holds rows of tokens whose chains hold its keys
+        for i in range(items.count):
+            item = items.item(i)
+            for token in set(item.rows[:, 1].tolist()):
+                chain, p = cache.chain_slots(int(segs[token])), int(poss[token])
+                assert item.slots.tolist() == [chain[x] for x in item.positions.tolist()]
+                if items is plan.whole:
+                    assert first_visible(p, window) <= item.positions.min() and item.positions.max() <= p
 
 
 @settings(max_examples=30, deadline=None)
@@ -165,6 +173,51 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
         assert keys[:5] == cache.segments[w + 1].slots and set(keys[5:]) == {PAD_SLOT}
         assert part.rows[w].tolist()[:3] == [3 * w, 3 * w + 1, 3 * w + 2]
     assert not part.hidden[:40, :3, :5].any() and part.hidden[:40, :3, 5:].all()  # keys 0..4 of block 5 visible
+
+
+def test_the_rule_notices_a_kernel_that_lets_a_question_see_its_sibling():
+    """Negative control for the tolerance check against `segment_attention`: one leaked key fails it."""
+    config = tiny_config(heads=2, kv_heads=1, head_dim=8)
+    cache, segs, poss = layout(config, 70, [6, 5], [], torch.float64)
+    n = len(segs)
+    plan = plan_attention(cache, segs, poss, 2, n_rows=n, tiles=SMALL_TILES, dense=True)
+    q = fill(cache, n, 2, 0, torch.float64)
+    last = n - 1  # the second question's last token
+    chain, p = cache.chain_slots(int(segs[last])), int(poss[last])
+    want = segment_attention(q[:, 2 * last:], cache.k[0], cache.v[0], chain, p)
+    torch.testing.assert_close(masked_attention(q, cache.k[0], cache.v[0], plan)[:, 2 * last:], want,
+                               atol=1e-12, rtol=1e-12)
+    sibling = cache.segments[int(segs[70])].slots[0]  # the first question's first key
+    assert not plan.visible[last, sibling]
+    plan.visible[last, sibling] = True
+    leaked = masked_attention(q, cache.k[0], cache.v[0], plan)[:, 2 * last:]
+    assert (leaked - want).abs().max() > 1e-6
+
+
+def test_an_item_reads_back_as_heads_tokens_and_positions():
+    """`Items.item(i)`: the tile's real rows as (KV head, token, query head) and its block's slots and
+    positions, for a decode step of 5 questions on a 150-token document with two KV heads of 3 query heads."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=8)
+    cache, segs, poss = layout(config, 150, [4, 1, 7, 2, 3], [], decode=True)
+    plan = plan_attention(cache, segs, poss, 3, n_rows=16, tiles=CPU_TILES)
+    doc = cache.segments[0].slots
+    every_row = [[t, g] for t in range(5) for g in range(3)]
+    whole = [plan.whole.item(i) for i in range(plan.whole.count)]
+    # Blocks 0 and 1 of the document, each once per KV head, with all 15 query rows of that head.
+    assert [(it.block, it.rows[:, 0].unique().tolist()) for it in whole[:4]] == [(0, [0]), (0, [1]), (1, [0]), (1, [1])]
+    for it in whole[:4]:
+        assert it.rows[:, 1:].tolist() == every_row
+        assert it.slots.tolist() == doc[it.block * 64:it.block * 64 + 64]
+        assert it.positions.tolist() == list(range(it.block * 64, it.block * 64 + 64))
+    assert all(len(it.rows) == len(it.slots) == 0 for it in whole[4:])  # dummy items: nothing real
+    # Each question's own block 2 (128 .. 153 + its length): the document's tail, then its own tokens.
+    for i in range(10):
+        it = plan.partial.item(i)
+        head, token = i % 2, i // 2  # per question, KV head 0 then 1
+        assert it.block == 2 and it.rows.tolist() == [[head, token, g] for g in range(3)]
+        chain = cache.chain_slots(int(segs[token]))
+        assert it.positions.tolist() == list(range(128, int(poss[token]) + 1))
+        assert it.slots.tolist() == chain[128:int(poss[token]) + 1]
 
 
 def test_blocks_split_at_owners_and_keep_block_order():
