@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .attention import KEY_BLOCK, visible_blocks
+from .attention import KEY_BLOCK, ItemSizes, item_sizes, visible_blocks
 from .cache import PAD_SLOT, KVCache
 from .invariant import Tiles
 
@@ -86,8 +86,8 @@ class AttentionPlan:
 
     positions: torch.Tensor  # (N,)
     group_size: int  # G
-    whole: Items  # blocks the rows see whole: Tiles.full rows per tile
-    partial: Items  # blocks the rows see in part, masked: Tiles.part rows per tile
+    whole: Items  # blocks the rows see whole
+    partial: Items  # blocks the rows see in part, masked
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
 
@@ -103,8 +103,8 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
     layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
     plan = AttentionPlan(positions=positions, group_size=group_size,
-                         whole=_lay_out(layout, whole_groups, tiles.full, tiles.full_batch, masked=False),
-                         partial=_lay_out(layout, partial_groups, tiles.part, tiles.part_batch, masked=True))
+                         whole=_lay_out(layout, whole_groups, item_sizes(tiles, whole=True), masked=False),
+                         partial=_lay_out(layout, partial_groups, item_sizes(tiles, whole=False), masked=True))
     if dense:
         chain_of = {sid: cache.chain(sid) for sid in dict.fromkeys(segment_list)}
         plan.visible = _dense_visibility(cache, chain_of, segment_list, positions.cpu(), window).to(cache.k.device)
@@ -125,21 +125,22 @@ class _Pass:
         self.chains: dict[int, list[int]] = {}  # each segment's chain slots, fetched once
 
 
-def _lay_out(layout: _Pass, groups: Groups, tile: int, batch: int, masked: bool) -> Items:
+def _lay_out(layout: _Pass, groups: Groups, sizes: ItemSizes, masked: bool) -> Items:
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
-    tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, tile,
+    tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, sizes.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
     blocks = np.array([block for _, block in order], dtype=np.int64)  # (groups,)
-    rows, keys, item_blocks = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout, batch)
+    rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
+                                                                 sizes.batch)
     starts = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist()]  # each distinct block's first item
     distinct_blocks = item_blocks[starts].tolist() if item_blocks.size else []
     device = layout.cache.k.device
     hidden = None
     if masked:
-        hidden = torch.from_numpy(partial_mask(block_keys, blocks, tiles_per_group * layout.kv_heads, rows,
-                                               layout.row_positions, layout.window)).to(device)
+        hidden = torch.from_numpy(partial_mask(block_keys, blocks, group_of_item, rows, layout.row_positions,
+                                               layout.window)).to(device)
     return Items(torch.from_numpy(rows).to(device), torch.from_numpy(keys).to(device), hidden,
                  bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
                  group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
@@ -218,9 +219,10 @@ def tile_rows(tokens_per_group: list[list[int]], group_size: int, tile: int,
 # --- 3. every tile against its block, for every KV head, in whole batches -----------------------------
 
 def items_of_every_head(tiles: np.ndarray, tiles_per_group: np.ndarray, block_keys: np.ndarray,
-                        blocks: np.ndarray, layout: _Pass, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(flat rows (I, T), flat keys (I, B), block (I,)) of every item: per group, its tiles for KV head 0,
-    then for head 1, ...; then dummy items (the spare row against the padding slot) to a whole batch."""
+                        blocks: np.ndarray, layout: _Pass, batch: int) -> tuple[np.ndarray, ...]:
+    """(flat rows (I, T), flat keys (I, B), block (I,), group of each real item) of every item: per group,
+    its tiles for KV head 0, then for head 1, ...; then dummy items (the spare row against the padding
+    slot) to a whole batch."""
     items_per_group = layout.kv_heads * tiles_per_group
     group_of_item = np.repeat(np.arange(len(tiles_per_group)), items_per_group)
     in_group = np.arange(group_of_item.size) - (np.cumsum(items_per_group) - items_per_group)[group_of_item]
@@ -234,20 +236,19 @@ def items_of_every_head(tiles: np.ndarray, tiles_per_group: np.ndarray, block_ke
                            np.full((dummies, KEY_BLOCK), PAD_SLOT, dtype=np.int64)])  # (I, B)
     last_block = blocks[-1] if blocks.size else 0  # dummies join the last block
     item_blocks = np.concatenate([blocks[group_of_item], np.full(dummies, last_block, dtype=np.int64)])
-    return rows, keys, item_blocks
+    return rows, keys, item_blocks, group_of_item
 
 
 # --- 4. the mask of a partial block ------------------------------------------------------------------
 
-def partial_mask(block_keys: np.ndarray, blocks: np.ndarray, items_per_group: np.ndarray, rows: np.ndarray,
+def partial_mask(block_keys: np.ndarray, blocks: np.ndarray, group_of_item: np.ndarray, rows: np.ndarray,
                  row_positions: np.ndarray, window: int | None) -> np.ndarray:
     """(I, T, B) True where a key is hidden from a row: past its position, before its window, or padding.
 
     row_positions: the position of every flat query row (-1 for the spare and padded rows: they see
-    nothing); items past sum(items_per_group) are dummies, all hidden.
+    nothing); the items past those of group_of_item are dummies, all hidden.
     """
     key_positions = np.where(block_keys == PAD_SLOT, NEVER, blocks[:, None] * KEY_BLOCK + np.arange(KEY_BLOCK))
-    group_of_item = np.repeat(np.arange(len(items_per_group)), items_per_group)
     dummies = rows.shape[0] - group_of_item.size
     item_keys = np.concatenate([key_positions[group_of_item],
                                 np.full((dummies, KEY_BLOCK), NEVER, dtype=np.int64)])[:, None, :]  # (I, 1, B)
