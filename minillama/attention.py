@@ -1,8 +1,19 @@
-"""Who sees whom, and the batch-invariant attention kernel (a readable reference and the fast version).
+"""Who sees whom, and the batch-invariant attention kernel: the rule, a blocked reference, the fast kernel.
 
-Notation for tensor shapes: N new tokens in this forward pass, H query heads, Hkv key/value heads,
-G = H / Hkv query heads per KV head, D head dim, S cache slots, R = N * G query rows per KV head,
-B keys per block, T query rows per tile, I (tile, block) items.
+Shape notation:
+
+    N    new tokens in the pass (the model pads them to n_rows: model.py)
+    H    query heads;  Hkv  key/value heads;  G = H / Hkv  query heads per KV head
+    D    head dim
+    S    cache slots
+    R    query rows per KV head: n_rows * G, row n * G + g is query head g of token n
+    B    keys per block (KEY_BLOCK)
+    T    query rows per tile
+    I    (query tile, key block) items
+
+The module reads top-down: the rule (`segment_attention`), the blocked order that makes it bit-exact
+(`reference_attention`, one row at a time), the plan of a pass (plan.py) and the fast kernel
+(`blocked_attention`), which a test holds equal to the reference to the bit.
 
 The segment rule (cache.py has the segments). A query token q sees key token k when
 
@@ -22,19 +33,17 @@ another summation order than the reduction over the question's own prompt, and t
 cut into blocks at positions 0, B, 2B, ...:
 
 1. every (row, block) pair is one row of a fixed-shape product: a tile of T query rows against the B keys
-   of one block. Blocks the row sees whole use tiles of `Tiles.full` rows; a block the row sees in part,
-   masked, tiles of `Tiles.part` rows: the block holding the row's own position (cut on the right) and,
-   with a window, the block holding its first visible position (cut on the left; one block may be cut on
-   both sides). Which kind a pair is depends on the row's position only; blocks wholly before the window
-   are not visited.
+   of one block. A block the row sees whole is a *whole* item; a block it sees in part is a *partial*,
+   masked item: the block holding the row's own position (cut on the right) and, with a window, the
+   block holding its first visible position (cut on the left; one block may be cut on both sides). Each
+   kind has its own tile and batch sizes (`item_sizes`). Which kind a pair is depends on the row's
+   position only; blocks wholly before the window are not visited.
 2. the row's maximum score over all its keys is exact (a maximum does not depend on order);
 3. each block gives exp(score - max), its sum and its weighted values; the blocks are added onto zero one
-   after another: the whole blocks in block order, then the cut blocks in block order.
+   after another: the whole blocks in block order, then the partial blocks in block order.
 
 All of this depends only on the row's own logical sequence, so a question gets the same bits packed with a
-thousand others as alone. `reference_attention` does exactly this, one row and one block at a time;
-`blocked_attention` does the same products for the whole pass in a few batched calls, and a test checks
-that the two agree to the bit.
+thousand others as alone.
 
 Sharing (Hydragen): all rows that see the same whole block (the 64 questions of a document, each decoding
 one token) are tiled together, so each tile of 64 query rows meets a document block in one product: the
@@ -43,22 +52,67 @@ document's keys are read once per tile, not once per question.
 
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .cache import PAD_SLOT, KVCache
+from .cache import PAD_SLOT
 from .invariant import Tiles
 
+if TYPE_CHECKING:
+    from .plan import AttentionPlan, Items
+
 KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
-NEVER = torch.iinfo(torch.long).max  # the position of a padding key: never visible
 
 
-# --- the fixed-shape products, shared by the reference and the fast kernel ------------------------------
+def first_visible(position: int, window: int | None) -> int:
+    """The first position of its chain a query at `position` sees (0 without a sliding window)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+# --- 1. the rule: a plain softmax over the keys a token sees --------------------------------------------
+
+def segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chain_slots: list[int],
+                      position: int, window: int | None = None) -> torch.Tensor:
+    """The specification: query rows of one token attend to its chain's keys at the visible positions.
+
+    q: (Hkv, M, D) rows of one token (M = 1 for one row, G for all its query heads); k_cache, v_cache:
+    (Hkv, S, D); chain_slots[i] is the cache slot of position i of the token's chain (KVCache.chain_slots).
+    Returns (Hkv, M, D) in q's dtype, at least float32: given float64, it checks the kernels below to a
+    tolerance (their bits follow the blocked order, not this one).
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    key_positions = torch.arange(len(chain_slots), device=q.device)  # (K,) the chain's keys, by position
+    hidden = (key_positions > position) | (key_positions < first_visible(position, window))
+    slots = torch.tensor(chain_slots, dtype=torch.long, device=q.device)
+    keys, values = k_cache[:, slots].to(acc), v_cache[:, slots].to(acc)  # (Hkv, K, D)
+    scores = q.to(acc) @ keys.transpose(1, 2) / math.sqrt(q.shape[-1])  # (Hkv, M, K)
+    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ values
+
+
+# --- 2. the blocked reference: the same rule in the order that makes it bit-exact, one row at a time --------
+
+def visible_blocks(position: int, window: int | None) -> tuple[range, list[int]]:
+    """The blocks a query at `position` visits: (whole blocks, partial blocks), each in block order."""
+    first = first_visible(position, window)
+    whole = range(-(-first // KEY_BLOCK), (position + 1) // KEY_BLOCK)
+    return whole, [block for block in sorted({first // KEY_BLOCK, position // KEY_BLOCK}) if block not in whole]
+
+
+class ItemSizes(NamedTuple):
+    rows: int  # T: query rows per tile
+    batch: int  # items per batched call
+    chunk: int  # most items whose scores are held at once
+
+
+def item_sizes(tiles: Tiles, whole: bool) -> ItemSizes:
+    """The sizes of whole or partial items (`Tiles` calls the two kinds full and part)."""
+    if whole:
+        return ItemSizes(tiles.full, tiles.full_batch, tiles.full_chunk)
+    return ItemSizes(tiles.part, tiles.part_batch, tiles.part_chunk)
+
 
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
     """out[i] = a[i] @ b[i] for I items, issued as `bmm` calls of exactly `batch` items each.
@@ -68,8 +122,8 @@ def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tens
     (cuBLAS does for a batch of one), so it never follows the size of the pass.
     """
     out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
-    for i in range(0, a.shape[0], batch):
-        torch.bmm(a[i:i + batch], b[i:i + batch], out=out[i:i + batch])
+    for start in range(0, a.shape[0], batch):
+        torch.bmm(a[start:start + batch], b[start:start + batch], out=out[start:start + batch])
     return out
 
 
@@ -80,231 +134,88 @@ def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
     more threads when there are fewer rows), so it too never sees the size of the pass.
     """
     out = e.new_empty(e.shape[0], e.shape[1], 1)
-    for i in range(0, e.shape[0], batch):
-        torch.sum(e[i:i + batch], dim=-1, keepdim=True, out=out[i:i + batch])
+    for start in range(0, e.shape[0], batch):
+        torch.sum(e[start:start + batch], dim=-1, keepdim=True, out=out[start:start + batch])
     return out
 
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, batch: int, hidden: torch.Tensor | None) -> torch.Tensor:
     """(I, T, B) scores of query tiles q (I, T, D) against key blocks k (I, B, D); -inf where `hidden`."""
-    s = batched_products(q, k.transpose(1, 2), batch)
-    return s if hidden is None else s.masked_fill_(hidden, float("-inf"))
+    scores = batched_products(q, k.transpose(1, 2), batch)
+    return scores if hidden is None else scores.masked_fill_(hidden, float("-inf"))
 
 
-def _finite(m: torch.Tensor) -> torch.Tensor:
+def _finite(row_max: torch.Tensor) -> torch.Tensor:
     """Maxima of rows that see nothing (-inf) become 0, so that exp(-inf - 0) = 0 rather than NaN."""
-    return m.nan_to_num(neginf=0.0)
-
-
-# --- the reference: one query row at a time ------------------------------------------------------------
-
-def visible_blocks(p: int, window: int | None) -> tuple[range, list[int]]:
-    """The blocks a query at position p visits: (whole blocks, cut blocks), each in block order."""
-    B = KEY_BLOCK
-    first = 0 if window is None else max(0, p - window + 1)  # the first visible position
-    whole = range(-(-first // B), (p + 1) // B)
-    return whole, [b for b in sorted({first // B, p // B}) if b not in whole]
+    return row_max.nan_to_num(neginf=0.0)
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
                         key_slots: list[list[int]], tiles: Tiles, window: int | None = None) -> torch.Tensor:
     """The blocked rule written for a reader: each query row alone, its logical blocks in order.
 
-    q: (Hkv, N * G, D) query rows (row n * G + i is query head i of token n); k_cache, v_cache: (Hkv, S, D);
+    q: (Hkv, N * G, D) query rows (row n * G + g is query head g of token n); k_cache, v_cache: (Hkv, S, D);
     positions[n] and key_slots[n] (the cache slots of positions 0 .. positions[n] of token n's chain);
     `window`: the sliding window, None for none. Returns (Hkv, N * G, D). The row is placed in a tile of
     zeros, and the tile in a batch of dummy items, so that every product has the shape the fast kernel gives
     it: the bits are the same.
     """
-    hkv, r, d = q.shape
+    hkv, rows, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)
-    B, g = KEY_BLOCK, r // max(len(positions), 1)
-    out = q.new_zeros(hkv, r, d, dtype=acc)
-    for h in range(hkv):
-        for row in range(r):
-            n = row // g
-            p, slots = positions[n], key_slots[n]
-            first = 0 if window is None else max(0, p - window + 1)
-            whole_blocks, cut_blocks = visible_blocks(p, window)
+    B, G = KEY_BLOCK, rows // max(len(positions), 1)
+    out = q.new_zeros(hkv, rows, d, dtype=acc)
+    for head in range(hkv):
+        for row in range(rows):
+            position, slots = positions[row // G], key_slots[row // G]
+            first = first_visible(position, window)
+            whole_blocks, partial_blocks = visible_blocks(position, window)
             scores, values = [], []
-            for b in [*whole_blocks, *cut_blocks]:  # the order the blocks are added in
-                whole = b in whole_blocks  # the row sees every key of block b
-                t, batch = (tiles.full, tiles.full_batch) if whole else (tiles.part, tiles.part_batch)
-                blk = torch.tensor(slots[b * B:b * B + B] + [PAD_SLOT] * max(0, b * B + B - len(slots)))
-                qt = q.new_zeros(batch, t, d, dtype=acc)
-                qt[0, 0] = q[h, row].to(acc) * (1.0 / math.sqrt(d))
-                kb = k_cache.new_zeros(batch, B, d, dtype=acc)
-                kb[0] = k_cache[h, blk].to(acc)
-                vb = torch.zeros_like(kb)
-                vb[0] = v_cache[h, blk].to(acc)
-                key_pos = torch.arange(b * B, b * B + B, device=q.device)
-                hidden = None if whole else ((key_pos > p) | (key_pos < first)).expand(batch, t, B)
-                scores.append(_block_scores(qt, kb, batch, hidden))
-                values.append(vb)
-            m = _finite(torch.stack([s[0, 0].max() for s in scores]).max())  # the row's exact maximum
-            o, l_sum = q.new_zeros(d, dtype=acc), q.new_zeros((), dtype=acc)
-            for s, vb in zip(scores, values):
-                e = (s - m).exp()  # (batch, t, B), the row in [0, 0]
-                o = o + batched_products(e, vb, vb.shape[0])[0, 0]
-                l_sum = l_sum + batched_row_sums(e, vb.shape[0])[0, 0, 0]
-            out[h, row] = o / l_sum
+            for block in [*whole_blocks, *partial_blocks]:  # the order the blocks are added in
+                whole = block in whole_blocks  # the row sees every key of the block
+                tile, batch, _ = item_sizes(tiles, whole)
+                padding = [PAD_SLOT] * max(0, block * B + B - len(slots))
+                block_slots = torch.tensor(slots[block * B:block * B + B] + padding)  # (B,)
+                q_tile = q.new_zeros(batch, tile, d, dtype=acc)  # (batch, T, D): the row at [0, 0]
+                q_tile[0, 0] = q[head, row].to(acc) * (1.0 / math.sqrt(d))
+                k_block = k_cache.new_zeros(batch, B, d, dtype=acc)  # (batch, B, D): the block at [0]
+                k_block[0] = k_cache[head, block_slots].to(acc)
+                v_block = torch.zeros_like(k_block)
+                v_block[0] = v_cache[head, block_slots].to(acc)
+                key_positions = torch.arange(block * B, block * B + B, device=q.device)
+                cut = (key_positions > position) | (key_positions < first)  # (B,) keys a partial block hides
+                hidden = None if whole else cut.expand(batch, tile, B)
+                scores.append(_block_scores(q_tile, k_block, batch, hidden))
+                values.append(v_block)
+            row_max = _finite(torch.stack([s[0, 0].max() for s in scores]).max())  # the row's exact maximum
+            weighted, total = q.new_zeros(d, dtype=acc), q.new_zeros((), dtype=acc)
+            for block_scores, v_block in zip(scores, values):
+                e = (block_scores - row_max).exp()  # (batch, T, B), the row at [0, 0]
+                weighted = weighted + batched_products(e, v_block, v_block.shape[0])[0, 0]
+                total = total + batched_row_sums(e, v_block.shape[0])[0, 0, 0]
+            out[head, row] = weighted / total
     return out
 
 
-# --- the fast kernel: the same products for the whole pass ----------------------------------------------
+# --- 3. the plan: plan.py lays out a pass's (query tile, key block) items for the kernel below -------------
 
-@dataclass
-class Items:
-    """(query tile, key block) items of one kind, padded to whole batches, sorted by block.
-
-    Rows and keys are flat indices, so one gather fetches the tiles of every KV head: query row r of KV
-    head h is `h * (R + 1) + r`, the spare row `R` of head 0 pads tiles; key slot s of head h is `h * S + s`.
-    """
-
-    rows: torch.Tensor  # (I, T) flat query rows
-    keys: torch.Tensor  # (I, B) flat key slots; PAD_SLOT (always zeros) pads a block
-    hidden: torch.Tensor | None  # (I, T, B) True where the key is not visible; None: whole blocks
-    bounds: list[int]  # items of the k-th distinct block are bounds[k] .. bounds[k + 1]
-
-    @property
-    def count(self) -> int:
-        return self.rows.shape[0]
-
-
-@dataclass
-class AttentionPlan:
-    """What attention needs for one forward pass, shared by all layers."""
-
-    positions: torch.Tensor  # (N,)
-    group_size: int  # G
-    whole: Items  # blocks the rows see whole: Tiles.full rows per tile
-    partial: Items  # each row's own, masked block (its last): Tiles.part rows per tile
-    # Dense masked path (negative control): visible cache slots of each token.
-    visible: torch.Tensor | None = None  # (N, S) bool
-
-
-def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
-                   n_rows: int, tiles: Tiles, dense: bool = False, window: int | None = None) -> AttentionPlan:
-    """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
-
-    `n_rows` >= N is the padded token count the model runs (model.py says why); `window`: the sliding
-    window (config.sliding_window), None for none.
-    """
-    device = cache.k.device
-    seg_list, pos_list = segments.tolist(), positions.tolist()
-    B, G = KEY_BLOCK, group_size
-    hkv, s = cache.k.shape[1], cache.k.shape[2]
-    stride = n_rows * G + 1  # query rows per KV head, the spare row included
-    spare = n_rows * G
-
-    by_seg: dict[int, list[int]] = {}  # new tokens of each segment, in position order
-    for i, sid in enumerate(seg_list):
-        by_seg.setdefault(sid, []).append(i)
-
-    # A query at position p sees whole blocks w .. f - 1 and part of the blocks holding p and its first
-    # visible position, unless they are whole (visible_blocks). Whole block b belongs to the chain segment
-    # holding its last position bB + B - 1 (its "owner"): the queries of all segments under that owner see
-    # the same keys there, so they share tiles.
-    whole: dict[tuple[int, int], list[int]] = {}  # (owner, block) -> tokens that see it whole
-    partial: dict[tuple[int, int], list[int]] = {}  # (segment, block) -> tokens that see part of it
-    for sid, idx in by_seg.items():
-        owners = []  # (segment, first block, end block), root first; sid owns every later block
-        for c in cache.chain(sid):
-            seg = cache.segments[c]
-            if seg.start is not None:
-                owners.append((c, seg.start // B, seg.end // B if c != sid else 1 << 62))
-        for i in idx:
-            whole_blocks, cut_blocks = visible_blocks(pos_list[i], window)
-            for c, a, e in owners:
-                for b in range(max(a, whole_blocks.start), min(e, whole_blocks.stop)):
-                    whole.setdefault((c, b), []).append(i)
-            for b in cut_blocks:
-                partial.setdefault((sid, b), []).append(i)
-
-    chain_slots: dict[int, list[int]] = {}
-
-    def keys_of(sid: int, b: int) -> list[int]:
-        if sid not in chain_slots:
-            chain_slots[sid] = cache.chain_slots(sid)
-        k = chain_slots[sid][b * B:b * B + B]
-        return k + [PAD_SLOT] * (B - len(k))
-
-    def items(groups: dict[tuple[int, int], list[int]], t: int, batch: int, masked: bool) -> Items:
-        """Every group's items in a few whole-pass array ops on the host (numpy), then one transfer each:
-        per group, its tokens' query rows padded to whole tiles with the spare row, each tile against the
-        group's key block, for every KV head (head-major), the groups sorted by block."""
-        order = sorted(groups, key=lambda key: key[1])  # by block; stable, so a block's groups keep their order
-        ng = len(order)
-        n_rows = np.fromiter((len(groups[key]) * G for key in order), dtype=np.int64, count=ng)  # (ng,)
-        nt = -(-n_rows // t)  # tiles per group
-        tok = np.fromiter(itertools.chain.from_iterable(groups[key] for key in order), dtype=np.int64)
-        r = (tok[:, None] * G + np.arange(G)).reshape(-1)  # query rows of every group's tokens, in order
-        grp = np.repeat(np.arange(ng), n_rows)  # the group of each of them
-        tile_start = np.cumsum(nt) - nt  # each group's first tile
-        tiles_flat = np.full(int(nt.sum()) * t, spare, dtype=np.int64)
-        tiles_flat[tile_start[grp] * t + np.arange(r.size) - (np.cumsum(n_rows) - n_rows)[grp]] = r
-        per = hkv * nt  # items per group: its tiles for every KV head
-        ig = np.repeat(np.arange(ng), per)  # the group of each item
-        w = np.arange(ig.size) - (np.cumsum(per) - per)[ig]  # the item's index within its group
-        head, tile = w // nt[ig], tile_start[ig] + w % nt[ig]
-        key_slots = np.array([keys_of(sid, b) for sid, b in order], dtype=np.int64).reshape(ng, B)  # (ng, B)
-        blocks = np.array([b for _, b in order], dtype=np.int64)
-        pad = (-ig.size) % batch  # dummy items: the spare row against the padding slot
-        rows_t = np.concatenate([tiles_flat.reshape(-1, t)[tile] + (head * stride)[:, None],
-                                 np.full((pad, t), spare, dtype=np.int64)])  # (I, T)
-        keys_t = np.concatenate([key_slots[ig] + (head * s)[:, None], np.full((pad, B), PAD_SLOT, dtype=np.int64)])
-        item_blocks = np.concatenate([blocks[ig], np.full(pad, blocks[-1] if ng else 0, dtype=np.int64)])
-        bounds = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist(), int(item_blocks.size)]
-        hidden = None
-        if masked:
-            key_pos = np.where(key_slots == PAD_SLOT, NEVER, blocks[:, None] * B + np.arange(B))  # (ng, B)
-            kp = np.concatenate([key_pos[ig], np.full((pad, B), NEVER, dtype=np.int64)])[:, None, :]  # (I, 1, B)
-            row_pos = np.full((hkv, stride), -1, dtype=np.int64)  # spare and padded rows: position -1
-            row_pos[:, :len(pos_list) * G] = np.repeat(np.asarray(pos_list, dtype=np.int64), G)
-            rp = row_pos.reshape(-1)[rows_t][:, :, None]  # (I, T, 1)
-            hidden_np = kp > rp  # (I, T, B)
-            if window is not None:  # cut on the left too (padding keys, at NEVER, stay hidden)
-                hidden_np |= kp <= rp - window
-            hidden = torch.from_numpy(hidden_np).to(device)
-        return Items(torch.from_numpy(rows_t).to(device), torch.from_numpy(keys_t).to(device), hidden, bounds)
-
-    plan = AttentionPlan(positions=positions, group_size=G,
-                         whole=items(whole, tiles.full, tiles.full_batch, masked=False),
-                         partial=items(partial, tiles.part, tiles.part_batch, masked=True))
-    if dense:
-        chains = {sid: cache.chain(sid) for sid in by_seg}
-        plan.visible = _dense_visibility(cache, chains, seg_list, positions.cpu(), window).to(device)
-    return plan
-
-
-def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], seg_list: list[int],
-                      positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """(N, S) bool: the segment rule (and the window) written out over every cache slot."""
-    s = cache.k.shape[2]
-    slot_seg = torch.full((s,), -1, dtype=torch.long)
-    slot_pos = torch.full((s,), -1, dtype=torch.long)
-    for sid, seg in cache.segments.items():
-        if seg.slots:
-            idx = torch.tensor(seg.slots, dtype=torch.long)
-            slot_seg[idx] = sid
-            slot_pos[idx] = torch.arange(seg.start, seg.end)
-    in_chain = {sid: torch.isin(slot_seg, torch.tensor(ch)) for sid, ch in chains.items()}
-    rows = torch.stack([in_chain[sid] for sid in seg_list])  # (N, S)
-    seen = rows & (slot_pos[None, :] <= positions[:, None]) & (slot_seg[None, :] >= 0)
-    return seen if window is None else seen & (slot_pos[None, :] > positions[:, None] - window)
-
+# --- 4. the fast kernel: the reference's products for the whole pass in a few batched calls ----------------
 
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, terms: torch.Tensor, index_add: bool) -> None:
     """out[rows[i]] += terms[i], each real row at most once per call (the spare row takes the rest).
 
     Either way it is one IEEE addition per element, so the bits do not depend on which way: `index_add_`
-    is one launch (a GPU's choice, `Tiles.index_add`), but on a CPU with 2 threads it runs ~1000x slower
-    than a gather, an add and a plain `index_put_` (measured: 75 ms against 0.07 ms for 2,000 rows of 65).
+    is one launch (a GPU's choice, `Tiles.index_add`), but a CPU's runs orders of magnitude slower with
+    few threads than a gather, an add and a plain `index_put_` (docs/design.md has the measurement).
     """
     if index_add:
         out.index_add_(0, rows, terms)
     else:
         out.index_put_((rows,), out.index_select(0, rows).add_(terms))
+
+
+def _gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """src rows at index (I, n): (I, n, D). index_select copies whole rows (a plain src[index] goes by element)."""
+    return src.index_select(0, index.reshape(-1)).view(*index.shape, src.shape[-1])
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
@@ -314,51 +225,52 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Pass 1 finds each row's exact maximum over all its items; pass 2 takes exp(score - max), its sum and its
     weighted values per item, and adds each row's blocks onto zero in block order (`_add_rows` per block:
     a row meets each block once, so every call adds one term to it). Items are processed in chunks of at
-    most `Tiles.*_chunk` (all at once when a kind has at most `Tiles.keep`); with more than one chunk, pass
+    most `ItemSizes.chunk` (all at once when a kind has at most `Tiles.keep`); with more than one chunk, pass
     2 computes the scores again (the same products, the same bits) rather than hold them all.
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
-    qf = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), q.new_zeros(hkv, 1, d, dtype=acc)], dim=1).view(-1, d)
-    kf, vf = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
-    kinds = [(items, batch, items.count if 0 < items.count <= tiles.keep else chunk)  # see Tiles.keep
-             for items, batch, chunk in ((plan.whole, tiles.full_batch, tiles.full_chunk),
-                                         (plan.partial, tiles.part_batch, tiles.part_chunk))]
-
-    def gather(src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """src rows at idx (I, n): (I, n, D). index_select copies whole rows (a plain src[idx] goes by element)."""
-        return src.index_select(0, idx.reshape(-1)).view(*idx.shape, src.shape[-1])
+    spare = q.new_zeros(hkv, 1, d, dtype=acc)  # row R of each head: pads tiles
+    queries = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), spare], dim=1).view(-1, d)  # (Hkv * (R + 1), D)
+    keys, values = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
+    kinds = []  # (items, batch, chunk) of the whole, then the partial items
+    for items, whole in ((plan.whole, True), (plan.partial, False)):
+        sizes = item_sizes(tiles, whole)
+        kinds.append((items, sizes.batch, items.count if 0 < items.count <= tiles.keep else sizes.chunk))
 
     def scores(items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
         hidden = None if items.hidden is None else items.hidden[lo:hi]
-        return _block_scores(gather(qf, items.rows[lo:hi]), gather(kf, items.keys[lo:hi]).to(acc), batch, hidden)
+        return _block_scores(_gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(acc), batch,
+                             hidden)
 
-    M = qf.new_full((qf.shape[0],), float("-inf"))  # pass 1: each row's maximum
+    row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     kept = []
     for items, batch, chunk in kinds:
-        s = None
+        chunk_scores = None
         for lo in range(0, items.count, chunk):
-            s = scores(items, lo, min(lo + chunk, items.count), batch)
-            M.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), s.amax(dim=-1).reshape(-1), "amax")
-        kept.append(s if items.count <= chunk else None)
-    m = _finite(M)
+            chunk_scores = scores(items, lo, min(lo + chunk, items.count), batch)
+            row_max.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), chunk_scores.amax(dim=-1).reshape(-1),
+                                    "amax")
+        kept.append(chunk_scores if items.count <= chunk else None)
+    row_max = _finite(row_max)
 
-    O = qf.new_zeros(qf.shape[0], d + 1)  # pass 2: weighted values and, in column D, the softmax sum
-    for (items, batch, chunk), s_kept in zip(kinds, kept):
+    sums = queries.new_zeros(queries.shape[0], d + 1)  # pass 2: weighted values and, in column D, the softmax sum
+    for (items, batch, chunk), kept_scores in zip(kinds, kept):
         for lo in range(0, items.count, chunk):
             hi = min(lo + chunk, items.count)
-            s = s_kept if s_kept is not None else scores(items, lo, hi, batch)
+            chunk_scores = kept_scores if kept_scores is not None else scores(items, lo, hi, batch)
             rows = items.rows[lo:hi]
-            e = s.sub_(m.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B); hidden: 0
-            o = torch.cat([batched_products(e, gather(vf, items.keys[lo:hi]).to(acc), batch),
-                           batched_row_sums(e, batch)], dim=-1)  # (I, T, D + 1)
-            for a, b in zip(items.bounds, items.bounds[1:]):  # one block after another
-                a, b = max(a, lo), min(b, hi)
-                if a < b:
-                    _add_rows(O, rows[a - lo:b - lo].reshape(-1), o[a - lo:b - lo].view(-1, d + 1), tiles.index_add)
-    O = O.view(hkv, r + 1, d + 1)[:, :r]
+            e = chunk_scores.sub_(row_max.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B)
+            terms = torch.cat([batched_products(e, _gather(values, items.keys[lo:hi]).to(acc), batch),
+                               batched_row_sums(e, batch)], dim=-1)  # (I, T, D + 1)
+            for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another
+                first, end = max(first, lo), min(end, hi)
+                if first < end:
+                    _add_rows(sums, rows[first - lo:end - lo].reshape(-1), terms[first - lo:end - lo].view(-1, d + 1),
+                              tiles.index_add)
+    sums = sums.view(hkv, r + 1, d + 1)[:, :r]  # (Hkv, R, D + 1)
     # Padded token rows saw nothing (sum 0): the floor keeps them 0 rather than 0/0.
-    return O[..., :d] / O[..., d:].clamp_min(torch.finfo(acc).tiny)
+    return sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(acc).tiny)
 
 
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

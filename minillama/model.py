@@ -25,10 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import AttentionPlan, blocked_attention, masked_attention, plan_attention
+from .attention import blocked_attention, masked_attention
 from .cache import KVCache
 from .config import LlamaConfig
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
+from .plan import AttentionPlan, plan_attention
 from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
 
 

@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import (KEY_BLOCK, blocked_attention, masked_attention, plan_attention,
-                                 reference_attention)
+from minillama.attention import (KEY_BLOCK, blocked_attention, first_visible, masked_attention, reference_attention,
+                                 segment_attention, visible_blocks)
 from minillama.audit import Launches
 from minillama.cache import PAD_SLOT, KVCache
 from minillama.invariant import CPU_TILES, Tiles
+from minillama.plan import plan_attention
 from tiny import DEVICE, SMALL_TILES, tiny_config
 
 TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, full=8, part=8, full_batch=2, part_batch=2,
@@ -70,18 +71,26 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles,
     q = fill(cache, n, g, seed, torch.float64)
     got = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
 
-    # Reference: per query, softmax over exactly the keys the segment rule (and window) allow, in float64.
+    # The rule: per token, one softmax over exactly the keys the segment rule (and window) allow, in float64.
     for t in range(n):
         sid, p = int(segs[t]), int(poss[t])
-        first = 0 if window is None else max(0, p - window + 1)  # q.position - k.position < window
-        keys = cache.chain_slots(sid)[first:p + 1]
-        assert plan.visible[t].nonzero().flatten().tolist() == sorted(keys)
-        k, v = cache.k[0][:, keys], cache.v[0][:, keys]  # (Hkv, K, D)
-        for j in range(g):
-            qr = q[:, t * g + j]  # (Hkv, D)
-            w = torch.softmax((k @ qr[:, :, None])[..., 0] / 8 ** 0.5, dim=-1)
-            torch.testing.assert_close(got[:, t * g + j], (w[..., None] * v).sum(1), atol=1e-12, rtol=1e-12)
+        chain = cache.chain_slots(sid)  # the whole chain: the token's later ones are past p, hidden
+        assert plan.visible[t].nonzero().flatten().tolist() == sorted(chain[first_visible(p, window):p + 1])
+        rows = slice(t * g, t * g + g)  # the token's G query rows
+        want = segment_attention(q[:, rows], cache.k[0], cache.v[0], chain, p, window)
+        torch.testing.assert_close(got[:, rows], want, atol=1e-12, rtol=1e-12)
+        if t == 0:  # one row alone gives that row
+            one = segment_attention(q[:, :1], cache.k[0], cache.v[0], chain, p, window)
+            torch.testing.assert_close(got[:, :1], one, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(masked_attention(q, cache.k[0], cache.v[0], plan), got, atol=1e-12, rtol=1e-12)
+    for items in (plan.whole, plan.partial):  # every item holds rows of tokens whose chains hold its keys
+        for i in range(items.count):
+            item = items.item(i)
+            for token in set(item.rows[:, 1].tolist()):
+                chain, p = cache.chain_slots(int(segs[token])), int(poss[token])
+                assert item.slots.tolist() == [chain[x] for x in item.positions.tolist()]
+                if items is plan.whole:
+                    assert first_visible(p, window) <= item.positions.min() and item.positions.max() <= p
 
 
 @settings(max_examples=30, deadline=None)
@@ -166,6 +175,51 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
     assert not part.hidden[:40, :3, :5].any() and part.hidden[:40, :3, 5:].all()  # keys 0..4 of block 5 visible
 
 
+def test_the_rule_notices_a_kernel_that_lets_a_question_see_its_sibling():
+    """Negative control for the tolerance check against `segment_attention`: one leaked key fails it."""
+    config = tiny_config(heads=2, kv_heads=1, head_dim=8)
+    cache, segs, poss = layout(config, 70, [6, 5], [], torch.float64)
+    n = len(segs)
+    plan = plan_attention(cache, segs, poss, 2, n_rows=n, tiles=SMALL_TILES, dense=True)
+    q = fill(cache, n, 2, 0, torch.float64)
+    last = n - 1  # the second question's last token
+    chain, p = cache.chain_slots(int(segs[last])), int(poss[last])
+    want = segment_attention(q[:, 2 * last:], cache.k[0], cache.v[0], chain, p)
+    torch.testing.assert_close(masked_attention(q, cache.k[0], cache.v[0], plan)[:, 2 * last:], want,
+                               atol=1e-12, rtol=1e-12)
+    sibling = cache.segments[int(segs[70])].slots[0]  # the first question's first key
+    assert not plan.visible[last, sibling]
+    plan.visible[last, sibling] = True
+    leaked = masked_attention(q, cache.k[0], cache.v[0], plan)[:, 2 * last:]
+    assert (leaked - want).abs().max() > 1e-6
+
+
+def test_an_item_reads_back_as_heads_tokens_and_positions():
+    """`Items.item(i)`: the tile's real rows as (KV head, token, query head) and its block's slots and
+    positions, for a decode step of 5 questions on a 150-token document with two KV heads of 3 query heads."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=8)
+    cache, segs, poss = layout(config, 150, [4, 1, 7, 2, 3], [], decode=True)
+    plan = plan_attention(cache, segs, poss, 3, n_rows=16, tiles=CPU_TILES)
+    doc = cache.segments[0].slots
+    every_row = [[t, g] for t in range(5) for g in range(3)]
+    whole = [plan.whole.item(i) for i in range(plan.whole.count)]
+    # Blocks 0 and 1 of the document, each once per KV head, with all 15 query rows of that head.
+    assert [(it.block, it.rows[:, 0].unique().tolist()) for it in whole[:4]] == [(0, [0]), (0, [1]), (1, [0]), (1, [1])]
+    for it in whole[:4]:
+        assert it.rows[:, 1:].tolist() == every_row
+        assert it.slots.tolist() == doc[it.block * 64:it.block * 64 + 64]
+        assert it.positions.tolist() == list(range(it.block * 64, it.block * 64 + 64))
+    assert all(len(it.rows) == len(it.slots) == 0 for it in whole[4:])  # dummy items: nothing real
+    # Each question's own block 2 (128 .. 153 + its length): the document's tail, then its own tokens.
+    for i in range(10):
+        it = plan.partial.item(i)
+        head, token = i % 2, i // 2  # per question, KV head 0 then 1
+        assert it.block == 2 and it.rows.tolist() == [[head, token, g] for g in range(3)]
+        chain = cache.chain_slots(int(segs[token]))
+        assert it.positions.tolist() == list(range(128, int(poss[token]) + 1))
+        assert it.slots.tolist() == chain[128:int(poss[token]) + 1]
+
+
 def test_blocks_split_at_owners_and_keep_block_order():
     """A question longer than a block owns that block: its rows see the document's blocks, then their own."""
     config = tiny_config(heads=2, kv_heads=1, head_dim=8)
@@ -240,8 +294,6 @@ def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():
 def test_a_window_cuts_blocks_on_the_left_and_skips_blocks_before_it():
     """Position 150 with a window of 100 sees 51 .. 150: block 0 cut on the left (51 .. 63), block 1 whole,
     block 2 cut on the right (128 .. 150); with a window of 23, blocks 0 and 1 are not visited at all."""
-    from minillama.attention import visible_blocks
-
     assert visible_blocks(150, None) == (range(0, 2), [2])
     whole, cut = visible_blocks(150, 100)  # first visible position 51
     assert list(whole) == [1] and cut == [0, 2]

@@ -1,0 +1,275 @@
+"""The plan of one forward pass's blocked attention: which query rows meet which key blocks, in what tiles.
+
+attention.py states the rule and the blocked order a row's keys are added in; this module lays out the
+pass so that `attention.blocked_attention` can issue every (query tile, key block) product in a few
+fixed-shape batched calls. Shape letters are attention.py's (N, G, S, R, B, T, I); the plan is built on
+the host with whole-pass numpy operations and moved to the device once per tensor, so its cost does not
+grow with the number of groups (tests/test_signatures.py counts a decode step's launches).
+
+The steps, one function each:
+
+1. `group_tokens`: group the pass's tokens by the key blocks they see, whole blocks by (owner, block) and
+   partial blocks by (segment, block);
+2. `tile_rows`: lay each group's query rows into tiles of T rows, the last one padded with the spare row;
+3. `items_of_every_head`: every tile against its group's key block, once per KV head, padded to whole
+   batches with dummy items;
+4. `partial_mask`: the mask of the partial blocks (the keys past the row's position, or before its
+   window).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .attention import KEY_BLOCK, ItemSizes, item_sizes, visible_blocks
+from .cache import PAD_SLOT, KVCache
+from .invariant import Tiles
+
+NEVER = np.iinfo(np.int64).max  # the position of a padding key: never visible
+Groups = dict[tuple[int, int], list[int]]  # (segment, block) -> the pass's tokens in that group, in order
+
+
+class Item(NamedTuple):
+    """One (query tile, key block) item read back in the pass's own terms, padding left out."""
+
+    block: int  # the key block: logical positions block * B .. block * B + B - 1
+    rows: torch.Tensor  # (n, 3) the tile's query rows as (KV head, token, query head within the group)
+    slots: torch.Tensor  # (k,) the block's cache slots, in position order
+    positions: torch.Tensor  # (k,) their logical positions
+
+
+@dataclass
+class Items:
+    """(query tile, key block) items of one kind (whole or partial), padded to whole batches, sorted by block.
+
+    Rows and keys are flat indices, so one gather fetches the tiles of every KV head: query row r of KV
+    head h is `h * (R + 1) + r`, the spare row `R` of head 0 pads tiles; key slot s of head h is `h * S + s`.
+    `item(i)` reads item i back as KV heads, tokens and positions.
+    """
+
+    rows: torch.Tensor  # (I, T) flat query rows
+    keys: torch.Tensor  # (I, B) flat key slots; PAD_SLOT (always zeros) pads a block
+    hidden: torch.Tensor | None  # (I, T, B) True where the key is not visible; None: whole blocks
+    bounds: list[int]  # items of the k-th distinct block are bounds[k] .. bounds[k + 1]
+    blocks: list[int]  # the k-th distinct block
+    group_size: int  # G
+    row_stride: int  # R + 1: flat query rows per KV head, the spare row included
+    key_stride: int  # S: flat key slots per KV head
+
+    @property
+    def count(self) -> int:
+        return self.rows.shape[0]
+
+    def item(self, i: int) -> Item:
+        """Item i: its block, the query rows of its tile and the keys of its block (a dummy item has none)."""
+        block = self.blocks[bisect.bisect_right(self.bounds, i) - 1]
+        keys = self.keys[i].cpu()
+        head = int(keys[0]) // self.key_stride  # every row and key of an item is of one KV head
+        rows = self.rows[i].cpu() % self.row_stride
+        rows = rows[rows != self.row_stride - 1]  # the spare row pads a tile
+        slots = keys % self.key_stride
+        slots = slots[slots != PAD_SLOT]  # padding only follows a chain's last key
+        heads = torch.full_like(rows, head)
+        return Item(block, torch.stack([heads, rows // self.group_size, rows % self.group_size], dim=1),
+                    slots, block * KEY_BLOCK + torch.arange(len(slots)))
+
+
+@dataclass
+class AttentionPlan:
+    """What attention needs for one forward pass, shared by all layers."""
+
+    positions: torch.Tensor  # (N,)
+    group_size: int  # G
+    whole: Items  # blocks the rows see whole
+    partial: Items  # blocks the rows see in part, masked
+    # Dense masked path (negative control): visible cache slots of each token.
+    visible: torch.Tensor | None = None  # (N, S) bool
+
+
+def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
+                   n_rows: int, tiles: Tiles, dense: bool = False, window: int | None = None) -> AttentionPlan:
+    """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
+
+    `n_rows` >= N is the padded token count the model runs (model.py says why); `window`: the sliding
+    window (config.sliding_window), None for none.
+    """
+    segment_list, position_list = segments.tolist(), positions.tolist()
+    whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
+    layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
+    plan = AttentionPlan(positions=positions, group_size=group_size,
+                         whole=_lay_out(layout, whole_groups, item_sizes(tiles, whole=True), masked=False),
+                         partial=_lay_out(layout, partial_groups, item_sizes(tiles, whole=False), masked=True))
+    if dense:
+        chain_of = {sid: cache.chain(sid) for sid in dict.fromkeys(segment_list)}
+        plan.visible = _dense_visibility(cache, chain_of, segment_list, positions.cpu(), window).to(cache.k.device)
+    return plan
+
+
+class _Pass:
+    """What laying out items needs to know of the pass besides its groups."""
+
+    def __init__(self, cache: KVCache, position_list: list[int], group_size: int, row_stride: int,
+                 window: int | None):
+        self.cache, self.group_size, self.row_stride, self.window = cache, group_size, row_stride, window
+        self.kv_heads, self.key_stride = cache.k.shape[1], cache.k.shape[2]  # Hkv, S
+        row_positions = np.full((self.kv_heads, row_stride), -1, dtype=np.int64)  # spare, padded rows: -1
+        row_positions[:, :len(position_list) * group_size] = np.repeat(np.asarray(position_list, dtype=np.int64),
+                                                                       group_size)
+        self.row_positions = row_positions.reshape(-1)  # (Hkv * (R + 1),) the position of each flat query row
+        self.chains: dict[int, list[int]] = {}  # each segment's chain slots, fetched once
+
+
+def _lay_out(layout: _Pass, groups: Groups, sizes: ItemSizes, masked: bool) -> Items:
+    """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor."""
+    order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
+    tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, sizes.rows,
+                                       spare=layout.row_stride - 1)
+    block_keys = _block_keys(layout, order)  # (groups, B)
+    blocks = np.array([block for _, block in order], dtype=np.int64)  # (groups,)
+    rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
+                                                                 sizes.batch)
+    starts = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist()]  # each distinct block's first item
+    distinct_blocks = item_blocks[starts].tolist() if item_blocks.size else []
+    device = layout.cache.k.device
+    hidden = None
+    if masked:
+        hidden = torch.from_numpy(partial_mask(block_keys, blocks, group_of_item, rows, layout.row_positions,
+                                               layout.window)).to(device)
+    return Items(torch.from_numpy(rows).to(device), torch.from_numpy(keys).to(device), hidden,
+                 bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
+                 group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
+
+
+# --- 1. group the tokens by the blocks they see ------------------------------------------------------
+
+def group_tokens(cache: KVCache, segment_list: list[int], position_list: list[int],
+                 window: int | None) -> tuple[Groups, Groups]:
+    """(whole groups, partial groups): the pass's tokens by the key blocks they see whole or in part.
+
+    A query at position p sees whole blocks and part of the blocks holding p and its first visible
+    position (`visible_blocks`). Whole block b belongs to the chain segment holding its last position
+    bB + B - 1 (its "owner"): the queries of all segments under that owner see the same keys there, so
+    they share a group, and tiles. A partial block is its segment's own: the mask follows each row.
+    """
+    by_segment: dict[int, list[int]] = {}  # the pass's tokens of each segment, in position order
+    for token, sid in enumerate(segment_list):
+        by_segment.setdefault(sid, []).append(token)
+    whole: Groups = {}
+    partial: Groups = {}
+    for sid, tokens in by_segment.items():
+        owners = _block_owners(cache, sid)
+        for token in tokens:
+            whole_blocks, partial_blocks = visible_blocks(position_list[token], window)
+            for owner, first, end in owners:
+                for block in range(max(first, whole_blocks.start), min(end, whole_blocks.stop)):
+                    whole.setdefault((owner, block), []).append(token)
+            for block in partial_blocks:
+                partial.setdefault((sid, block), []).append(token)
+    return whole, partial
+
+
+def _block_owners(cache: KVCache, sid: int) -> list[tuple[int, int, int]]:
+    """(segment, first block, end block) of each segment of sid's chain, root first: a segment owns the
+    blocks whose last position it holds; sid owns every block after its parent's."""
+    owners = []
+    for segment in cache.chain(sid):
+        held = cache.segments[segment]
+        if held.start is not None:
+            end = held.end // KEY_BLOCK if segment != sid else 1 << 62
+            owners.append((segment, held.start // KEY_BLOCK, end))
+    return owners
+
+
+def _block_keys(layout: _Pass, order: list[tuple[int, int]]) -> np.ndarray:
+    """(groups, B) the cache slots of each group's key block, padded with PAD_SLOT past its chain's end."""
+    keys = []
+    for sid, block in order:
+        if sid not in layout.chains:
+            layout.chains[sid] = layout.cache.chain_slots(sid)
+        slots = layout.chains[sid][block * KEY_BLOCK:(block + 1) * KEY_BLOCK]
+        keys.append(slots + [PAD_SLOT] * (KEY_BLOCK - len(slots)))
+    return np.array(keys, dtype=np.int64).reshape(len(order), KEY_BLOCK)
+
+
+# --- 2. lay each group's rows into tiles -------------------------------------------------------------
+
+def tile_rows(tokens_per_group: list[list[int]], group_size: int, tile: int,
+              spare: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's query rows (G per token, row n * G + g) in tiles of `tile` rows, groups one after
+    another, each group's last tile padded with the `spare` row. Returns (tiles (tiles, T), tiles per group)."""
+    rows_per_group = np.fromiter((len(tokens) * group_size for tokens in tokens_per_group), dtype=np.int64,
+                                 count=len(tokens_per_group))  # (groups,)
+    tiles_per_group = -(-rows_per_group // tile)
+    tokens = np.fromiter(itertools.chain.from_iterable(tokens_per_group), dtype=np.int64)
+    rows = (tokens[:, None] * group_size + np.arange(group_size)).reshape(-1)  # every group's rows, in order
+    group_of_row = np.repeat(np.arange(len(tokens_per_group)), rows_per_group)
+    first_tile = np.cumsum(tiles_per_group) - tiles_per_group
+    first_row = np.cumsum(rows_per_group) - rows_per_group
+    tiles = np.full(int(tiles_per_group.sum()) * tile, spare, dtype=np.int64)
+    tiles[first_tile[group_of_row] * tile + np.arange(rows.size) - first_row[group_of_row]] = rows
+    return tiles.reshape(-1, tile), tiles_per_group
+
+
+# --- 3. every tile against its block, for every KV head, in whole batches -----------------------------
+
+def items_of_every_head(tiles: np.ndarray, tiles_per_group: np.ndarray, block_keys: np.ndarray,
+                        blocks: np.ndarray, layout: _Pass, batch: int) -> tuple[np.ndarray, ...]:
+    """(flat rows (I, T), flat keys (I, B), block (I,), group of each real item) of every item: per group,
+    its tiles for KV head 0, then for head 1, ...; then dummy items (the spare row against the padding
+    slot) to a whole batch."""
+    items_per_group = layout.kv_heads * tiles_per_group
+    group_of_item = np.repeat(np.arange(len(tiles_per_group)), items_per_group)
+    in_group = np.arange(group_of_item.size) - (np.cumsum(items_per_group) - items_per_group)[group_of_item]
+    head = in_group // tiles_per_group[group_of_item]
+    tile = (np.cumsum(tiles_per_group) - tiles_per_group)[group_of_item] + in_group % tiles_per_group[group_of_item]
+    dummies = (-group_of_item.size) % batch
+    spare = layout.row_stride - 1
+    rows = np.concatenate([tiles[tile] + (head * layout.row_stride)[:, None],
+                           np.full((dummies, tiles.shape[1]), spare, dtype=np.int64)])  # (I, T)
+    keys = np.concatenate([block_keys[group_of_item] + (head * layout.key_stride)[:, None],
+                           np.full((dummies, KEY_BLOCK), PAD_SLOT, dtype=np.int64)])  # (I, B)
+    last_block = blocks[-1] if blocks.size else 0  # dummies join the last block
+    item_blocks = np.concatenate([blocks[group_of_item], np.full(dummies, last_block, dtype=np.int64)])
+    return rows, keys, item_blocks, group_of_item
+
+
+# --- 4. the mask of a partial block ------------------------------------------------------------------
+
+def partial_mask(block_keys: np.ndarray, blocks: np.ndarray, group_of_item: np.ndarray, rows: np.ndarray,
+                 row_positions: np.ndarray, window: int | None) -> np.ndarray:
+    """(I, T, B) True where a key is hidden from a row: past its position, before its window, or padding.
+
+    row_positions: the position of every flat query row (-1 for the spare and padded rows: they see
+    nothing); the items past those of group_of_item are dummies, all hidden.
+    """
+    key_positions = np.where(block_keys == PAD_SLOT, NEVER, blocks[:, None] * KEY_BLOCK + np.arange(KEY_BLOCK))
+    dummies = rows.shape[0] - group_of_item.size
+    item_keys = np.concatenate([key_positions[group_of_item],
+                                np.full((dummies, KEY_BLOCK), NEVER, dtype=np.int64)])[:, None, :]  # (I, 1, B)
+    item_rows = row_positions[rows][:, :, None]  # (I, T, 1)
+    hidden = item_keys > item_rows  # (I, T, B)
+    if window is not None:  # cut on the left too (padding keys, at NEVER, stay hidden)
+        hidden |= item_keys <= item_rows - window
+    return hidden
+
+
+def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], segment_list: list[int],
+                      positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(N, S) bool: the segment rule (and the window) written out over every cache slot."""
+    slot_segment = torch.full((cache.k.shape[2],), -1, dtype=torch.long)  # (S,)
+    slot_position = torch.full((cache.k.shape[2],), -1, dtype=torch.long)  # (S,)
+    for sid, held in cache.segments.items():
+        if held.slots:
+            index = torch.tensor(held.slots, dtype=torch.long)
+            slot_segment[index] = sid
+            slot_position[index] = torch.arange(held.start, held.end)
+    in_chain = {sid: torch.isin(slot_segment, torch.tensor(chain)) for sid, chain in chains.items()}
+    rows = torch.stack([in_chain[sid] for sid in segment_list])  # (N, S)
+    seen = rows & (slot_position[None, :] <= positions[:, None]) & (slot_segment[None, :] >= 0)
+    return seen if window is None else seen & (slot_position[None, :] > positions[:, None] - window)
