@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 from .checks import check_jobs
 from .errors import BadInput
@@ -43,6 +44,25 @@ def lines(text: str) -> list[str]:
     return text.split("\n")
 
 
+def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
+                 expected: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, object) for each non-blank line of JSON Lines text; lines end at \\n only (`lines`). A line
+    that is not a JSON object raises `error` naming where (`where(line number)`) and what was `expected`."""
+    for n, line in enumerate(lines(text), 1):
+        if not line.strip():
+            continue
+        at = where(n)
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise error(f"{at}: not JSON ({e})") from None
+        except RecursionError:
+            raise error(f"{at}: JSON nested too deeply to read") from None
+        if not isinstance(obj, dict):
+            raise error(f"{at}: expected {expected}")
+        yield at, obj
+
+
 def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(document, questions) pairs from --doc/--questions or --input."""
     if args.input is None:
@@ -54,18 +74,8 @@ def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             raise BadInput(f"--questions {args.questions}: no questions (one per line)")
         return [(doc, questions)]
     jobs = []
-    for n, line in enumerate(lines(read_text(args.input, "--input")), 1):
-        if not line.strip():
-            continue
-        where = f"--input {args.input}, line {n}"
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise BadInput(f"{where}: not JSON ({e})") from None
-        except RecursionError:
-            raise BadInput(f"{where}: JSON nested too deeply to read") from None
-        if not isinstance(obj, dict):
-            raise BadInput(f'{where}: expected an object {{"doc": ..., "questions": [...]}}')
+    for where, obj in json_objects(read_text(args.input, "--input"), lambda n: f"--input {args.input}, line {n}",
+                                   BadInput, 'an object {"doc": ..., "questions": [...]}'):
         extra = sorted(set(obj) - {"doc", "questions"})
         if extra:
             raise BadInput(f"{where}: unknown key {extra[0]!r} (expected doc and questions)")

@@ -35,6 +35,7 @@ import torch
 
 from ..files import json_text, write_file
 from ..generate import Answer, SamplingParams, generate, shared_prefix_length
+from ..inputs import json_objects
 from ..model import Llama
 from .backends import MinillamaBackend
 from .schema import QuestionRecord, Record, RecordError
@@ -213,18 +214,7 @@ def _load_jsonl(p: Path) -> Record:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"{p}: not a readable UTF-8 text file ({e})") from None
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{p}:{n}"
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise RecordError(f"{where}: not JSON ({e})") from None
-        except RecursionError:
-            raise RecordError(f"{where}: not JSON this program can read (nested too deeply)") from None
-        if not isinstance(obj, dict):
-            raise RecordError(f"{where}: expected an object with token_ids")
+    for where, obj in json_objects(text, lambda n: f"{p}:{n}", RecordError, "an object with token_ids"):
         unknown = sorted(set(obj) - JSONL_KEYS)
         if unknown:
             raise RecordError(f"{where}: unknown key {unknown[0]!r} (expected {', '.join(sorted(JSONL_KEYS))})")
