@@ -105,6 +105,14 @@ class Kernels:
         return self.tiles or default_tiles(device)
 
 
+def _whole_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
+    """x (..., K) as rows (M_pad, K), zero rows appended up to a whole number of tiles, and M."""
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    m = rows.shape[0]
+    pad = (-m) % tile
+    return (torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows), m
+
+
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
     """`x @ weight.T` for x (..., K) and weight (N, K), one fixed (tile, K) x (K, N) `mm` per tile of rows.
 
@@ -113,11 +121,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
     """
     *lead, k = x.shape
     n = weight.shape[0]
-    rows = x.reshape(-1, k)  # (M, K)
-    m = rows.shape[0]
-    pad = (-m) % tile
-    if pad:
-        rows = torch.cat([rows, rows.new_zeros(pad, k)])
+    rows, m = _whole_tiles(x, tile)  # (M_pad, K)
     w = weight.t()  # (K, N): row-major when the weight is stored column-major (Llama.column_major_)
     calc = compute_dtype(x.device, x.dtype)
     width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
@@ -146,16 +150,11 @@ def tiled_mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
     chooses how many threads share a row from the number of rows (on an H100 a row of 576 floats is summed
     in another order for 8 rows than for 1), so a row's bits would follow the size of the pass.
     """
-    *lead, k = x.shape
-    sq = x.reshape(-1, k).pow(2)  # (M, K)
-    m = sq.shape[0]
-    pad = (-m) % tile
-    if pad:
-        sq = torch.cat([sq, sq.new_zeros(pad, k)])
+    sq, m = _whole_tiles(x.pow(2), tile)  # (M_pad, K)
     out = sq.new_empty(sq.shape[0], 1)
     for i in range(0, sq.shape[0], tile):
         torch.mean(sq[i:i + tile], dim=-1, keepdim=True, out=out[i:i + tile])
-    return out[:m].reshape(*lead, 1)
+    return out[:m].reshape(*x.shape[:-1], 1)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

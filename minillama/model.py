@@ -34,17 +34,17 @@ from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_co
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, kernels: Kernels | None = None):
+    def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels = kernels  # None: the plain mean (a norm outside a model)
+        self.kernels = kernels  # the model's switch: fixed-shape reductions, or the plain mean
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As HF: normalise in float32, scale in the input dtype. The mean of squares is a reduction, issued
         # per fixed tile of rows like a product (invariant.tiled_mean_square).
         h = x.to(torch.promote_types(x.dtype, torch.float32))
-        if self.kernels is not None and self.kernels.invariant:
+        if self.kernels.invariant:
             ms = tiled_mean_square(h, self.kernels.tiles_for(h.device).rows)
         else:
             ms = h.pow(2).mean(-1, keepdim=True)
