@@ -647,3 +647,38 @@ def test_bad_bench_options_are_one_line(tmp_path, capsys, argv, message):
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message) and captured.out == ""
+
+
+def _hold_for_a_while(nbytes: int) -> None:
+    """Hold nbytes resident for about 50 ms, then free them."""
+    import time as _time
+
+    block = torch.ones(nbytes // 4)
+    _time.sleep(0.05)
+    del block
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc high-water mark")
+def test_peak_memory_is_the_kernels_exact_peak_with_no_watcher_thread(monkeypatch):
+    import threading
+
+    from minillama.bench import memory
+
+    started = []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self))
+    with memory.PeakRSS() as mem:
+        _hold_for_a_while(200 * 2**20)
+    assert not mem.sampled and not started  # no thread took a core from the run
+    assert mem.delta >= 190 * 2**20  # the freed block's peak is still seen
+    with memory.PeakRSS() as quiet:  # the control: the mark was reset, so a run that allocates nothing is small
+        pass
+    assert quiet.delta < 50 * 2**20
+
+
+def test_peak_memory_falls_back_to_sampling_where_the_mark_cannot_be_reset(monkeypatch):
+    from minillama.bench import memory
+
+    monkeypatch.setattr(memory, "_CLEAR", "/nonexistent/clear_refs")
+    with memory.PeakRSS(interval=0.001) as mem:
+        _hold_for_a_while(200 * 2**20)
+    assert mem.sampled and mem.delta >= 150 * 2**20
