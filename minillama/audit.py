@@ -28,7 +28,8 @@ PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vd
             "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-            "convolution", "_int_mm", "_weight_int4pack_mm", "_scaled_mm"}
+            "convolution", "_int_mm", "_weight_int4pack_mm", "_scaled_mm",
+            "_linear_pointwise", "mkldnn_linear"}  # oneDNN's linear (precision.cpu_gemm)
 # Every aten op whose result depends on the order in which it adds (or multiplies) along a dimension. A
 # backend chooses that order per shape (a GPU's reduction spreads a row over more threads when there are
 # fewer rows), so these too must be issued with fixed signatures. Maxima, minima and arg-maxima are exact

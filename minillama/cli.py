@@ -198,6 +198,7 @@ def check_options(args: argparse.Namespace) -> None:
     check_device(args.device)
     try:
         precision.cpu_mode()
+        precision.cpu_gemm()
     except ValueError as e:
         raise BadInput(str(e)) from None
     distributed.check_options(args)

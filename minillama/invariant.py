@@ -12,7 +12,7 @@ follows:
 Same signature in, same kernel out, so every row meets the same arithmetic in every layout. A test
 (tests/test_signatures.py) records every product while answering many layouts and checks the set is fixed.
 
-- Linear layers pad their rows to whole tiles of `Tiles.rows` and run one (rows, K) x (K, N) `mm` per tile.
+- Linear layers pad their rows to whole tiles of `Tiles.rows` and run one (rows, K) x (K, N) product per tile.
   (One `bmm` over all tiles is not enough: its batch count follows the number of tiles, and with 2 threads
   MKL splits a lone tile's product differently from a batch of them.)
 - Attention (attention.py) runs its (query tile, key block) products in `bmm` calls of a fixed batch count.
@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .precision import FLOAT32_COLUMNS, compute_dtype
+from .precision import FLOAT32_COLUMNS, compute_dtype, cpu_gemm, onednn_linear
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,12 @@ def _whole_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """`x @ weight.T` for x (..., K) and weight (N, K), one fixed (tile, K) x (K, N) `mm` per tile of rows.
+    """`x @ weight.T` for x (..., K) and weight (N, K), one fixed (tile, K) x (K, N) product per tile of rows.
 
-    A 16-bit model on a CPU without native 16-bit dot products computes in float32 (precision.py): each
-    tile against each fixed slice of `FLOAT32_COLUMNS` weight columns, cast once per call.
+    The product is a `torch.mm`, or on a CPU computing in float32 one oneDNN linear (`precision.cpu_gemm`:
+    several times faster where oneDNN has AVX-512 kernels and the BLAS does not use them). A 16-bit model on a
+    CPU without native 16-bit dot products computes in float32 (precision.py): each tile against each fixed
+    slice of `FLOAT32_COLUMNS` weight columns, cast once per call.
     """
     *lead, k = x.shape
     n = weight.shape[0]
@@ -134,6 +136,12 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
         parts = [part(a) for a in range(0, n, width)]
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
+    elif x.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn":
+        out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
+        for a in range(0, n, width):
+            p = weight[a:a + width].to(calc)  # (<= width, K): oneDNN takes the weight as (N, K)
+            for i in range(0, rows.shape[0], tile):
+                out[i:i + tile, a:a + p.shape[0]] = onednn_linear(rows[i:i + tile], p)
     else:
         out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
         for a in range(0, n, width):

@@ -16,6 +16,13 @@ or the two runs of a comparison) and move the bits. Native 16-bit is used where 
 
 `MINILLAMA_CPU_16BIT=native|float32` overrides the flags (`auto`, the default, reads them). Attention
 already computes in float32 for 16-bit models (attention.py), on every device. A GPU always runs native.
+
+Which library computes a CPU's float32 tile products (`cpu_gemm`): oneDNN's linear where torch was built
+with it, else `torch.mm` (MKL or OpenBLAS). Both are fixed-signature products, row-invariant at a fixed tile;
+they give different bits from each other, so the choice is read from the build, never timed, and both runs
+of a comparison make the same one. oneDNN picks its kernels by instruction set (AVX-512 where the CPU has
+it) and multiplies a 64-row tile 2-2.6x faster than `torch.mm` on this project's AMD EPYC CPU
+(docs/bench/README.md). `MINILLAMA_CPU_GEMM=onednn|mm` overrides it (`auto`, the default, reads the build).
 """
 
 from __future__ import annotations
@@ -92,3 +99,27 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str:
         return f"native {name} ({', '.join(features) if mode == 'auto' else ENV + '=native'})"
     why = f"{ENV}=float32" if mode == "float32" else f"no native {name} dot products on this CPU"
     return f"float32 products on {name} storage ({why})"
+
+
+GEMM_ENV = "MINILLAMA_CPU_GEMM"
+GEMM_CHOICES = ("auto", "onednn", "mm")
+
+
+def onednn_available() -> bool:
+    """Whether this torch can run oneDNN's linear on a CPU."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def cpu_gemm() -> str:
+    """The library a CPU's float32 tile products use: 'onednn' or 'mm' (torch.mm)."""
+    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if mode not in GEMM_CHOICES:
+        raise ValueError(f"{GEMM_ENV}={os.environ[GEMM_ENV]!r}: expected one of {', '.join(GEMM_CHOICES)}")
+    if mode == "onednn" and not onednn_available():
+        raise ValueError(f"{GEMM_ENV}=onednn: this torch was built without oneDNN (use mm or auto)")
+    return ("onednn" if onednn_available() else "mm") if mode == "auto" else mode
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (T, K) @ weight (N, K).T in one oneDNN linear: (T, N)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")

@@ -6,6 +6,7 @@ paths across layouts; here: which arithmetic the products really use, that the f
 16-bit storage and is row-invariant across its column slices, and the override's bad values.
 """
 
+import os
 import subprocess
 import sys
 import weakref
@@ -26,12 +27,13 @@ CONFIG = tiny_config(layers=1, heads=4, kv_heads=2, head_dim=8, tied=True)
 
 
 def product_dtypes(model) -> set[torch.dtype]:
-    """The dtypes of the operands of the linear layers' products (`mm`) while answering two questions."""
+    """The dtypes of the operands of the linear layers' products (`mm`, or oneDNN's linear) while answering
+    two questions."""
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11]]
     with ProductSignatures() as seen:
         out = generate(model, prompts, SamplingParams(max_new_tokens=2), mode="parallel", docs=[0, 0])
     assert all(len(a.token_ids) == 2 for a in out)
-    return {t[2] for op, tensors in seen.signatures if op.startswith("aten.mm") for t in tensors}
+    return {t[2] for op, tensors in seen.signatures if op.startswith(("aten.mm", "mkldnn._linear")) for t in tensors}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -96,27 +98,65 @@ def test_a_bad_override_is_one_line_and_exit_2(monkeypatch):
 
 
 class LiveSlices(TorchDispatchMode):
-    """At each `mm`, how many float32 weight slices (the casts of `tiled_linear`'s float32 path) are alive."""
+    """At each product (`mm` or oneDNN's linear), how many float32 casts of slices of the weight `w` (the
+    casts of `tiled_linear`'s float32 path) are alive."""
 
-    def __init__(self, k: int):
+    def __init__(self, w: torch.Tensor):
         super().__init__()
-        self.k, self.slices, self.alive_at_mm = k, [], []
+        self.storage, self.slices, self.alive_at_mm = w.untyped_storage().data_ptr(), [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name == "_to_copy" and out.dtype == torch.float32 and out.dim() == 2 and out.shape[0] == self.k:
+        if (name == "_to_copy" and out.dtype == torch.float32
+                and args[0].untyped_storage().data_ptr() == self.storage):
             self.slices.append(weakref.ref(out))
-        elif name == "mm":
+        elif name in ("mm", "_linear_pointwise"):
             self.alive_at_mm.append(sum(r() is not None for r in self.slices))
         return out
 
 
-def test_the_float32_path_holds_one_weight_slice_at_a_time(monkeypatch):
+@pytest.mark.parametrize("gemm", ["mm", "onednn"])
+def test_the_float32_path_holds_one_weight_slice_at_a_time(monkeypatch, gemm):
     """No float32 copy of a whole weight: a 2,500-column weight is cast in three slices, one alive at a time."""
+    if gemm == "onednn" and not precision.onednn_available():
+        pytest.skip("this torch has no oneDNN")
     monkeypatch.setenv(precision.ENV, "float32")
+    monkeypatch.setenv(precision.GEMM_ENV, gemm)
     x, w = torch.randn(100, 96).to(torch.bfloat16), torch.randn(2500, 96).to(torch.bfloat16)
-    with torch.no_grad(), LiveSlices(96) as seen:
+    with torch.no_grad(), LiveSlices(w) as seen:
         tiled_linear(x, w, 16)
     assert len(seen.slices) == 3 and len(seen.alive_at_mm) == 3 * 7  # 3 slices x 7 tiles of 16 rows
     assert max(seen.alive_at_mm) == 1
+
+
+def test_a_bad_gemm_override_is_one_line_and_exit_2(monkeypatch):
+    monkeypatch.setenv(precision.GEMM_ENV, "blas")
+    message = "MINILLAMA_CPU_GEMM='blas': expected one of auto, onednn, mm"
+    with pytest.raises(ValueError, match=message):
+        precision.cpu_gemm()
+    run = subprocess.run([sys.executable, "-m", "minillama.generate", "--doc", "a", "--questions", "b"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, precision.GEMM_ENV: "blas"})
+    assert (run.returncode, run.stderr.strip()) == (2, f"error: {message}")
+
+
+@pytest.mark.parametrize("gemm", ["mm", "onednn"])
+@pytest.mark.parametrize("n, k, column_major", [(1536, 576, False), (576, 1536, True), (200, 48, False)])
+def test_either_cpu_gemm_gives_a_row_the_same_bits_wherever_it_sits_in_its_tile(monkeypatch, gemm, n, k,
+                                                                                 column_major):
+    """The row-invariance the tiles rely on, for each library `cpu_gemm` may pick: a row alone (padded with
+    zero rows) and the same row among 63 others, at every third position, give the same bits."""
+    if gemm == "onednn" and not precision.onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv(precision.GEMM_ENV, gemm)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g)
+    w = w.t().contiguous().t() if column_major else w  # o and down are stored so (Llama.column_major_)
+    row = torch.randn(k, generator=g)
+    with torch.no_grad():
+        alone = tiled_linear(row[None], w, 64)[0]
+        for at in range(0, 64, 3):
+            x = torch.randn(64, k, generator=g)
+            x[at] = row
+            assert torch.equal(tiled_linear(x, w, 64)[at], alone), at

@@ -23,7 +23,7 @@ from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
 from minillama.model import Llama, RMSNorm
-from minillama.precision import ENV, FLOAT32_COLUMNS, compute_dtype
+from minillama.precision import ENV, FLOAT32_COLUMNS, GEMM_ENV, compute_dtype, cpu_gemm
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
@@ -36,14 +36,18 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
     t, d, b = tiles.rows, c.head_dim, 64
     out = set()
     calc = compute_dtype(model.device, dt)  # a 16-bit model without native dot products: float32 (precision.py)
+    onednn = model.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             n, k = mod.weight.shape
             w = mod.weight.t()
-            if calc == dt:
-                out.add(("aten.mm.out", (((t, k), (k, 1), dt, 0), ((k, n), w.stride(), dt, 0), ((t, n), (n, 1), dt, 0))))
-            for a in range(0, n, FLOAT32_COLUMNS) if calc != dt else ():  # one product per slice of columns
-                p = w[:, a:a + FLOAT32_COLUMNS].to(calc)
+            for a in range(0, n, FLOAT32_COLUMNS if calc != dt else max(n, 1)):  # one product per slice
+                if onednn:  # oneDNN's linear takes the weight as (N, K)
+                    p = mod.weight[a:a + FLOAT32_COLUMNS if calc != dt else n].to(calc)
+                    out.add(("mkldnn._linear_pointwise.default", (((t, k), (k, 1), calc, 0),
+                                                                  (tuple(p.shape), p.stride(), calc, 0))))
+                    continue
+                p = w[:, a:a + FLOAT32_COLUMNS].to(calc) if calc != dt else w
                 out.add(("aten.mm.out", (((t, k), (k, 1), calc, 0), (tuple(p.shape), p.stride(), calc, 0),
                                          ((t, p.shape[1]), (n, 1), calc, 0))))
     for name, mod in model.named_modules():  # RMSNorm's mean of squares, one (t, K) reduction per tile
@@ -100,10 +104,11 @@ PATHS = ["auto", "auto", "auto", "native", "float32"]  # MINILLAMA_CPU_16BIT
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(work=layouts(), which=st.sampled_from(sorted(MODELS)), path=st.sampled_from(PATHS))
-def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which, path):
+@given(work=layouts(), which=st.sampled_from(sorted(MODELS)), path=st.sampled_from(PATHS),
+       gemm=st.sampled_from(["auto", "mm"]))
+def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which, path, gemm):
     model = MODELS[which]
-    with mock.patch.dict(os.environ, {ENV: path}):
+    with mock.patch.dict(os.environ, {ENV: path, GEMM_ENV: gemm}):
         seen = answer(model, *work)
         expected = expected_signatures(model, model.tiles)
     assert seen <= expected, sorted(seen - expected)
@@ -146,7 +151,12 @@ def smol(layers: int) -> LlamaConfig:
 def launches(tiles: Tiles, layers: int, docs=1, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
     """(decode step, prefill) work-launching ops of a SmolLM2-shaped model with `layers` layers, counted on
     the CPU: each of `docs` documents and its `n_q` questions prefilled in one pass, then one token for
-    every question."""
+    every question. The products are counted as `torch.mm`, the form a GPU issues (oneDNN is a CPU's)."""
+    with mock.patch.dict(os.environ, {GEMM_ENV: "mm"}):
+        return _launches(tiles, layers, docs, doc, n_q, q_len)
+
+
+def _launches(tiles: Tiles, layers: int, docs: int, doc: int, n_q: int, q_len: int) -> tuple[int, int]:
     model = Llama(smol(layers), tiles=tiles)
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(docs * (doc + n_q * (q_len + 1)))
