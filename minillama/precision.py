@@ -105,9 +105,17 @@ GEMM_ENV = "MINILLAMA_CPU_GEMM"
 GEMM_CHOICES = ("auto", "onednn", "mm")
 
 
+@functools.lru_cache(maxsize=None)
 def onednn_available() -> bool:
-    """Whether this torch can run oneDNN's linear on a CPU."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether this torch runs oneDNN's linear on a CPU: built with it, and a small product works and agrees
+    with `torch.mm` (a build whose oneDNN lacks the op, or refuses a dense weight, takes `torch.mm`)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    x, w = torch.linspace(-1, 1, 64 * 96).view(64, 96), torch.linspace(1, -1, 40 * 96).view(40, 96)
+    try:
+        return bool(torch.allclose(onednn_linear(x, w), x @ w.t(), rtol=1e-4, atol=1e-4))
+    except RuntimeError:
+        return False
 
 
 def cpu_gemm() -> str:

@@ -160,3 +160,25 @@ def test_either_cpu_gemm_gives_a_row_the_same_bits_wherever_it_sits_in_its_tile(
             x = torch.randn(64, k, generator=g)
             x[at] = row
             assert torch.equal(tiled_linear(x, w, 64)[at], alone), at
+
+
+def test_a_build_whose_onednn_refuses_the_product_takes_torch_mm(monkeypatch):
+    """The choice is made once per process from a small product: a oneDNN that raises (or disagrees with
+    `torch.mm`) is not used, and `auto` falls back to `torch.mm` rather than failing every linear layer."""
+    def refuses(x, w):
+        raise RuntimeError("no oneDNN kernel for this layout")
+
+    monkeypatch.delenv(precision.GEMM_ENV, raising=False)
+    monkeypatch.setattr(precision, "onednn_linear", refuses)
+    precision.onednn_available.cache_clear()
+    try:
+        assert precision.cpu_gemm() == "mm"
+        x, w = torch.randn(5, 48), torch.randn(30, 48)
+        assert torch.allclose(tiled_linear(x, w, 64), x @ w.t(), atol=1e-5)
+        monkeypatch.setattr(precision, "onednn_linear", lambda x, w: (x @ w.t()) + 1.0)  # wrong answers
+        precision.onednn_available.cache_clear()
+        assert precision.cpu_gemm() == "mm"
+    finally:
+        monkeypatch.undo()
+        precision.onednn_available.cache_clear()
+    assert precision.cpu_gemm() == ("onednn" if precision.onednn_available() else "mm")
