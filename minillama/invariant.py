@@ -136,18 +136,18 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
         parts = [part(a) for a in range(0, n, width)]
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
-    elif x.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn":
-        out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
-        for a in range(0, n, width):
-            p = weight[a:a + width].to(calc)  # (<= width, K): oneDNN takes the weight as (N, K)
-            for i in range(0, rows.shape[0], tile):
-                out[i:i + tile, a:a + p.shape[0]] = onednn_linear(rows[i:i + tile], p)
     else:
+        onednn = x.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
         out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
         for a in range(0, n, width):
-            p = part(a)  # one float32 slice at a time, in cache while every tile meets it
+            # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
+            p = weight[a:a + width].to(calc) if onednn else part(a)
+            cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
             for i in range(0, rows.shape[0], tile):
-                torch.mm(rows[i:i + tile], p, out=out[i:i + tile, a:a + p.shape[1]])
+                if onednn:
+                    out[i:i + tile, cols] = onednn_linear(rows[i:i + tile], p)
+                else:
+                    torch.mm(rows[i:i + tile], p, out=out[i:i + tile, cols])
     return out[:m].to(x.dtype).reshape(*lead, n)
 
 

@@ -124,7 +124,7 @@ def cpu_gemm() -> str:
     if mode not in GEMM_CHOICES:
         raise ValueError(f"{GEMM_ENV}={os.environ[GEMM_ENV]!r}: expected one of {', '.join(GEMM_CHOICES)}")
     if mode == "onednn" and not onednn_available():
-        raise ValueError(f"{GEMM_ENV}=onednn: this torch was built without oneDNN (use mm or auto)")
+        raise ValueError(f"{GEMM_ENV}=onednn: this torch has no working oneDNN linear (use mm or auto)")
     return ("onednn" if onednn_available() else "mm") if mode == "auto" else mode
 
 
