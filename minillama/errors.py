@@ -67,6 +67,10 @@ def check_device(device: str, option: str = "--device") -> None:
         dev = torch.device(device)
     except (RuntimeError, ValueError):
         raise BadInput(f"{option} {device}: not a torch device") from None
+    if dev.type == "cuda" and dev.index is None and "LOCAL_RANK" in os.environ:
+        # A rank started by torchrun uses the GPU of its local rank (distributed/parallel.py): probe that one,
+        # not the current device, where every rank would otherwise open a context on GPU 0.
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     try:
         torch.zeros(1, device=dev).cpu()
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:

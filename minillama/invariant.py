@@ -166,9 +166,14 @@ def tiled_mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One `F.linear`, in the arithmetic `tiled_linear` uses on this device and dtype (precision.py)."""
+    """One product for the whole pass, in the arithmetic and library `tiled_linear` uses on this device and
+    dtype (precision.py): plain and invariant runs then differ by the tiling alone, which is what a
+    comparison of the two is meant to measure."""
     calc = compute_dtype(x.device, x.dtype)
     if calc == x.dtype:
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if x.device.type == "cpu" and calc == torch.float32 and not grad and cpu_gemm() == "onednn":
+            return onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight)
     xc = x.to(calc)
     return torch.cat([F.linear(xc, weight[a:a + FLOAT32_COLUMNS].to(calc))  # (..., <= C) each

@@ -310,3 +310,25 @@ def test_distributed_bench_quick(tmp_path):
         assert t["sharded_bytes_per_rank"] * t["tp"] == t["sharded_bytes_one_process"]
         assert t["replicated_bytes_per_rank"] == t["replicated_bytes"]
     assert rows[2]["kv_bytes_per_token_per_rank"] * 2 == rows[1]["kv_bytes_per_token_per_rank"]
+
+
+@pytest.mark.parametrize("local_rank", [None, "3"])
+def test_a_rank_probes_its_own_gpu(local_rank, monkeypatch):
+    """`--device cuda` under torchrun is checked on the rank's own GPU (cuda:LOCAL_RANK, the one it will
+    use), not on the current device: otherwise every rank opens a context on GPU 0. Recorded on a CPU by
+    standing in for the allocation the check makes."""
+    from minillama.errors import check_device
+
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    probed, zeros = [], torch.zeros
+
+    def record(*shape, device=None, **kw):
+        probed.append(torch.device(device))
+        return zeros(*shape, **kw)
+
+    monkeypatch.setattr(torch, "zeros", record)
+    check_device("cuda")
+    assert probed == [torch.device("cuda") if local_rank is None else torch.device("cuda", 3)]

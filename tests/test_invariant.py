@@ -1,10 +1,13 @@
 """The tiled linear: a row's bits do not depend on the other rows, their number or their order."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minillama import precision
 from minillama.invariant import CPU_TILES, Kernels, TiledLinear, Tiles, linear, tiled_linear
+from minillama.precision import onednn_linear
 from tiny import DEVICE, tiny_config, tiny_model
 
 ROW_TILE = CPU_TILES.rows
@@ -24,10 +27,17 @@ def test_rows_are_batch_invariant(k, n, m, seed):
     torch.testing.assert_close(full, x @ w.T, atol=1e-4, rtol=1e-4)
 
 
-def test_keeps_leading_shape():
+@pytest.mark.parametrize("gemm", ["mm", "onednn"])
+def test_keeps_leading_shape(gemm, monkeypatch):
+    """The plain product is one call for the whole pass, in the library the tiles use (so that plain and
+    invariant runs differ by the tiling alone): torch's matmul, or on a CPU in float32 oneDNN's linear."""
+    if gemm == "onednn" and not precision.onednn_available():
+        pytest.skip("this torch has no working oneDNN linear")
+    monkeypatch.setenv(precision.GEMM_ENV, gemm)
     x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
     assert linear(x, w).shape == (2, 3, 5)
-    assert torch.equal(linear(x, w, invariant=False), x @ w.T)
+    one_call = onednn_linear(x.view(6, 8), w).view(2, 3, 5) if gemm == "onednn" else x @ w.T
+    assert torch.equal(linear(x, w, invariant=False), one_call)
 
 
 def test_a_lone_tile_equals_a_tile_among_many():
