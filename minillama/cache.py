@@ -97,9 +97,15 @@ class KVCache:
         per_slot = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2
         return self.used_slots * per_slot
 
-    def _grow(self, needed: int) -> None:
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` more tokens at once: one reallocation sized to the need, where appending
+        them would double the cache (zero-filling and copying it) several times over."""
+        if slots > len(self._free):
+            self._grow(slots - len(self._free), double=False)
+
+    def _grow(self, needed: int, double: bool = True) -> None:
         old = self.k.shape[2]
-        new = max(2 * old, old + needed)
+        new = max(2 * old if double else old, old + needed)
         for name in ("k", "v"):
             t = getattr(self, name)
             bigger = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])

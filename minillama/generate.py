@@ -35,6 +35,8 @@ from .errors import BadInput
 from .model import Llama
 
 MODES = ("parallel", "independent", "seqbatch")
+# Answer tokens per question a parallel pass reserves cache slots for up front (KVCache.reserve).
+RESERVED_ANSWER_TOKENS = 16
 
 
 class StreamTooLong(ValueError):
@@ -383,6 +385,11 @@ def _parallel(model, prompts, questions, docs, batch, parallel_size, chunk, stat
             while len(waves) <= w:
                 waves.append([])
             waves[w].extend((questions[i], prompts[i][shared:], seg) for i in idx[lo:lo + size])
+    # The cache sized once for the prompts (every document, then the largest wave's questions) and the
+    # first few answer tokens; longer answers grow it as they go.
+    cache.reserve(sum(len(p[2]) for p in doc_pieces) + max(
+        (sum(len(ids) + min(q.params.max_new_tokens, RESERVED_ANSWER_TOKENS) for q, ids, _ in wave)
+         for wave in waves), default=0))
     # Documents first (questions attach to their full length), chunked like any prefill.
     _run(model, cache, doc_pieces, chunk, stats)
     stats.prompt_tokens += sum(len(p[2]) for p in doc_pieces)

@@ -113,3 +113,20 @@ def test_on_answer_reports_each_answer_once_when_it_finishes(model, mode):
     zero = []
     generate(model, prompts, SamplingParams(max_new_tokens=0), mode=mode, on_answer=lambda i, a: zero.append(i))
     assert sorted(zero) == list(range(len(prompts)))
+
+
+def test_a_parallel_pass_sizes_its_cache_once(model, monkeypatch):
+    """The document and every question (1,000+ tokens here) get their slots in one reallocation, not by
+    doubling the cache from its initial size (each doubling zero-fills and copies all of it)."""
+    from minillama.cache import KVCache
+
+    grown, grow = [], KVCache._grow
+
+    def counted(self, *a, **kw):
+        grown.append(self.k.shape[2])
+        return grow(self, *a, **kw)
+
+    monkeypatch.setattr(KVCache, "_grow", counted)
+    prompts = _prompts(n=60, doc=300)
+    answers = generate(model, prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert len(grown) == 1 and all(len(a.token_ids) == 3 for a in answers)
