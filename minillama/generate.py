@@ -343,10 +343,17 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     return [q.answer for q in questions]
 
 
+def _slots(work: list[tuple[_Question, Sequence[int], int | None]]) -> int:
+    """Cache slots to reserve for prefilling `work` and its first answer tokens (KVCache.reserve)."""
+    return sum(len(ids) + min(q.params.max_new_tokens, RESERVED_ANSWER_TOKENS) for q, ids, _ in work)
+
+
 def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int], int]], cache: KVCache | None,
                         chunk: int, stats: Stats, on_token) -> None:
     """Prefill each (question, its own token ids, parent segment or None), then decode them together."""
-    cache = cache or model.new_cache()
+    if cache is None:
+        cache = model.new_cache()
+        cache.reserve(_slots(work))
     pieces = []
     for q, ids, parent in work:
         q.segment = cache.new_segment(parent)
@@ -387,9 +394,7 @@ def _parallel(model, prompts, questions, docs, batch, parallel_size, chunk, stat
             waves[w].extend((questions[i], prompts[i][shared:], seg) for i in idx[lo:lo + size])
     # The cache sized once for the prompts (every document, then the largest wave's questions) and the
     # first few answer tokens; longer answers grow it as they go.
-    cache.reserve(sum(len(p[2]) for p in doc_pieces) + max(
-        (sum(len(ids) + min(q.params.max_new_tokens, RESERVED_ANSWER_TOKENS) for q, ids, _ in wave)
-         for wave in waves), default=0))
+    cache.reserve(sum(len(p[2]) for p in doc_pieces) + max(map(_slots, waves), default=0))
     # Documents first (questions attach to their full length), chunked like any prefill.
     _run(model, cache, doc_pieces, chunk, stats)
     stats.prompt_tokens += sum(len(p[2]) for p in doc_pieces)

@@ -115,9 +115,11 @@ def test_on_answer_reports_each_answer_once_when_it_finishes(model, mode):
     assert sorted(zero) == list(range(len(prompts)))
 
 
-def test_a_parallel_pass_sizes_its_cache_once(model, monkeypatch):
-    """The document and every question (1,000+ tokens here) get their slots in one reallocation, not by
-    doubling the cache from its initial size (each doubling zero-fills and copies all of it)."""
+@pytest.mark.parametrize("mode", ["parallel", "independent"])
+def test_a_pass_sizes_its_cache_once(model, monkeypatch, mode):
+    """A parallel pass's document and questions (1,000+ tokens here), or an independent question's prompt
+    (600+), get their slots in one reallocation, not by doubling the cache from its initial size (each
+    doubling zero-fills and copies all of it)."""
     from minillama.cache import KVCache
 
     grown, grow = [], KVCache._grow
@@ -127,6 +129,7 @@ def test_a_parallel_pass_sizes_its_cache_once(model, monkeypatch):
         return grow(self, *a, **kw)
 
     monkeypatch.setattr(KVCache, "_grow", counted)
-    prompts = _prompts(n=60, doc=300)
-    answers = generate(model, prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
-    assert len(grown) == 1 and all(len(a.token_ids) == 3 for a in answers)
+    prompts = _prompts(n=60, doc=300) if mode == "parallel" else _prompts(n=4, doc=600)
+    answers = generate(model, prompts, SamplingParams(max_new_tokens=3, ignore_eos=True), mode=mode)
+    assert len(grown) == (1 if mode == "parallel" else len(prompts))  # one cache per independent question
+    assert all(len(a.token_ids) == 3 for a in answers)
