@@ -46,7 +46,7 @@ All of this depends only on the row's own logical sequence, so a question gets t
 thousand others as alone.
 
 Sharing (Hydragen): all rows that see the same whole block (the 64 questions of a document, each decoding
-one token) are tiled together, so each tile of 64 query rows meets a document block in one product: the
+one token) are tiled together, so each tile of query rows meets a document block in one product: the
 document's keys are read once per tile, not once per question.
 """
 

@@ -74,9 +74,12 @@ class Tiles:
             raise ValueError("chunks must hold whole batches")
 
 
-# A CPU: the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles' scores and keys stay
-# in cache through each call; docs/bench/README.md has the measurement).
-CPU_TILES = Tiles(part_batch=64, keep=640)
+# A CPU: whole-block tiles of 32 rows, which multiply about as fast per row as 64 and waste half as much on
+# the blocks a single question owns (a decode step brings G rows to each: 3 of 32, not 3 of 64), so decoding
+# long answers costs less; the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles'
+# scores and keys stay in cache through each call). Chunks and `keep` hold as many rows as with 64-row tiles.
+# docs/bench/README.md has the measurements.
+CPU_TILES = Tiles(full=32, full_batch=64, full_chunk=256, part_batch=64, keep=1280)
 # Untuned on a GPU so far: bigger row tiles (a 256-row product still reads each weight once per tile),
 # batches and chunks big enough that a pass issues few launches (tests/test_signatures.py counts them).
 CUDA_TILES = Tiles(rows=256, full_batch=256, part_batch=1024, full_chunk=8192, part_chunk=16384, index_add=True)

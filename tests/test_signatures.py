@@ -23,7 +23,7 @@ from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
 from minillama.model import Llama, RMSNorm
-from minillama.precision import ENV, FLOAT32_COLUMNS, GEMM_ENV, compute_dtype, cpu_gemm
+from minillama.precision import ENV, FLOAT32_COLUMNS, GEMM_ENV, compute_dtype, cpu_gemm, onednn_available
 from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
@@ -81,6 +81,7 @@ def layouts(draw):
 
 
 def answer(model, prompts, docs, params, layout) -> set[tuple]:
+    onednn_available()  # its once-per-process check runs a small product: not one of the model's
     with ProductSignatures() as seen:
         generate(model, prompts, params, mode="independent")
         generate(model, prompts, params, mode="parallel", docs=docs, **layout)
