@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -84,23 +84,30 @@ def flop_rates(useful: float, executed: float, wall_s: float, gemm_gflops: float
             "executed_frac_of_gemm": executed / wall_s / 1e9 / gemm_gflops}
 
 
-def gemm_rate(m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
-    """fp32 GFLOP/s of one (m, k) @ (k, n) product on this machine, the median of `repeats`, by the faster
-    of torch's two CPU GEMMs: `torch.matmul` (the BLAS) and oneDNN's linear where torch has it (which the
-    linear layers use, precision.cpu_gemm). The defaults are SmolLM2-135M's MLP (hidden 576, intermediate
-    1536); the task bench passes its model's."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def fastest_gemm_s(a: torch.Tensor, b: torch.Tensor, repeats: int = 5,
+                   sync: Callable[[], None] = lambda: None) -> float:
+    """Seconds of one a @ b, the median of `repeats`, by the faster of torch's two GEMMs: `torch.matmul` and,
+    on a CPU in float32 where torch has it, oneDNN's linear (which the linear layers use there,
+    precision.cpu_gemm). `sync` waits for the device after each product."""
     products = [lambda: torch.matmul(a, b)]
-    if onednn_available():
-        w = b.t().contiguous()  # (n, k)
+    if a.device.type == "cpu" and a.dtype == torch.float32 and onednn_available():
+        w = b.t().contiguous()  # (n, k): oneDNN's weight layout
         products.append(lambda: onednn_linear(a, w))
-    best = 0.0
+    best = float("inf")
     for product in products:
         product()
+        sync()
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             product()
+            sync()
             times.append(time.perf_counter() - t0)
-        best = max(best, 2 * m * k * n / statistics.median(times) / 1e9)
+        best = min(best, statistics.median(times))
     return best
+
+
+def gemm_rate(m: int = 2048, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
+    """fp32 GFLOP/s of one (m, k) @ (k, n) product on this machine (`fastest_gemm_s`). The defaults are
+    SmolLM2-135M's MLP (hidden 576, intermediate 1536); the task bench passes its model's."""
+    return 2 * m * k * n / fastest_gemm_s(torch.randn(m, k), torch.randn(k, n), repeats) / 1e9

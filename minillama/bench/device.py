@@ -32,9 +32,9 @@ import torch
 
 from ..config import LlamaConfig
 from ..generate import SamplingParams, generate
-from ..precision import describe, onednn_available, onednn_linear
+from ..precision import describe
 from ..weights import build_model
-from .cost import CostModel
+from .cost import CostModel, fastest_gemm_s
 from .parity import parity
 from .shapes import SHAPES
 
@@ -122,26 +122,10 @@ def hf_model(config: LlamaConfig, sd: dict[str, torch.Tensor], device: torch.dev
 
 
 def gemm_tflops(device: torch.device, dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
-    """TFLOP/s of one (n, n) @ (n, n) product in `dtype` on the device: the median of `repeats`, and on a CPU
-    in float32 the faster of torch's two GEMMs (the BLAS's matmul and oneDNN's linear, which the linear
-    layers use there: precision.cpu_gemm), so that a fraction of it is a fraction of what this torch can do."""
+    """TFLOP/s of one (n, n) @ (n, n) product in `dtype` on the device, by the faster of torch's GEMMs
+    (`cost.fastest_gemm_s`), so that a fraction of it is a fraction of what this torch can do."""
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    products = [lambda: a @ b]
-    if device.type == "cpu" and dtype == torch.float32 and onednn_available():
-        w = b.t().contiguous()  # (n, n) as oneDNN's (N, K) weight
-        products.append(lambda: onednn_linear(a, w))
-    best = 0.0
-    for product in products:
-        product()
-        _sync(device)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            product()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        best = max(best, 2 * n**3 / statistics.median(times) / 1e12)
-    return best
+    return 2 * n**3 / fastest_gemm_s(a, b, repeats, sync=lambda: _sync(device)) / 1e12
 
 
 def bandwidth_gbs(device: torch.device, mib: int = 1024, repeats: int = 5) -> float:
