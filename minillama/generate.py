@@ -35,7 +35,7 @@ from .errors import BadInput
 from .model import Llama
 
 MODES = ("parallel", "independent", "seqbatch")
-# Answer tokens per question a parallel pass reserves cache slots for up front (KVCache.reserve).
+# Answer tokens per question a pass reserves cache slots for up front (KVCache.reserve, generate._slots).
 RESERVED_ANSWER_TOKENS = 16
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .precision import FLOAT32_COLUMNS, compute_dtype, cpu_gemm, onednn_linear
+from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
     else:
-        onednn = x.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
+        onednn = uses_onednn(x.device, calc)
         out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
         for a in range(0, n, width):
             # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
@@ -175,7 +175,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     calc = compute_dtype(x.device, x.dtype)
     if calc == x.dtype:
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if x.device.type == "cpu" and calc == torch.float32 and not grad and cpu_gemm() == "onednn":
+        if not grad and uses_onednn(x.device, calc):
             return onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight)
     xc = x.to(calc)

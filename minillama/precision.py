@@ -128,6 +128,12 @@ def cpu_gemm() -> str:
     return ("onednn" if onednn_available() else "mm") if mode == "auto" else mode
 
 
+def uses_onednn(device: torch.device, calc: torch.dtype) -> bool:
+    """Whether products computing in `calc` on `device` run in oneDNN's linear (a CPU in float32 that picks
+    it, `cpu_gemm`); the tiled and the plain products ask the same question."""
+    return device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (T, K) @ weight (N, K).T in one oneDNN linear: (T, N)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
