@@ -223,32 +223,78 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32.
 
     Pass 1 finds each row's exact maximum over all its items; pass 2 takes exp(score - max), its sum and its
-    weighted values per item, and adds each row's blocks onto zero in block order (`_add_rows` per block:
-    a row meets each block once, so every call adds one term to it). Items are processed in chunks of at
-    most `ItemSizes.chunk` (all at once when a kind has at most `Tiles.keep`); with more than one chunk, pass
-    2 computes the scores again (the same products, the same bits) rather than hold them all.
+    weighted values per item, and adds each row's terms onto zero in block order. Where every item fits at
+    once (`plan.order`: every decode step) the terms are added in row order, in a loop whose length the
+    plan's shape fixes (`_add_in_row_order`); otherwise block after block, in chunks (`_add_by_block`). Both
+    perform the same IEEE additions in the same order, so they give the same bits.
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
     spare = q.new_zeros(hkv, 1, d, dtype=acc)  # row R of each head: pads tiles
     queries = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), spare], dim=1).view(-1, d)  # (Hkv * (R + 1), D)
     keys, values = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
+    add = _add_by_block if plan.order is None else _add_in_row_order
+    sums = add(queries, keys, values, plan, tiles)  # (Hkv * (R + 1), D + 1): weighted values, softmax sum
+    sums = sums.view(hkv, r + 1, d + 1)[:, :r]  # (Hkv, R, D + 1)
+    # Padded token rows saw nothing (sum 0): the floor keeps them 0 rather than 0/0.
+    return sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(acc).tiny)
+
+
+def _scores(queries: torch.Tensor, keys: torch.Tensor, items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
+    """(hi - lo, T, B) the scores of items lo .. hi - 1, hidden keys at -inf."""
+    hidden = None if items.hidden is None else items.hidden[lo:hi]
+    return _block_scores(_gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(queries.dtype),
+                         batch, hidden)
+
+
+def _terms(scores: torch.Tensor, row_max: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+           batch: int) -> torch.Tensor:
+    """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten."""
+    e = scores.sub_(row_max.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B)
+    return torch.cat([batched_products(e, values.to(e.dtype), batch), batched_row_sums(e, batch)], dim=-1)
+
+
+def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+                      tiles: Tiles) -> torch.Tensor:
+    """Every item at once; each row's terms then gathered by `plan.order` and added in J fixed steps.
+
+    Nothing here depends on a value of the pass, only on its plan's shapes: the step a GPU captures.
+    """
+    d = queries.shape[1]
+    kinds = [(items, item_sizes(tiles, whole).batch) for items, whole in ((plan.whole, True), (plan.partial, False))]
+    scores = [_scores(queries, keys, items, 0, items.count, batch) for items, batch in kinds]
+    row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
+    for (items, _), item_scores in zip(kinds, scores):
+        row_max.scatter_reduce_(0, items.rows.reshape(-1), item_scores.amax(dim=-1).reshape(-1), "amax")
+    row_max = _finite(row_max)
+    terms = [_terms(item_scores, row_max, items.rows, _gather(values, items.keys), batch).view(-1, d + 1)
+             for (items, batch), item_scores in zip(kinds, scores)]
+    terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
+    ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
+    sums = queries.new_zeros(queries.shape[0], d + 1)
+    for j in range(ordered.shape[1]):  # pass 2's additions: each row's j-th term, in every row at once
+        sums = sums + ordered[:, j]
+    return sums
+
+
+def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+                  tiles: Tiles) -> torch.Tensor:
+    """Items in chunks of at most `ItemSizes.chunk` (all at once when a kind has at most `Tiles.keep`); each
+    block's terms added onto its rows in block order (`_add_rows`: a row meets each block once, so every
+    call adds one term to it). With more than one chunk, pass 2 computes the scores again (the same
+    products, the same bits) rather than hold them all."""
+    d = queries.shape[1]
     kinds = []  # (items, batch, chunk) of the whole, then the partial items
     for items, whole in ((plan.whole, True), (plan.partial, False)):
         sizes = item_sizes(tiles, whole)
         kinds.append((items, sizes.batch, items.count if 0 < items.count <= tiles.keep else sizes.chunk))
-
-    def scores(items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
-        hidden = None if items.hidden is None else items.hidden[lo:hi]
-        return _block_scores(_gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(acc), batch,
-                             hidden)
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     kept = []
     for items, batch, chunk in kinds:
         chunk_scores = None
         for lo in range(0, items.count, chunk):
-            chunk_scores = scores(items, lo, min(lo + chunk, items.count), batch)
+            chunk_scores = _scores(queries, keys, items, lo, min(lo + chunk, items.count), batch)
             row_max.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), chunk_scores.amax(dim=-1).reshape(-1),
                                     "amax")
         kept.append(chunk_scores if items.count <= chunk else None)
@@ -258,19 +304,15 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for (items, batch, chunk), kept_scores in zip(kinds, kept):
         for lo in range(0, items.count, chunk):
             hi = min(lo + chunk, items.count)
-            chunk_scores = kept_scores if kept_scores is not None else scores(items, lo, hi, batch)
+            chunk_scores = kept_scores if kept_scores is not None else _scores(queries, keys, items, lo, hi, batch)
             rows = items.rows[lo:hi]
-            e = chunk_scores.sub_(row_max.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B)
-            terms = torch.cat([batched_products(e, _gather(values, items.keys[lo:hi]).to(acc), batch),
-                               batched_row_sums(e, batch)], dim=-1)  # (I, T, D + 1)
+            terms = _terms(chunk_scores, row_max, rows, _gather(values, items.keys[lo:hi]), batch)  # (I, T, D + 1)
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another
                 first, end = max(first, lo), min(end, hi)
                 if first < end:
                     _add_rows(sums, rows[first - lo:end - lo].reshape(-1), terms[first - lo:end - lo].view(-1, d + 1),
                               tiles.index_add)
-    sums = sums.view(hkv, r + 1, d + 1)[:, :r]  # (Hkv, R, D + 1)
-    # Padded token rows saw nothing (sum 0): the floor keeps them 0 rather than 0/0.
-    return sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(acc).tiny)
+    return sums
 
 
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

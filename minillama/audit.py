@@ -9,6 +9,10 @@ what a GPU run would be asked for):
   Bit-parity on every device rests on this set being fixed: tests/test_signatures.py checks it.
 - `Launches` counts the ops that launch work (views and bare allocations excluded): on a GPU each is a
   kernel launch, so this is the count that bounds a small pass's speed there.
+- `HostReads` records every op that makes the host wait for a value on the device (`.item()`, `.tolist()`,
+  a Python branch on a tensor, a data-dependent shape such as `nonzero`, a copy to the host). Run on the
+  `meta` device (shapes, no values), each of them also fails: `host_reads` runs a function that way and
+  lists what it asked for. A step that lists nothing can be captured and replayed on a GPU (step.py).
 
     with ProductSignatures() as seen:
         model(tokens, positions, segments, cache)
@@ -73,6 +77,45 @@ class ProductSignatures(TorchDispatchMode):
                 others = tuple(repr(a) for a in flat if not isinstance(a, torch.Tensor))
                 self.reductions.add((str(func), tensors, others))
         return func(*args, **kwargs)
+
+
+# Ops whose result the host must wait for, or whose output shape follows the values of their input.
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "allclose", "nonzero", "argwhere", "masked_select",
+              "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "bincount", "repeat_interleave",
+              "masked_scatter", "_assert_async"}
+
+
+class HostReads(TorchDispatchMode):
+    """Records, in `found`, every op that reads a device value back to the host (`HOST_READS`, and copies to
+    another device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in HOST_READS:
+            self.found.append(str(func))
+        elif name in ("_to_copy", "copy_"):
+            devices = {a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+            if "device" in kwargs and kwargs["device"] is not None:
+                devices.add(torch.device(kwargs["device"]))
+            if len(devices) > 1:
+                self.found.append(f"{func} to {sorted(str(d) for d in devices)}")
+        return func(*args, **kwargs)
+
+
+def host_reads(run) -> list[str]:
+    """What `run()` (a function over `meta` tensors) reads back to the host: the ops `HostReads` saw, and the
+    error a value read raises on `meta`. [] when it reads nothing."""
+    with HostReads() as seen:
+        try:
+            run()
+        except (RuntimeError, NotImplementedError) as error:  # meta has no values to read
+            seen.found.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+    return seen.found
 
 
 class Launches(TorchDispatchMode):

@@ -13,7 +13,9 @@ down). The document's keys and values live in the cache once, however many quest
 finished question is `release`d and its slots are reused.
 
 Storage is one preallocated cache written by index, with one slot axis for all sequences:
-`k[layer]` is (Hkv, S, D). Slot 0 is never handed out and stays zero: attention reads it as padding.
+`k[layer]` is (Hkv, S, D). Two slots are never handed out: slot 0 stays zero (attention reads it as
+padding), and slot 1 takes the writes of the padding tokens that round a pass up to its step's shape
+(step.py), so a step writes every row without a branch on which rows are real, and no token ever reads them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from .config import LlamaConfig
 
 PAD_SLOT = 0
+SPILL_SLOT = 1  # written by padding tokens, read by nobody
 
 
 @dataclass
@@ -46,10 +49,10 @@ class KVCache:
         """kv_heads: the KV heads this process holds (a tensor-parallel rank holds some; default all)."""
         self.config = config
         hkv = config.num_key_value_heads if kv_heads is None else kv_heads
-        shape = (config.num_hidden_layers, hkv, max(capacity, 2), config.head_dim)
+        shape = (config.num_hidden_layers, hkv, max(capacity, SPILL_SLOT + 2), config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self._free: list[int] = list(range(shape[2] - 1, PAD_SLOT, -1))  # a stack; slot 0 held back
+        self._free: list[int] = list(range(shape[2] - 1, SPILL_SLOT, -1))  # a stack; slots 0 and 1 held back
         self.segments: dict[int, Segment] = {}
         self._next_id = 0
 
@@ -167,7 +170,7 @@ class KVCache:
         return torch.tensor(slots, dtype=torch.long, device=self.k.device)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (N, Hkv, D) for the tokens that were given `slots`."""
+        """k, v: (N, Hkv, D) for the tokens that were given `slots` (SPILL_SLOT for padding tokens)."""
         self.k[layer][:, slots] = k.transpose(0, 1).to(self.k.dtype)
         self.v[layer][:, slots] = v.transpose(0, 1).to(self.v.dtype)
 

@@ -29,8 +29,9 @@ from .attention import blocked_attention, masked_attention
 from .cache import KVCache
 from .config import LlamaConfig
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
-from .plan import AttentionPlan, plan_attention
+from .plan import AttentionPlan
 from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
+from .step import Step, Steps, lay_out
 
 
 class RMSNorm(nn.Module):
@@ -94,8 +95,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """x: (N, hidden); cos, sin: (N, D), sin signed (rope.signed_sin); slots: (n,) cache slots of the n <= N
-        real tokens. Returns (N, hidden)."""
+        """x: (N, hidden); cos, sin: (N, D), sin signed (rope.signed_sin); slots: (N,) the cache slot of each
+        row (cache.SPILL_SLOT for padding rows). Returns (N, hidden)."""
         n, hkv, d = x.shape[0], self.n_kv, self.head_dim
         g = self.n_heads // hkv
         q = self.q_proj(x).view(n, self.n_heads, d)
@@ -104,7 +105,7 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_folded(q, cos, sin), apply_rope_folded(k, cos, sin)
-        cache.write(self.layer, slots, k[:slots.shape[0]], v[:slots.shape[0]])
+        cache.write(self.layer, slots, k, v)
         # Query head h = j * G + i uses KV head j (HF's repeat_kv); row n * G + i of KV head j is token n.
         rows = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, R, D)
         if self.kernels.invariant:
@@ -144,6 +145,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.kernels = Kernels(invariant, tiles)  # shared by every module: the one switch they read
+        self.steps = Steps()  # how steps run: eagerly, or captured per bucket on CUDA (step.py)
         self.model = LlamaModel(config, self.kernels)
         self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, self.kernels, gather=True)
         if config.tie_word_embeddings:
@@ -218,7 +220,7 @@ class Llama(nn.Module):
             raise ValueError(f"tokens must be 1-D (packed), got shape {tuple(tokens.shape)}")
         n = tokens.shape[0]
         if cache is None:
-            cache = self.new_cache(n + 1)
+            cache = self.new_cache(n + 2)
         if segments is None:
             if cache.segments:
                 raise ValueError("segments are required with a cache that already holds segments")
@@ -231,24 +233,19 @@ class Llama(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
 
-        tiles = self.tiles
-        rows = -(-max(n, 1) // tiles.rows) * tiles.rows if self.invariant else n  # padded token count
-        g = self.config.num_attention_heads // self.config.num_key_value_heads
-        segments, positions = segments.cpu(), positions.cpu()  # the plan is made on the host
-        slots = cache.append(segments, positions)  # (n,) a slot for each new token
-        plan = plan_attention(cache, segments, positions, g, rows, tiles, dense=not self.invariant,
-                              window=self.config.sliding_window)
-        pad = rows - n
-        tokens = F.pad(tokens.to(self.device), (0, pad))
-        positions = F.pad(positions.to(self.device), (0, pad))
+        step = lay_out(self, cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
+                       buckets=self.steps.capturing(self))
+        return self.steps.run(self, cache, step)
 
-        x = self.model.embed_tokens(tokens)  # (rows, hidden)
+    @torch.inference_mode()
+    def run_step(self, cache: KVCache, step: Step) -> torch.Tensor:
+        """The device half of a pass (step.py): fixed shapes in, logits (L, vocab) out, nothing read back."""
+        x = self.model.embed_tokens(step.tokens)  # (rows, hidden)
         cos, sin = self._rope_table(x.dtype)
-        cos, sin = cos[positions], sin[positions]
+        cos, sin = cos[step.positions], sin[step.positions]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, slots, plan)
-        x = x[:n] if logits_rows is None else x[logits_rows.to(self.device)]
-        return self.lm_head(self.model.norm(x))
+            x = layer(x, cos, sin, cache, step.slots, step.plan)
+        return self.lm_head(self.model.norm(x.index_select(0, step.logits_rows)))
 
     def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (rope.signed_sin) for every position up to the context length, once per device."""

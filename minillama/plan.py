@@ -14,7 +14,14 @@ The steps, one function each:
 3. `items_of_every_head`: every tile against its group's key block, once per KV head, padded to whole
    batches with dummy items;
 4. `partial_mask`: the mask of the partial blocks (the keys past the row's position, or before its
-   window).
+   window);
+5. `row_order`: for a pass whose items all fit at once (every decode step), each query row's terms in the
+   order they are added, so that the kernel adds them in a loop fixed by the plan's shape rather than one
+   step per distinct block (what a captured step needs: docs/gpu.md).
+
+With `buckets`, every count is rounded up to one of a few sizes (`bucket`): the pass's rows (done by the
+caller), each kind's items and the terms per row. Padding adds dummy items and zero terms, which never
+change a real row's bits, and a step of one bucket has one shape whatever the pass holds (step.py).
 """
 
 from __future__ import annotations
@@ -88,27 +95,56 @@ class AttentionPlan:
     group_size: int  # G
     whole: Items  # blocks the rows see whole
     partial: Items  # blocks the rows see in part, masked
+    # Where every item fits at once: (Hkv * (R + 1), J) each flat query row's terms in the order they are added
+    # (whole items' terms first, then partial ones', T per item; index `terms` is a zero term). None: the
+    # kernel adds the terms block after block, in chunks (a long prefill).
+    order: torch.Tensor | None = None
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
 
 
+def bucket(count: int, unit: int = 1) -> int:
+    """The smallest of the sizes unit * 2^k that holds `count` (at least `unit`): a few shapes per kind."""
+    size = unit
+    while size < count:
+        size *= 2
+    return size
+
+
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
-                   n_rows: int, tiles: Tiles, dense: bool = False, window: int | None = None) -> AttentionPlan:
+                   n_rows: int, tiles: Tiles, dense: bool = False, window: int | None = None,
+                   buckets: bool = False) -> AttentionPlan:
     """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
 
     `n_rows` >= N is the padded token count the model runs (model.py says why); `window`: the sliding
-    window (config.sliding_window), None for none.
+    window (config.sliding_window), None for none; `buckets`: round every count up to a bucket (`bucket`), so
+    that steps of one bucket have one shape (the padded rows of a dense plan see the padding slot only).
     """
     segment_list, position_list = segments.tolist(), positions.tolist()
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
     layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
-    plan = AttentionPlan(positions=positions, group_size=group_size,
-                         whole=_lay_out(layout, whole_groups, item_sizes(tiles, whole=True), masked=False),
-                         partial=_lay_out(layout, partial_groups, item_sizes(tiles, whole=False), masked=True))
+    whole_sizes, partial_sizes = item_sizes(tiles, whole=True), item_sizes(tiles, whole=False)
+    (whole, whole_rows), (partial, partial_rows) = (
+        _lay_out(layout, groups, sizes, masked=not is_whole, buckets=buckets)
+        for groups, sizes, is_whole in ((whole_groups, whole_sizes, True), (partial_groups, partial_sizes, False)))
+    plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial)
+    if held_at_once(whole.count, whole_sizes, tiles) and held_at_once(partial.count, partial_sizes, tiles):
+        order = row_order([whole_rows, partial_rows], layout.kv_heads * layout.row_stride, layout.row_stride,
+                          buckets)
+        plan.order = torch.from_numpy(order).to(cache.k.device)
     if dense:
         chain_of = {sid: cache.chain(sid) for sid in dict.fromkeys(segment_list)}
-        plan.visible = _dense_visibility(cache, chain_of, segment_list, positions.cpu(), window).to(cache.k.device)
+        visible = _dense_visibility(cache, chain_of, segment_list, positions.cpu(), window)
+        if n_rows > visible.shape[0]:  # padded rows see the padding slot (zeros), not nothing (NaN)
+            visible = torch.cat([visible, torch.zeros(n_rows - visible.shape[0], visible.shape[1], dtype=torch.bool)])
+            visible[len(segment_list):, PAD_SLOT] = True
+        plan.visible = visible.to(cache.k.device)
     return plan
+
+
+def held_at_once(count: int, sizes: ItemSizes, tiles: Tiles) -> bool:
+    """Whether the kernel holds every item of a kind at once: one chunk, or at most `Tiles.keep` items."""
+    return count <= sizes.chunk or count <= tiles.keep
 
 
 class _Pass:
@@ -125,15 +161,19 @@ class _Pass:
         self.chains: dict[int, list[int]] = {}  # each segment's chain slots, fetched once
 
 
-def _lay_out(layout: _Pass, groups: Groups, sizes: ItemSizes, masked: bool) -> Items:
-    """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor."""
+def _lay_out(layout: _Pass, groups: Groups, sizes: ItemSizes, masked: bool,
+             buckets: bool) -> tuple[Items, np.ndarray]:
+    """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
+    items' flat rows (I, T) on the host, for `row_order`."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
     tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, sizes.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
     blocks = np.array([block for _, block in order], dtype=np.int64)  # (groups,)
+    real = layout.kv_heads * int(tiles_per_group.sum())
+    padded = bucket(real, sizes.batch) if buckets else -(-real // sizes.batch) * sizes.batch
     rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
-                                                                 sizes.batch)
+                                                                 padded)
     starts = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist()]  # each distinct block's first item
     distinct_blocks = item_blocks[starts].tolist() if item_blocks.size else []
     device = layout.cache.k.device
@@ -141,9 +181,10 @@ def _lay_out(layout: _Pass, groups: Groups, sizes: ItemSizes, masked: bool) -> I
     if masked:
         hidden = torch.from_numpy(partial_mask(block_keys, blocks, group_of_item, rows, layout.row_positions,
                                                layout.window)).to(device)
-    return Items(torch.from_numpy(rows).to(device), torch.from_numpy(keys).to(device), hidden,
-                 bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
-                 group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
+    items = Items(torch.from_numpy(rows).to(device), torch.from_numpy(keys).to(device), hidden,
+                  bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
+                  group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
+    return items, rows
 
 
 # --- 1. group the tokens by the blocks they see ------------------------------------------------------
@@ -219,16 +260,16 @@ def tile_rows(tokens_per_group: list[list[int]], group_size: int, tile: int,
 # --- 3. every tile against its block, for every KV head, in whole batches -----------------------------
 
 def items_of_every_head(tiles: np.ndarray, tiles_per_group: np.ndarray, block_keys: np.ndarray,
-                        blocks: np.ndarray, layout: _Pass, batch: int) -> tuple[np.ndarray, ...]:
+                        blocks: np.ndarray, layout: _Pass, count: int) -> tuple[np.ndarray, ...]:
     """(flat rows (I, T), flat keys (I, B), block (I,), group of each real item) of every item: per group,
     its tiles for KV head 0, then for head 1, ...; then dummy items (the spare row against the padding
-    slot) to a whole batch."""
+    slot) up to `count` items (whole batches)."""
     items_per_group = layout.kv_heads * tiles_per_group
     group_of_item = np.repeat(np.arange(len(tiles_per_group)), items_per_group)
     in_group = np.arange(group_of_item.size) - (np.cumsum(items_per_group) - items_per_group)[group_of_item]
     head = in_group // tiles_per_group[group_of_item]
     tile = (np.cumsum(tiles_per_group) - tiles_per_group)[group_of_item] + in_group % tiles_per_group[group_of_item]
-    dummies = (-group_of_item.size) % batch
+    dummies = count - group_of_item.size
     spare = layout.row_stride - 1
     rows = np.concatenate([tiles[tile] + (head * layout.row_stride)[:, None],
                            np.full((dummies, tiles.shape[1]), spare, dtype=np.int64)])  # (I, T)
@@ -257,6 +298,30 @@ def partial_mask(block_keys: np.ndarray, blocks: np.ndarray, group_of_item: np.n
     if window is not None:  # cut on the left too (padding keys, at NEVER, stay hidden)
         hidden |= item_keys <= item_rows - window
     return hidden
+
+
+# --- 5. each row's terms in the order they are added ----------------------------------------------------
+
+def row_order(rows_of_kind: list[np.ndarray], flat_rows: int, row_stride: int, buckets: bool) -> np.ndarray:
+    """(flat_rows, J) the terms of each flat query row in the order the kernel adds them, then the zero term.
+
+    rows_of_kind: each kind's items' flat rows (I, T), whole items first; the pass's terms are numbered
+    like them (term i * T + t is row rows[i, t] of item i), kind after kind, and the number after the last
+    one is a zero term. Items are sorted by block, so a row's terms come in block order, whole blocks before
+    partial ones: exactly the order in which the chunked kernel adds them. The padding at the end of a row
+    adds zeros, which changes nothing (a sum that starts at +0 is never -0, so s + 0 = s), and J, the most
+    terms of any row, is a bucket with `buckets`. Spare rows (which pad tiles) get no terms.
+    """
+    flat = np.concatenate([r.reshape(-1) for r in rows_of_kind])  # (terms,) the row each term belongs to
+    terms = np.flatnonzero(flat % row_stride != row_stride - 1)  # the real rows' terms, in order
+    by_row = np.argsort(flat[terms], kind="stable")  # grouped by row, each row's terms keeping their order
+    rows, terms = flat[terms][by_row], terms[by_row]
+    counts = np.bincount(rows, minlength=flat_rows)
+    rank = np.arange(rows.size) - (np.cumsum(counts) - counts)[rows]  # the place of each term in its row
+    most = int(counts.max()) if counts.size else 0
+    table = np.full((flat_rows, bucket(most) if buckets else max(most, 1)), flat.size, dtype=np.int64)
+    table[rows, rank] = terms
+    return table
 
 
 def _dense_visibility(cache: KVCache, chains: dict[int, list[int]], segment_list: list[int],

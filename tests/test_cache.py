@@ -41,12 +41,12 @@ def test_release_recycles_slots_and_growth_keeps_contents():
 
 
 def test_reserve_makes_room_in_one_reallocation_and_keeps_contents():
-    cache = KVCache(tiny_config(), capacity=4)
+    cache = KVCache(tiny_config(), capacity=5)
     a = cache.new_segment()
     slots = cache.append(torch.tensor([a] * 3), torch.arange(3))
     cache.k[0][:, slots] = 1.0
     cache.reserve(100)
-    assert cache.k.shape[2] == 104  # its 4 slots all held (padding + 3 tokens): exactly 100 more, not doubled
+    assert cache.k.shape[2] == 105  # its 5 slots all held (padding, spill + 3 tokens): exactly 100 more, not doubled
     before = cache.k.data_ptr()
     more = cache.append(torch.tensor([a] * 100), torch.arange(3, 103))  # fits: no further reallocation
     assert cache.k.data_ptr() == before and len(set(slots.tolist() + more.tolist())) == 103

@@ -1,0 +1,170 @@
+"""A forward pass as a step of fixed shapes: the host lays it out, the device runs it without looking back.
+
+`Llama.forward` is two halves. The host half (`lay_out`) checks the pass, gives its tokens cache slots and
+plans its attention (plan.py), and writes everything the device needs into a `Step`: a few integer tensors
+whose shapes are the step's *bucket*. The device half (`Llama.run_step`) is a pure function of the step's
+tensors, the weights and the cache: it reads no value back to the host (no `.item()`, `.tolist()`, `nonzero`,
+no shape or Python branch that follows a tensor's values; tests/test_step.py audits it), so its launches are
+fixed by the bucket alone. That is what lets a GPU capture a step once and replay it (`CapturedSteps`).
+
+Buckets. Without them (a CPU's default) a step is padded only as the kernels need: rows to whole tiles,
+items to whole batches. With them (a GPU with captured steps) every count is rounded up to one of a few sizes
+(`plan.bucket`): the rows, each kind of attention item, the terms per row, the logits rows. Padding never
+changes a real row's bits (padding rows are rows of their own; dummy items meet only the spare row; extra
+terms are zeros), so a question's bits do not depend on its step's bucket: test_step.py checks that too.
+
+Captured steps (CUDA). The first step of a bucket runs as it is (it warms the libraries up); the second is
+captured as a CUDA graph into static input buffers and replayed; every later one copies its inputs into those
+buffers and replays. A graph reads the cache's memory where it was when captured, so the graphs belong to one
+cache and are dropped when it grows.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import SPILL_SLOT, KVCache
+from .plan import AttentionPlan, Items, bucket, plan_attention
+
+if TYPE_CHECKING:
+    from .model import Llama
+
+
+@dataclass
+class Step:
+    """Everything the device half of a pass reads besides the weights and the cache, in bucket shapes."""
+
+    tokens: torch.Tensor  # (rows,) token ids, padding rows 0
+    positions: torch.Tensor  # (rows,) positions, padding rows 0
+    slots: torch.Tensor  # (rows,) the cache slot each row's keys and values go to (SPILL_SLOT for padding)
+    logits_rows: torch.Tensor  # (L,) the rows whose logits are wanted (padded with row 0)
+    plan: AttentionPlan  # its tensors are the step's too (`tensors`)
+    wanted: int  # the logits rows that are real: the first `wanted` of the L
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the device half reads, in a fixed order (the inputs a captured step copies in)."""
+        plan = self.plan
+        out = [self.tokens, self.positions, self.slots, self.logits_rows]
+        for items in (plan.whole, plan.partial):
+            out += [items.rows, items.keys] + ([] if items.hidden is None else [items.hidden])
+        return out + [t for t in (plan.order, plan.visible) if t is not None]
+
+    def key(self) -> tuple:
+        """The bucket: every input's shape and dtype. Steps with one key issue the same launches."""
+        return tuple((tuple(t.shape), t.dtype) for t in self.tensors())
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "Step":
+        """This step over other tensors of the same shapes (a captured step's static buffers)."""
+        it = iter(tensors)
+        plan = self.plan
+        tokens, positions, slots, logits_rows = next(it), next(it), next(it), next(it)
+
+        def items_of(items: Items) -> Items:
+            rows, keys = next(it), next(it)
+            return replace(items, rows=rows, keys=keys, hidden=None if items.hidden is None else next(it))
+
+        whole = items_of(plan.whole)
+        partial = items_of(plan.partial)
+        order = None if plan.order is None else next(it)
+        visible = None if plan.visible is None else next(it)
+        return Step(tokens, positions, slots, logits_rows,
+                    replace(plan, whole=whole, partial=partial, order=order, visible=visible), self.wanted)
+
+
+def lay_out(model: Llama, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+            logits_rows: torch.Tensor | None, buckets: bool) -> Step:
+    """The host half of a pass: give the N new tokens cache slots and lay the step out (see the module's
+    docstring); positions and segments are on the host."""
+    n = tokens.shape[0]
+    invariant, tiles = model.invariant, model.tiles
+    unit = tiles.rows if invariant else 1  # the kernels' own padding: whole tiles of rows
+    rows = bucket(-(-max(n, 1) // unit), 1) * unit if buckets else -(-max(n, 1) // unit) * unit
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    slots = cache.append(segments, positions)  # (n,) a slot for each new token
+    plan = plan_attention(cache, segments, positions, g, rows, tiles, dense=not invariant,
+                          window=model.config.sliding_window, buckets=buckets)
+    wanted = torch.arange(n) if logits_rows is None else logits_rows.cpu()
+    logits = wanted.shape[0]
+    padded_logits = bucket(logits) if buckets else logits
+    device, pad = model.device, rows - n
+    return Step(tokens=F.pad(tokens.cpu(), (0, pad)).to(device),
+                positions=F.pad(positions, (0, pad)).to(device),
+                slots=F.pad(slots.cpu(), (0, pad), value=SPILL_SLOT).to(device),
+                logits_rows=F.pad(wanted, (0, padded_logits - logits)).to(device),
+                plan=plan, wanted=logits)
+
+
+_POOL: list = []  # one CUDA memory pool for every captured step of the process (graphs share it)
+
+
+def cuda_graph(run: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    """Capture `run` as a CUDA graph: (replay, its output buffer). The capture itself runs nothing."""
+    if not _POOL:
+        _POOL.append(torch.cuda.graph_pool_handle())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=_POOL[0]):
+        out = run()
+    return graph.replay, out
+
+
+class CapturedSteps:
+    """One cache's steps, captured per bucket: the first step of a bucket runs eagerly, the second is
+    captured (`capture`: a CUDA graph) into static input buffers, and every later one copies its inputs into
+    those buffers and replays (module docstring)."""
+
+    def __init__(self, cache: KVCache, capture: Callable = cuda_graph):
+        self.storage = cache.k.data_ptr()
+        self.capture = capture
+        self.seen: set[tuple] = set()
+        self.graphs: dict[tuple, tuple[Callable[[], None], Step, torch.Tensor]] = {}  # key -> (replay, inputs, out)
+
+    def run(self, run_step: Callable[[Step], torch.Tensor], step: Step) -> torch.Tensor:
+        key = step.key()
+        if key in self.graphs:
+            replay, static, out = self.graphs[key]
+            for buffer, value in zip(static.tensors(), step.tensors()):
+                buffer.copy_(value, non_blocking=True)
+        elif key not in self.seen:
+            self.seen.add(key)
+            return run_step(step)
+        else:
+            static = step.with_tensors([t.clone() for t in step.tensors()])
+            replay, out = self.capture(lambda: run_step(static))
+            self.graphs[key] = (replay, static, out)
+        replay()
+        return out
+
+
+class Steps:
+    """How a model runs its steps: eagerly, or captured per bucket (`captured`: None, the default, captures
+    on CUDA in one process; False never; True asks for it). `capture` is how (CUDA graphs; a test may give
+    a stand-in that replays by running the step again, to check the buffers on a CPU)."""
+
+    def __init__(self):
+        self.captured: bool | None = None
+        self.capture: Callable = cuda_graph
+        self._by_cache: weakref.WeakKeyDictionary[KVCache, CapturedSteps] = weakref.WeakKeyDictionary()
+
+    def capturing(self, model: Llama) -> bool:
+        """Whether this model's steps are captured (in buckets) now."""
+        if self.captured is False or model.kernels.comm is not None:  # a rank's collectives run eagerly
+            return False
+        if model.device.type == "cuda" or (self.captured and self.capture is not cuda_graph):
+            return True
+        if self.captured:
+            raise ValueError(f"captured steps need a CUDA device; the model is on {model.device.type}")
+        return False
+
+    def run(self, model: Llama, cache: KVCache, step: Step) -> torch.Tensor:
+        """The step's logits (step.wanted, vocab)."""
+        if not self.capturing(model):
+            return model.run_step(cache, step)[:step.wanted]
+        captured = self._by_cache.get(cache)
+        if captured is None or captured.storage != cache.k.data_ptr():  # new cache, or it grew: new graphs
+            captured = self._by_cache[cache] = CapturedSteps(cache, self.capture)
+        return captured.run(lambda s: model.run_step(cache, s), step)[:step.wanted].clone()

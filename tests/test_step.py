@@ -1,0 +1,225 @@
+"""The step (step.py): fixed shapes, nothing read back to the host, the same bits in every bucket, replayed.
+
+What a GPU's captured step relies on, checked on a CPU:
+- the device half of a pass reads no value back (run on the `meta` device, which has no values: any read
+  fails there), for a decode step and for a chunked prefill, with planted reads as negative controls;
+- the two ways of adding a row's attention terms (block after block; in row order, in a loop the plan's
+  shape fixes) give the same bits;
+- a step padded to its bucket gives every real row the bits of the unpadded step (padding that adds a real
+  term to a row is caught);
+- captured steps replay through their static buffers: with a stand-in for the CUDA graph that runs the step
+  again from those buffers, answers equal the eager ones, parallel equals independent, and a replay that
+  does not see the new inputs is caught.
+"""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minillama.plan as plan_module
+from minillama.attention import blocked_attention
+from minillama.audit import host_reads
+from minillama.generate import SamplingParams, generate
+from minillama.invariant import CPU_TILES, CUDA_TILES
+from minillama.model import RMSNorm
+from minillama.plan import plan_attention
+from minillama.step import lay_out
+from test_attention import WINDOWS, fill, layout
+from test_parity import assert_same_answers
+from tiny import DEVICE, SMALL_TILES, tiny_config, tiny_model
+
+DOC = 70
+
+
+def _document_and_questions(model, doc=DOC, questions=(5, 9, 3)):
+    """A cache holding a document and questions under it (prefilled); returns (cache, the question segments)."""
+    cache = model.new_cache()
+    root = cache.new_segment()
+    model(torch.arange(doc) % 50 + 3, torch.arange(doc), torch.full((doc,), root), cache)
+    sids = [cache.new_segment(root) for _ in questions]
+    toks = torch.cat([torch.arange(n) % 40 + 5 for n in questions])
+    segs = torch.cat([torch.full((n,), s) for n, s in zip(questions, sids)])
+    poss = torch.cat([torch.arange(doc, doc + n) for n in questions])
+    model(toks, poss, segs, cache)
+    return cache, sids
+
+
+def _decode_inputs(cache, sids):
+    segs = torch.tensor(sids)
+    return torch.tensor([7] * len(sids)), torch.tensor([cache.length(s) for s in sids]), segs
+
+
+def _on_meta(model, cache, step):
+    """Model, cache and step on the meta device: shapes without values."""
+    meta_model = copy.deepcopy(model).to("meta")
+    meta_cache = copy.copy(cache)
+    meta_cache.k, meta_cache.v = cache.k.to("meta"), cache.v.to("meta")
+    return meta_model, meta_cache, step.with_tensors([t.to("meta") for t in step.tensors()])
+
+
+def _reads_of_step(model, cache, tokens, positions, segments, buckets=False):
+    step = lay_out(model, cache, tokens, positions, segments, None, buckets=buckets)
+    meta_model, meta_cache, meta_step = _on_meta(model, cache, step)
+    return host_reads(lambda: meta_model.run_step(meta_cache, meta_step))
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("buckets", [False, True])
+def test_a_decode_step_reads_nothing_back_to_the_host(invariant, buckets):
+    model = tiny_model(tiny_config())
+    model.invariant = invariant
+    cache, sids = _document_and_questions(model)
+    assert _reads_of_step(model, cache, *_decode_inputs(cache, sids), buckets=buckets) == []
+
+
+def test_a_chunked_prefill_reads_nothing_back_to_the_host():
+    model = tiny_model(tiny_config())  # SMALL_TILES: a prefill of 200 tokens takes the chunked path
+    cache = model.new_cache()
+    root = cache.new_segment()
+    n = 200
+    step = lay_out(model, cache, torch.arange(n) % 50, torch.arange(n), torch.full((n,), root), None, buckets=False)
+    assert step.plan.order is None and step.plan.whole.count > SMALL_TILES.full_chunk  # chunks, block by block
+    meta_model, meta_cache, meta_step = _on_meta(model, cache, step)
+    assert host_reads(lambda: meta_model.run_step(meta_cache, meta_step)) == []
+
+
+@pytest.mark.parametrize("plant", ["item", "branch", "to_host", "nonzero"])
+def test_negative_control_a_planted_read_is_caught(monkeypatch, plant):
+    model = tiny_model(tiny_config())
+    cache, sids = _document_and_questions(model)
+    inputs = _decode_inputs(cache, sids)
+    forward = RMSNorm.forward
+    reads = {"item": lambda x: x.abs().max().item(), "branch": lambda x: bool((x > 1e9).any()),
+             "to_host": lambda x: x.cpu(), "nonzero": lambda x: x.nonzero()}
+
+    def planted(self, x):
+        reads[plant](x)
+        return forward(self, x)
+
+    monkeypatch.setattr(RMSNorm, "forward", planted)
+    assert _reads_of_step(model, cache, *inputs) != []
+
+
+@settings(max_examples=25, deadline=None)
+@given(qs=st.lists(st.integers(1, 70), min_size=1, max_size=5), doc=st.integers(0, 150), decode=st.booleans(),
+       tiles=st.sampled_from([SMALL_TILES, CPU_TILES, CUDA_TILES]), window=WINDOWS, seed=st.integers(0, 99),
+       buckets=st.booleans())
+def test_row_order_adds_the_terms_of_block_order(qs, doc, decode, tiles, window, seed, buckets):
+    config = tiny_config(kv_heads=2, heads=4, head_dim=8)
+    cache, segs, poss = layout(config, doc, qs, [], decode=decode)
+    rows = -(-len(segs) // tiles.rows) * tiles.rows
+    big = dataclasses.replace(tiles, keep=1 << 20)  # every pass held at once: the row-order path
+    plan = plan_attention(cache, segs, poss, 2, rows, big, window=window, buckets=buckets)
+    q = fill(cache, rows, 2, seed)
+    assert plan.order is not None
+    in_row_order = blocked_attention(q, cache.k[0], cache.v[0], plan, big)
+    by_block = blocked_attention(q, cache.k[0], cache.v[0], dataclasses.replace(plan, order=None), big)
+    assert torch.equal(in_row_order, by_block)
+
+
+def _steps_in_lockstep(model, steps=3):
+    """Logits of a prefill of questions (85 tokens: 6 tiles of 16 rows, a bucket of 8) and `steps` decode
+    steps, laid out without and with buckets: [(step's key, logits), ...] each. One question reaches a
+    block further than the others, so rows differ in their number of terms."""
+    questions = (5, 9, 3, 60, 8)
+    out = []
+    for buckets in (False, True):
+        cache = model.new_cache()
+        root = cache.new_segment()
+        model(torch.arange(DOC) % 50 + 3, torch.arange(DOC), torch.full((DOC,), root), cache)
+        sids = [cache.new_segment(root) for _ in questions]
+        passes = [(torch.cat([torch.arange(n) % 40 + 5 for n in questions]),
+                   torch.cat([torch.arange(DOC, DOC + n) for n in questions]),
+                   torch.cat([torch.full((n,), s) for n, s in zip(questions, sids)]))]
+        got = []
+        for i in range(steps + 1):
+            inputs = passes[0] if i == 0 else _decode_inputs(cache, sids)
+            step = lay_out(model, cache, *inputs, None, buckets=buckets)
+            got.append((step.key(), model.run_step(cache, step)[:step.wanted]))
+        out.append(got)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bucket_never_changes_a_real_rows_bits(dtype):
+    model = tiny_model(tiny_config(), dtype=dtype)
+    plain, bucketed = _steps_in_lockstep(model)
+    assert plain[0][0][0] != bucketed[0][0][0]  # the prefill's rows were padded to the bucket
+    assert all(k1 != k2 for (k1, _), (k2, _) in zip(plain, bucketed))  # and every step's items or terms
+    for (_, a), (_, b) in zip(plain, bucketed):
+        assert torch.equal(a, b)
+
+
+def test_negative_control_padding_that_adds_a_real_term_is_caught(monkeypatch):
+    row_order = plan_module.row_order
+
+    def leaky(*args, **kwargs):  # a row's padding points at term 0 instead of the zero term
+        table = row_order(*args, **kwargs)
+        table[table == table.max()] = 0
+        return table
+
+    monkeypatch.setattr(plan_module, "row_order", leaky)
+    plain, bucketed = _steps_in_lockstep(tiny_model(tiny_config()))
+    assert not all(torch.equal(a, b) for (_, a), (_, b) in zip(plain, bucketed))
+
+
+class Rerun:
+    """A stand-in for a CUDA graph on a CPU: 'replaying' runs the captured function again, from the static
+    buffers it was captured over, into its output buffer. `frozen` replays nothing (a stale graph)."""
+
+    def __init__(self, frozen=False):
+        self.frozen, self.captures, self.replays = frozen, 0, 0
+
+    def __call__(self, run):
+        self.captures += 1
+        out = run()
+
+        def replay():
+            self.replays += 1
+            if not self.frozen:
+                out.copy_(run())
+        return replay, out
+
+
+def _captured(model, capture):
+    model.steps.captured, model.steps.capture = True, capture
+    return model
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 3], [5, 6, 7, 8, 9, 10, 12, 13, 4], [5, 6, 7, 8, 9, 10, 14]]
+PARAMS = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, keep_logits=True, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "independent"])
+def test_captured_steps_replay_the_eager_bits(mode):
+    eager = generate(tiny_model(tiny_config()), PROMPTS, PARAMS, mode=mode)
+    capture = Rerun()
+    replayed = generate(_captured(tiny_model(tiny_config()), capture), PROMPTS, PARAMS, mode=mode)
+    assert capture.captures >= 1 and capture.replays > capture.captures  # steps were replayed, not rerun
+    assert_same_answers(eager, replayed)
+
+
+def test_captured_parallel_equals_captured_independent():
+    model = _captured(tiny_model(tiny_config(kv_heads=1, heads=3)), Rerun())
+    assert_same_answers(generate(model, PROMPTS, PARAMS, mode="independent"),
+                        generate(model, PROMPTS, PARAMS, mode="parallel"))
+
+
+def test_negative_control_a_replay_that_misses_new_inputs_is_caught():
+    eager = generate(tiny_model(tiny_config()), PROMPTS, PARAMS)
+    stale = generate(_captured(tiny_model(tiny_config()), Rerun(frozen=True)), PROMPTS, PARAMS)
+    assert [a.token_ids for a in eager] != [a.token_ids for a in stale] or \
+        not all(torch.equal(x, y) for a, b in zip(eager, stale) for x, y in zip(a.logits, b.logits))
+
+
+def test_captured_steps_are_refused_off_cuda_without_a_stand_in():
+    model = tiny_model(tiny_config())
+    model.steps.captured = True
+    if DEVICE.type == "cuda":
+        pytest.skip("on CUDA captured steps are the real thing (test_captured_steps_replay_the_eager_bits)")
+    with pytest.raises(ValueError, match="captured steps need a CUDA device"):
+        model(torch.tensor([1, 2, 3]))
