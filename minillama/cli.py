@@ -83,6 +83,9 @@ def add_model_options(group: Any) -> None:
                        "default model, SmolLM2-135M-Instruct, converted on first use)")
     group.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default: float32)")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="on CUDA, run every step eagerly rather than capture each step shape once as a CUDA "
+                            "graph and replay it (the same bits either way; graphs are never used on a CPU)")
 
 
 def sampling(args: argparse.Namespace) -> SamplingParams:
@@ -122,7 +125,8 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
     # a tensor-parallel rank reads the checkpoint on the host (memory-mapped where it can) and moves only its
     # shard to the device
-    model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
+    model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
+                            args.cuda_graphs)
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
@@ -204,14 +208,17 @@ def check_options(args: argparse.Namespace) -> None:
     distributed.check_options(args)
 
 
-def load_checkpoint(path: str | None, device: str, dtype: Any) -> api.LoadedModel:
+def load_checkpoint(path: str | None, device: str, dtype: Any, cuda_graphs: bool = True) -> api.LoadedModel:
     from .tokenizer import TokenizerError
     from .weights import WeightsError
 
     if path is not None and not Path(path).exists():
         raise BadInput(f"--model {path}: no such file or directory")
     try:
-        return api.load(path, device=device, dtype=dtype)
+        loaded = api.load(path, device=device, dtype=dtype)
+        if not cuda_graphs:
+            loaded.llama.steps.captured = False  # step.py: every step eager
+        return loaded
     except (WeightsError, TokenizerError) as e:
         raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None
     except OSError as e:  # unreadable files

@@ -237,7 +237,7 @@ class Llama(nn.Module):
                        buckets=self.steps.capturing(self))
         return self.steps.run(self, cache, step)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def run_step(self, cache: KVCache, step: Step) -> torch.Tensor:
         """The device half of a pass (step.py): fixed shapes in, logits (L, vocab) out, nothing read back."""
         x = self.model.embed_tokens(step.tokens)  # (rows, hidden)

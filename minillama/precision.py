@@ -81,6 +81,7 @@ def _decide(dtype: torch.dtype, mode: str) -> torch.dtype:
     return torch.float32
 
 
+@torch.compiler.assume_constant_result  # decided once per process: a constant to torch.compile
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype a linear product of `dtype` operands is computed in on `device` (decided once per dtype)."""
     if device.type != "cpu" or dtype not in HALF:
@@ -128,6 +129,7 @@ def cpu_gemm() -> str:
     return ("onednn" if onednn_available() else "mm") if mode == "auto" else mode
 
 
+@torch.compiler.assume_constant_result
 def uses_onednn(device: torch.device, calc: torch.dtype) -> bool:
     """Whether products computing in `calc` on `device` run in oneDNN's linear (a CPU in float32 that picks
     it, `cpu_gemm`); the tiled and the plain products ask the same question."""

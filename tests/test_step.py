@@ -56,6 +56,7 @@ def _decode_inputs(cache, sids):
 def _on_meta(model, cache, step):
     """Model, cache and step on the meta device: shapes without values."""
     meta_model = copy.deepcopy(model).to("meta")
+    meta_model._rope_table(model.dtype)  # made once per device and dtype, by a model's first (eager) step
     meta_cache = copy.copy(cache)
     meta_cache.k, meta_cache.v = cache.k.to("meta"), cache.v.to("meta")
     return meta_model, meta_cache, step.with_tensors([t.to("meta") for t in step.tensors()])
@@ -223,3 +224,32 @@ def test_captured_steps_are_refused_off_cuda_without_a_stand_in():
         pytest.skip("on CUDA captured steps are the real thing (test_captured_steps_replay_the_eager_bits)")
     with pytest.raises(ValueError, match="captured steps need a CUDA device"):
         model(torch.tensor([1, 2, 3]))
+
+
+def _graph_breaks(model, cache, step):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch._dynamo.explain(model.run_step)(cache, step).graph_break_count
+
+
+def test_torch_compile_traces_a_step_whole():
+    """`torch.compile(model.run_step, fullgraph=True)` can take a decode step and a chunked prefill: one
+    graph each, no break (docs/gpu.md: what compiling it gives on a CPU)."""
+    model = tiny_model(tiny_config())
+    cache, sids = _document_and_questions(model)
+    decode = lay_out(model, cache, *_decode_inputs(cache, sids), None, buckets=True)
+    assert _graph_breaks(model, cache, decode) == 0
+    root = cache.new_segment()
+    prefill = lay_out(model, cache, torch.arange(200) % 50, torch.arange(200), torch.full((200,), root), None,
+                      buckets=False)
+    assert prefill.plan.order is None and _graph_breaks(model, cache, prefill) == 0
+
+
+def test_negative_control_a_planted_read_breaks_the_graph(monkeypatch):
+    model = tiny_model(tiny_config())
+    cache, sids = _document_and_questions(model)
+    step = lay_out(model, cache, *_decode_inputs(cache, sids), None, buckets=False)
+    forward = RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, x: forward(self, x) if x.abs().max().item() >= 0 else x)
+    assert _graph_breaks(model, cache, step) > 0

@@ -13,6 +13,7 @@ one run, round-robin repeats, medians:
 - `independent`     each question alone, on a sample of the questions (`--sample`), times scaled to all
 - `hf_batched`      HF transformers `generate`, left-padded, sdpa, the same weights and dtype, the same ids
                     (when transformers is importable)
+- `parallel_eager`  on CUDA, `parallel` with every step run eagerly rather than captured (step.py)
 
 The same run measures the device's GEMM rate (a square matmul in the run's dtype) and memory bandwidth
 (a large copy) and reports each method against the roofline floor of the work: the prefill's FLOPs at the
@@ -153,12 +154,14 @@ def floor_s(config: LlamaConfig, prompts: list[list[int]], docs: list[int], g: i
 
 
 def _run_minillama(model: Any, prompts: list[list[int]], docs: list[int], g: int, mode: str,
-                   invariant: bool) -> list[list[int]]:
-    saved, model.invariant = model.invariant, invariant
+                   invariant: bool, captured: bool | None = None) -> list[list[int]]:
+    """Token ids of every prompt; `captured`: the steps' capture setting for this run (None: the default)."""
+    saved = model.invariant, model.steps.captured
+    model.invariant, model.steps.captured = invariant, captured
     try:
         out = generate(model, prompts, SamplingParams(max_new_tokens=g, ignore_eos=True), mode=mode, docs=docs)
     finally:
-        model.invariant = saved
+        model.invariant, model.steps.captured = saved
     return [a.token_ids for a in out]
 
 
@@ -192,7 +195,7 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
             out = _run_hf(hf, ps, g, device)
         else:
             out = _run_minillama(model, ps, ds, g, "independent" if m == "independent" else "parallel",
-                                 invariant=m != "parallel_plain")
+                                 invariant=m != "parallel_plain", captured=False if m == "parallel_eager" else None)
         _sync(device)
         return time.perf_counter() - t0, out
 
@@ -304,7 +307,8 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     if parity_check:
         sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}
         checked = parity(model, log=log, **sizes)
-    methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ())
+    methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ()) + \
+        (("parallel_eager",) if model.steps.capturing(model) else ())  # what capturing the steps gains
     records = run_task(shrink(HEADLINE), model, hf, device, methods, repeats, sample, rates, log)
     if tables:
         for t in PAPER_TABLES:

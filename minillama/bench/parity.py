@@ -44,6 +44,25 @@ def compare(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool
             "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(alone, packed))}
 
 
+def compare_captured(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool) -> dict[str, Any]:
+    """Captured steps against eager ones (step.py), the parallel run's every step's logits: 0 steps may differ."""
+    params = SamplingParams(max_new_tokens=new_tokens, keep_logits=True, ignore_eos=True,
+                            temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=7)
+    saved = model.steps.captured
+    try:
+        model.steps.captured = False
+        eager = generate(model, prompts, params, mode="parallel")
+        model.steps.captured = True
+        captured = generate(model, prompts, params, mode="parallel")
+    finally:
+        model.steps.captured = saved
+    pairs = [(x, y) for a, b in zip(eager, captured) for x, y in zip(a.logits, b.logits)]
+    return {"sampled": sampled, "kernels": "captured vs eager", "questions": len(prompts), "steps": len(pairs),
+            "steps_differing": sum(not torch.equal(x, y) for x, y in pairs),
+            "max_abs_diff": max((float((x.float() - y.float()).abs().max()) for x, y in pairs), default=0.0),
+            "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(eager, captured))}
+
+
 def parity(model: Any, doc_tokens: int = 554, questions: int = 16, lengths: tuple[int, int] = (6, 20),
            new_tokens: int = 8, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Greedy and sampled, invariant and plain kernels: four comparisons on one workload."""
@@ -53,6 +72,11 @@ def parity(model: Any, doc_tokens: int = 554, questions: int = 16, lengths: tupl
         for invariant in (True, False):
             r = compare(model, prompts, new_tokens, sampled, invariant)
             log(f"  parity, {'sampled' if sampled else 'greedy'}, {r['kernels']} kernels: "
+                f"{r['steps_differing']} of {r['steps']} steps differ")
+            records.append(r)
+        if model.device.type == "cuda":  # where steps are captured: captured against eager too
+            r = compare_captured(model, prompts, new_tokens, sampled)
+            log(f"  captured against eager, {'sampled' if sampled else 'greedy'}: "
                 f"{r['steps_differing']} of {r['steps']} steps differ")
             records.append(r)
     return records

@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)
-    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype))
+    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype), args.cuda_graphs)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,

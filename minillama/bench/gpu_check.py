@@ -1,0 +1,131 @@
+"""Every check a GPU needs, in one run that fits a short loan of the machine, written to one JSON.
+
+    python -m minillama.bench.gpu_check                    # on the GPU machine, from a clone
+    python -m minillama.bench.gpu_check --quick --device cpu   # the same steps, tiny, on a CPU (tests)
+
+In order, each step bounded in time and recorded whatever the others do:
+
+1. the CUDA test run: the device tests (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts;
+2. `parity` (bench/parity.py) at SmolLM2's shape in float32 and Llama-3-8B's in bfloat16: parallel against
+   independent, every step's logits, invariant and plain kernels, and captured steps against eager ones;
+3. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
+   parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run;
+4. the targets the GPU work is measured by, as ratios from that one run.
+
+The JSON (default docs/bench/gpu/<device>-check.json) holds the device's name, torch's version, the commit,
+and each step's results and seconds. docs/gpu.md says how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import run_command
+from ..files import json_text, make_dir, write_file
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_model.py", "tests/test_cache.py",
+                "tests/test_generate.py", "tests/test_invariant.py", "tests/test_signatures.py",
+                "tests/test_family.py", "tests/test_step.py"]
+# (shape, dtype) of the parity checks and the bench.
+CASES = (("smollm2", "float32"), ("llama3-8b", "bfloat16"))
+
+
+def run_tests(device: str, timeout_s: float, files: Sequence[str] = DEVICE_TESTS) -> dict[str, Any]:
+    """The device tests in a subprocess; its summary line's counts."""
+    env = {**os.environ, "MINILLAMA_TEST_DEVICE": device}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        out, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        out, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", out)}
+    failed = [line for line in out.splitlines() if line.startswith("FAILED") or line.startswith("ERROR")]
+    return {"command": " ".join(cmd), "exit": code, "timed_out": code is None, **counts, "failures": failed[:50],
+            "tail": out[-3000:]}
+
+
+def targets(bench: dict[str, Any]) -> dict[str, Any]:
+    """The GPU work's targets, from one bench run: ratios of medians of the headline case."""
+    by = {r["method"]: r for r in bench["records"] if r["label"] == "headline"}
+    out: dict[str, Any] = {}
+    if "parallel" in by and "parallel_plain" in by:
+        out["exact_over_plain"] = by["parallel"]["wall_s"] / by["parallel_plain"]["wall_s"]
+    if "parallel" in by:
+        out["parallel_over_floor"] = by["parallel"]["x_floor"]
+    if "parallel" in by and "hf_batched" in by:
+        out["hf_over_parallel"] = by["hf_batched"]["wall_s"] / by["parallel"]["wall_s"]
+    if "parallel" in by and "parallel_eager" in by:
+        out["eager_over_captured"] = by["parallel_eager"]["wall_s"] / by["parallel"]["wall_s"]
+    return out
+
+
+def check(device: str, quick: bool, out: Path, test_timeout_s: float, log=print) -> dict[str, Any]:
+    make_dir(out.parent)
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else device
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    result: dict[str, Any] = {"device_name": name, "device": device, "torch": torch.__version__, "commit": commit,
+                              "quick": quick, "steps": {}}
+
+    def step(key: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            result["steps"][key] = {"result": fn()}
+        except Exception as e:  # noqa: BLE001 - one failing step must not lose the others' results
+            result["steps"][key] = {"error": f"{type(e).__name__}: {e}"}
+        result["steps"][key]["seconds"] = time.perf_counter() - t0
+        log(f"gpu_check: {key} done in {result['steps'][key]['seconds']:.1f} s")
+        write_file(out, json_text(result, indent=1, default=str) + "\n")  # what is done so far survives
+
+    files = ["tests/test_step.py"] if quick else DEVICE_TESTS
+    step("tests", lambda: run_tests(device, test_timeout_s, files))
+    for shape, dtype in CASES:
+        if quick:
+            shape = "tiny"
+        step(f"bench {shape} {dtype}", lambda s=shape, d=dtype: _bench(s, d, device, quick, log))
+        if quick:
+            break
+    return result
+
+
+def _bench(shape: str, dtype: str, device: str, quick: bool, log) -> dict[str, Any]:
+    from .device import shape_main
+
+    data = shape_main(shape, device, dtype, tiny=quick, tables=False, repeats=1 if quick else 3,
+                      sample=2 if quick else 4, use_hf=True, log=log, parity_check=True)
+    return {**data, "targets": targets(data)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def go() -> int:
+        ap = argparse.ArgumentParser(prog="python -m minillama.bench.gpu_check", description=__doc__.splitlines()[0])
+        ap.add_argument("--device", default="cuda", help="default: cuda")
+        ap.add_argument("--quick", action="store_true", help="tiny sizes and one test file: seconds (tests)")
+        ap.add_argument("--out", help="JSON to write (default: docs/bench/gpu/<device>-check.json)")
+        ap.add_argument("--test-timeout", type=float, default=240.0, help="seconds for the test run (default: 240)")
+        a = ap.parse_args(argv)
+        if a.device.startswith("cuda") and not torch.cuda.is_available():
+            from ..errors import BadInput
+            raise BadInput("--device cuda: torch sees no CUDA device here (--device cpu runs the same steps)")
+        name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else a.device
+        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        out = Path(a.out) if a.out else ROOT / "docs" / "bench" / "gpu" / f"{slug}-check.json"
+        check(a.device, a.quick, out, a.test_timeout)
+        print(f"gpu_check: wrote {out}")
+        return 0
+
+    return run_command(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
