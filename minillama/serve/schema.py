@@ -275,13 +275,14 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
         raise BadRequest(f"{name}: {longest} prompt tokens + {max_tokens} new ones exceed the model's context "
                          f"({limits.context})", name, code="context_length_exceeded")
     top_k_sampling = body.get("top_k")
-    stop_ids = _ids(body, "stop_token_ids", limits)
     params = _sampling(tokenizer, max_new_tokens=(name, max_tokens),
                        temperature=("temperature", _default(body, "temperature", 1.0)),
                        top_k=("top_k", 0 if top_k_sampling in (None, -1) else top_k_sampling),  # vLLM's -1: off
                        top_p=("top_p", _default(body, "top_p", 1.0)), seed=("seed", _default(body, "seed", 0)),
                        ignore_eos=("ignore_eos", _default(body, "ignore_eos", False)),
-                       stop_token_ids=("stop_token_ids", stop_ids or ()), stop=("stop", _stop(body)))
+                       stop_token_ids=("stop_token_ids", _default(body, "stop_token_ids", ())),
+                       stop=("stop", _stop(body)))
+    _ids(body, "stop_token_ids", limits)  # past the option table's check: also in the vocabulary
     min_p = _num(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise BadRequest(f"min_p must be in [0, 1] (0: off), got {min_p}", "min_p")
