@@ -10,7 +10,9 @@ sequence's tokens and log-probs are those of `generate([prompt], params, mode="i
 choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
 
 The HTTP side (app.py) talks to the engine only through `submit` and `cancel`; the engine reports each
-sequence's progress through the sequence's `emit` callback, from its own thread.
+sequence's progress through the sequence's `emit` callback, from its own thread. What one sequence does
+after the forward pass (its filter, its sampler, its stop check, its report) can fail only that sequence
+(`_pick`, `_guarded`); only a failure of the shared pass itself fails every running sequence.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class Engine:
                 self._admit()
             try:
                 self._step()
-            except Exception:  # a bug: report it, fail what is running, keep serving
+            except Exception:  # a bug in the shared pass: report it, fail what is running, keep serving
                 traceback.print_exc(file=sys.stderr)
                 for s in self.running:
                     self._finish(s, Event(error="internal error in the engine (see the server's log)"))
