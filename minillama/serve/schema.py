@@ -14,8 +14,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
-
 from .. import api
 from ..checks import check_options
 from ..errors import BadInput
