@@ -122,15 +122,20 @@ def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: i
 
 
 def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[int],
-                stop: str | Sequence[str] = ()) -> str:
-    """The text of an answer: a final stop token (EOS, stop id) left out, cut before the first stop string."""
+                stop: str | Sequence[str] = (), include_stop: bool = False, skip_special: bool = False) -> str:
+    """The text of an answer: a final stop token (EOS, stop id) left out, cut before the first stop string.
+    `include_stop` keeps both (the text is cut after the stop string), `skip_special` leaves control tokens
+    out (the server's include_stop_str_in_output and skip_special_tokens)."""
     stop = (stop,) if isinstance(stop, str) else stop
     ids = list(token_ids)
-    if ids and ids[-1] in stop_ids:
+    if ids and ids[-1] in stop_ids and not include_stop:
         ids = ids[:-1]
-    text = tokenizer.decode(ids)
-    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[:min(cuts)] if cuts else text
+    text = tokenizer.decode(ids, skip_special=skip_special) if skip_special else tokenizer.decode(ids)
+    cuts = [(i, -len(s)) for s in stop if (i := text.find(s)) >= 0]
+    if not cuts:
+        return text
+    at, minus_len = min(cuts)
+    return text[:at - minus_len if include_stop else at]
 
 
 def ask(model: LoadedModel, doc: str, questions: Sequence[str], params: SamplingParams | None = None,

@@ -2,13 +2,14 @@
 
     POST /v1/completions        prompt (text or token ids), echo, logprobs, stream, n, stop, seed, ...
     POST /v1/chat/completions   messages through the model's chat template; logprobs / top_logprobs
-    GET  /v1/models             the one model served
+    GET  /v1/models             the one model served; GET /v1/models/{id} that model
     GET  /health                200 and the engine's counters while it serves, 503 otherwise
 
 Requests are checked (schema.py) before they reach the engine, so a bad one is a 400 that touches nothing
 the others use. Each choice is one engine Sequence; its events cross from the engine thread to the event
 loop through an asyncio queue. A client that goes away (mid-stream or while waiting) has its sequences
-cancelled, which frees their slots at the engine's next step.
+cancelled, which frees their slots at the engine's next step. Every error, an unknown route or method
+included, is an OpenAI `{"error": {...}}` body.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import LoadedModel
 from .engine import Engine, Event, QueueFull, Sequence, Stopped
-from .schema import BadRequest, Job, Limits, Text, chat_logprobs, completion_logprobs, parse
+from .schema import (BadRequest, Job, Limits, Text, chat_logprobs, completion_logprobs, parse,
+                     prompt_logprobs)
+
+RETRY_AFTER_S = 1  # what a 429 (a full queue) asks the client to wait
 
 
 def error(e: BadRequest) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 class _Choices:
@@ -49,8 +54,9 @@ class _Choices:
                 i = len(self.seqs)
                 emit: Callable[[Event], None] = lambda ev, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
                 self.seqs.append(Sequence(list(p), job.params, emit, index=j, top_k=job.top_k,
-                                          echo=job.echo and job.logprobs))
-                self.texts.append(Text(tok, app_state.stop_ids(job), job.stop))
+                                          echo=job.prompt_rows, prompt_top_k=_prompt_top_k(job),
+                                          logits_filter=job.logits_filter))
+                self.texts.append(Text(tok, app_state.stop_ids(job), job.stop, job.include_stop, job.skip_special))
         self.tokens: list[list[int]] = [[] for _ in self.seqs]
         self.lps: list[list[float]] = [[] for _ in self.seqs]
         self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in self.seqs]
@@ -87,7 +93,12 @@ class State:
         self.eos = set(engine.eos)
 
     def stop_ids(self, job: Job) -> set[int]:
-        return set() if job.params.ignore_eos else self.eos
+        """The tokens that end a choice (as `generate`'s questions stop): its stop_token_ids, and EOS."""
+        return set(job.params.stop_token_ids) | (set() if job.params.ignore_eos else self.eos)
+
+
+def _prompt_top_k(job: Job) -> int:
+    return max(job.top_k if job.echo and job.logprobs else 0, job.prompt_logprobs or 0)
 
 
 def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4096, api_key: str | None = None,
@@ -115,12 +126,28 @@ def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4
         return JSONResponse({"status": "ok" if alive else "unavailable", **engine.stats()},
                             status_code=200 if alive else 503)
 
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "minillama",
+            "max_model_len": limits.context}
+
     async def models(request: Request) -> Response:
         if not authorized(request):
             return error(BadRequest("invalid or missing API key", None, 401, "invalid_api_key"))
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "minillama",
-             "max_model_len": limits.context}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> Response:
+        if not authorized(request):
+            return error(BadRequest("invalid or missing API key", None, 401, "invalid_api_key"))
+        asked = request.path_params["model"]
+        if asked != name:
+            return error(BadRequest(f"model {asked!r} does not exist; this server has {name!r}", "model", 404,
+                                    "model_not_found"))
+        return JSONResponse(card)
+
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        """An unknown route (404) or method (405), in the API's error shape."""
+        what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return error(BadRequest(what.get(e.status_code, str(e.detail)), None, e.status_code, code, e.headers))
 
     async def completions(request: Request) -> Response:
         return await _serve(request, state, chat=False, max_body=max_body_bytes, authorized=authorized)
@@ -128,10 +155,10 @@ def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4
     async def chat(request: Request) -> Response:
         return await _serve(request, state, chat=True, max_body=max_body_bytes, authorized=authorized)
 
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model:path}", model),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.minillama = state
     return app
 
@@ -161,7 +188,7 @@ async def _serve(request: Request, state: State, chat: bool, max_body: int, auth
         try:
             state.engine.submit(choices.seqs)
         except QueueFull as e:
-            raise BadRequest(str(e), None, 429, "queue_full") from None
+            raise BadRequest(str(e), None, 429, "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)}) from None
         except Stopped as e:
             raise BadRequest(str(e), None, 503, "shutting_down") from None
     except BadRequest as e:
@@ -216,8 +243,17 @@ def _echo_part(choices: _Choices, i: int) -> tuple[str, list[int], list[float | 
     """Echo: the prompt's text, tokens, log-probs (None for the first) and top-k, before the answer."""
     job = choices.job
     p = job.prompts[i // job.n]
-    plp = choices.prompt_lps[i] or [(None, [])] * len(p)
-    return job.prompt_texts[i // job.n], list(p), [x for x, _ in plp], [t for _, t in plp]
+    plp = choices.prompt_lps[i] or [(None, None, [])] * len(p)
+    return job.prompt_texts[i // job.n], list(p), [x for x, _, _ in plp], [t[:job.top_k] for _, _, t in plp]
+
+
+def _prompt_logprobs(choices: _Choices, i: int) -> list[Any] | None:
+    """vLLM's prompt_logprobs of choice i, or None when not asked for."""
+    job = choices.job
+    if job.prompt_logprobs is None:
+        return None
+    return prompt_logprobs(choices.state.model.tokenizer, job.prompts[i // job.n], choices.prompt_lps[i],
+                           job.prompt_logprobs, job.ids_as_tokens)
 
 
 def _whole(choices: _Choices, rid: str) -> dict[str, Any]:
@@ -229,7 +265,7 @@ def _whole(choices: _Choices, rid: str) -> dict[str, Any]:
             text.ids.append(t)
         answer = text.push(None, final=True)
         if job.chat:
-            c: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": answer},
+            c: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": job.echo_text + answer},
                                  "logprobs": None, "finish_reason": choices.finish[i]}
             if job.logprobs:
                 c["logprobs"] = chat_logprobs(tok, choices.tokens[i], choices.lps[i], choices.tops[i], job)
@@ -241,8 +277,13 @@ def _whole(choices: _Choices, rid: str) -> dict[str, Any]:
             c = {"index": i, "text": answer, "logprobs": None, "finish_reason": choices.finish[i]}
             if job.logprobs:
                 c["logprobs"] = completion_logprobs(tok, toks, lps, tops, job)
+            if job.prompt_logprobs is not None:
+                c["prompt_logprobs"] = _prompt_logprobs(choices, i)
         out.append(c)
-    return {**_head(choices, rid), "choices": out, "usage": choices.usage()}
+    whole = {**_head(choices, rid), "choices": out, "usage": choices.usage()}
+    if job.chat and job.prompt_logprobs is not None:  # one prompt: the first choice's (each choice's is the same)
+        whole["prompt_logprobs"] = _prompt_logprobs(choices, 0)
+    return whole
 
 
 async def _events(choices: _Choices, rid: str) -> AsyncIterator[str]:
@@ -250,7 +291,8 @@ async def _events(choices: _Choices, rid: str) -> AsyncIterator[str]:
     job, tok = choices.job, choices.state.model.tokenizer
     if job.chat:
         for i in range(len(choices.seqs)):
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            first = {"index": i, "delta": {"role": "assistant", "content": job.echo_text}, "logprobs": None,
+                     "finish_reason": None}
             yield _sse({**_head(choices, rid), "choices": [first]})
     started = [False] * len(choices.seqs)
     try:

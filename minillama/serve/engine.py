@@ -10,7 +10,9 @@ sequence's tokens and log-probs are those of `generate([prompt], params, mode="i
 choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
 
 The HTTP side (app.py) talks to the engine only through `submit` and `cancel`; the engine reports each
-sequence's progress through the sequence's `emit` callback, from its own thread.
+sequence's progress through the sequence's `emit` callback, from its own thread. What one sequence does
+after the forward pass (its filter, its sampler, its stop check, its report) can fail only that sequence
+(`_pick`, `_guarded`); only a failure of the shared pass itself fails every running sequence.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Stopped(Exception):
     """The engine is shutting down or has stopped (HTTP 503)."""
 
 
+# A prompt token's (log-prob, rank, top-k (token id, log-prob) pairs); (None, None, []) for the first.
+PromptLogprob = tuple[float | None, int | None, list[tuple[int, float]]]
+
+
 @dataclass
 class Event:
     """What one step did for one sequence: its new token (None for a prompt-only step) and, at the end,
@@ -45,7 +51,7 @@ class Event:
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None  # the top-k (token id, log-prob) at this token
     finish_reason: str | None = None
-    prompt_logprobs: list[tuple[float | None, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
     error: str | None = None
 
 
@@ -59,6 +65,10 @@ class Sequence:
     index: int = 0  # its random stream: question_generator(params.seed, index)
     top_k: int = 0  # top log-probs wanted per token (0: none)
     echo: bool = False  # the prompt's own log-probs are wanted (no prefix reuse: every row is computed)
+    prompt_top_k: int = 0  # with echo: top log-probs wanted per prompt token
+    # A request's own change to its row of logits before its token is picked (min_p, allowed_token_ids);
+    # row-wise, so a sequence's bits still do not depend on the others.
+    logits_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
     # engine state
     q: Question | None = field(default=None, repr=False)
     blocks: list[Block] = field(default_factory=list)
@@ -143,7 +153,7 @@ class Engine:
                 self._admit()
             try:
                 self._step()
-            except Exception:  # a bug: report it, fail what is running, keep serving
+            except Exception:  # a bug in the shared pass: report it, fail what is running, keep serving
                 traceback.print_exc(file=sys.stderr)
                 for s in self.running:
                     self._finish(s, Event(error="internal error in the engine (see the server's log)"))
@@ -250,7 +260,6 @@ class Engine:
     def _take(self, logits: torch.Tensor, decode: list[Sequence], prefilled: list[tuple[Sequence, int, int]]) -> None:
         """Pick the next token of every sequence that has one this step, then report to each.
         logits: (rows, vocab); decode sequence i owns row i, prefilled ones (sequence, first row, count)."""
-        max_pos = self.model.config.max_position_embeddings
         picks: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
         for s in decode:
             s.q.next_pos += 1
@@ -261,54 +270,116 @@ class Engine:
                 continue
             s.q.next_pos = len(s.prompt)
             if s.q.done:  # max_tokens 0: the prompt only
-                self._finish(s, Event(finish_reason="length", prompt_logprobs=self._prompt_logprobs(s)))
+                self._guarded(s, lambda s=s: self._finish(s, Event(finish_reason="length",
+                                                                   prompt_logprobs=self._prompt_logprobs(s))))
                 continue
             picks.append((s, first + count - 1))
         if not picks:
             return
-        qs = [s.q for s, _ in picks]
-        chosen = logits[torch.tensor([r for _, r in picks])]  # (Q, vocab)
-        take_tokens(qs, chosen, max_pos)
-        want_top = [i for i, (s, _) in enumerate(picks) if s.top_k]
+        raw = logits[torch.tensor([r for _, r in picks])]  # (Q, vocab)
+        seqs = self._pick([s for s, _ in picks], raw)
+        want_top = [i for i, s in enumerate(seqs) if s.top_k and not s.finished]
         top: dict[int, list[tuple[int, float]]] = {}
         if want_top:
-            lp = torch.log_softmax(chosen[torch.tensor(want_top)].float(), -1)  # row-wise: the bits of take_tokens's
-            k = max(picks[i][0].top_k for i in want_top)
+            lp = torch.log_softmax(raw[torch.tensor(want_top)].float(), -1)  # row-wise: the bits of take_tokens's
+            k = max(seqs[i].top_k for i in want_top)
             vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
             for j, i in enumerate(want_top):
-                kk = picks[i][0].top_k
+                kk = seqs[i].top_k
                 top[i] = list(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist()))
-        for i, (s, _) in enumerate(picks):
-            a = s.q.answer
-            ev = Event(a.token_ids[-1], a.logprobs[-1], top.get(i))
-            if len(a.token_ids) == 1 and s.echo:
-                ev.prompt_logprobs = self._prompt_logprobs(s)
-            if s.q.done:
-                ev.finish_reason = a.finish_reason
-                self._finish(s, ev)
-            else:
-                s.emit(ev)
+        for i, s in enumerate(seqs):
+            if not s.finished:  # those that failed were finished with their error
+                self._guarded(s, lambda s=s, i=i: self._report(s, top.get(i)))
 
-    def _prompt_logprobs(self, s: Sequence) -> list[tuple[float | None, list[tuple[int, float]]]] | None:
-        """Echo: each prompt token's log-prob given the tokens before it (None for the first), with the
-        top-k at its position."""
+    def _pick(self, seqs: list[Sequence], raw: torch.Tensor) -> list[Sequence]:
+        """`take_tokens` over the rows of all `seqs` at once (raw: (Q, vocab), a sequence's `logits_filter`
+        applied to its own row). If anything in it raises (a sampler, a stop check, a filter), every sequence
+        is put back as it was and takes its token alone: each step of `take_tokens` is row-wise, so the bits
+        are the same, and a failure is the failure of the sequences it belongs to, never of the others."""
+        max_pos = self.model.config.max_position_embeddings
+        saved = [(len(s.q.answer.token_ids), s.q.answer.finish_reason, s.q.done, s.q.generator.get_state())
+                 for s in seqs]
+        try:
+            take_tokens([s.q for s in seqs], self._filtered(seqs, raw), max_pos)
+            self._raw_logprobs(seqs, raw)
+            return seqs
+        except Exception:  # find whose it is: every sequence again, alone
+            for s, (n, reason, done, state) in zip(seqs, saved):
+                a = s.q.answer
+                del a.token_ids[n:], a.logprobs[n:]
+                if a.logits is not None:
+                    del a.logits[n:]
+                a.finish_reason, s.q.done = reason, done
+                s.q.generator.set_state(state)
+        for i, s in enumerate(seqs):
+            self._guarded(s, lambda s=s, i=i: (take_tokens([s.q], self._filtered([s], raw[i:i + 1]), max_pos),
+                                               self._raw_logprobs([s], raw[i:i + 1])))
+        return seqs
+
+    @staticmethod
+    def _filtered(seqs: list[Sequence], raw: torch.Tensor) -> torch.Tensor:
+        """The rows tokens are picked from: a sequence's `logits_filter` (a request's min_p or
+        allowed_token_ids) applied to its own row, the other rows as they are."""
+        if not any(s.logits_filter for s in seqs):
+            return raw
+        rows = raw.clone()
+        for i, s in enumerate(seqs):
+            if s.logits_filter is not None:
+                rows[i] = s.logits_filter(raw[i])
+        return rows
+
+    @staticmethod
+    def _raw_logprobs(seqs: list[Sequence], raw: torch.Tensor) -> None:
+        """A filtered sequence's log-prob is the model's, of its raw row (as every other sequence's)."""
+        for i, s in enumerate(seqs):
+            if s.logits_filter is not None:
+                a = s.q.answer
+                a.logprobs[-1] = float(torch.log_softmax(raw[i].float(), dim=-1)[a.token_ids[-1]])
+
+    def _report(self, s: Sequence, top: list[tuple[int, float]] | None) -> None:
+        a = s.q.answer
+        ev = Event(a.token_ids[-1], a.logprobs[-1], top)
+        if len(a.token_ids) == 1 and s.echo:
+            ev.prompt_logprobs = self._prompt_logprobs(s)
+        if s.q.done:
+            ev.finish_reason = a.finish_reason
+            self._finish(s, ev)
+        else:
+            s.emit(ev)
+
+    def _guarded(self, s: Sequence, work: Callable[[], object]) -> None:
+        """Run one sequence's own work; if it raises, that sequence alone ends with an error (HTTP 500 to its
+        client) and the traceback goes to the server's log."""
+        try:
+            work()
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            self._finish(s, Event(error=f"internal error in the engine for this request ({type(e).__name__}: "
+                                        f"{e}); see the server's log"), quiet=True)
+
+    def _prompt_logprobs(self, s: Sequence) -> list[PromptLogprob] | None:
+        """Echo / prompt_logprobs: each prompt token's log-prob given the tokens before it and its rank
+        there (1: the likeliest; None for the first token), with the top-k at its position."""
         if not s.echo:
             return None
         lp = torch.cat(s.prompt_rows)  # (P, vocab): row t predicts prompt token t + 1
         s.prompt_rows = []
         nxt = torch.tensor(s.prompt[1:], dtype=torch.long)
-        chosen = lp[:-1].gather(1, nxt[:, None])[:, 0].tolist() if len(nxt) else []
-        out: list[tuple[float | None, list[tuple[int, float]]]] = [(None, [])]
-        if s.top_k and len(nxt):
-            vals, ids = lp[:-1].topk(min(s.top_k, lp.shape[-1]), dim=-1)
+        picked = lp[:-1].gather(1, nxt[:, None])  # (P - 1, 1)
+        chosen = picked[:, 0].tolist()
+        ranks = ((lp[:-1] > picked).sum(dim=1) + 1).tolist()
+        out: list[PromptLogprob] = [(None, None, [])]
+        if s.prompt_top_k and len(nxt):
+            vals, ids = lp[:-1].topk(min(s.prompt_top_k, lp.shape[-1]), dim=-1)
             tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
         else:
             tops = [[] for _ in chosen]
-        out.extend(zip(chosen, tops))
+        out.extend(zip(chosen, ranks, tops))
         return out
 
-    def _finish(self, s: Sequence, ev: Event | None) -> None:
-        """Free the sequence's own segment and its hold on the prefix blocks; send its last event."""
+    def _finish(self, s: Sequence, ev: Event | None, quiet: bool = False) -> None:
+        """Free the sequence's own segment and its hold on the prefix blocks; send its last event (`quiet`:
+        an error event, whose own failure to send is only logged)."""
         if s.finished:
             return
         s.finished = True
@@ -316,5 +387,11 @@ class Engine:
             self.cache.release(s.segment)
         if self.prefix is not None and s.blocks:
             self.prefix.release(s.blocks)
-        if ev is not None:
+        if ev is None:
+            return
+        try:
             s.emit(ev)
+        except Exception:
+            if not quiet:
+                raise
+            traceback.print_exc(file=sys.stderr)

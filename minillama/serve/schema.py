@@ -1,8 +1,11 @@
 """The OpenAI request schema: checking a request's fields, and writing answers and their log-probs.
 
 Each bad field is refused with HTTP 400 and a message that names it (`BadRequest.param`); nothing is
-clamped, truncated or ignored silently: a field minillama does not implement is refused when it asks for
-something (a non-zero penalty, a logit bias), and accepted when it asks for the default.
+clamped, truncated or ignored silently: which fields exist, and which are refused when they ask for
+something, is fields.py's table; an unknown field is refused too. The sampling fields are checked by
+their rows of the option table (`checks.check_options`), so the server refuses, in the same words,
+exactly what `minillama generate` and the Python API refuse: every check a sampled row needs happens
+here, before the request reaches the engine.
 """
 
 from __future__ import annotations
@@ -12,23 +15,27 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .. import api
+from ..checks import check_options
+from ..errors import BadInput
 from ..generate import SamplingParams
+from .fields import refusal
+from .logits import RowFilter, row_filter
 
 MAX_TOP_LOGPROBS = 20
-# Fields that change sampling in ways minillama does not implement, and the value that asks for nothing.
-UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None,
-               "suffix": None, "tools": None, "response_format": None, "min_tokens": 0}
+MAX_STOPS = 16
 
 
 class BadRequest(Exception):
     """A request that cannot be served as given: HTTP `status` (400 unless said), naming `param`."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_value"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_value",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+        self.param, self.status, self.code, self.headers = param, status, code, headers
 
     def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        # OpenAI's types: a rate limit on requests is type "requests" (code "rate_limit_exceeded").
+        kind = "requests" if self.status == 429 else "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -58,6 +65,16 @@ class Job:
     ids_as_tokens: bool = False  # name tokens "token_id:N" (as vLLM's return_tokens_as_token_ids)
     model: str = ""
     prompt_texts: list[str] = field(default_factory=list)
+    include_stop: bool = False  # include_stop_str_in_output: the stop string / stop token stays in the text
+    skip_special: bool = False  # skip_special_tokens: control tokens are left out of the text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: the prompt's log-probs with this top-k
+    logits_filter: RowFilter | None = None  # min_p, allowed_token_ids (logits.py)
+    echo_text: str = ""  # chat echo: the final assistant message the answer continues
+
+    @property
+    def prompt_rows(self) -> bool:
+        """Whether each choice needs its prompt's own log-probs (echo with logprobs, or prompt_logprobs)."""
+        return (self.echo and self.logprobs) or self.prompt_logprobs is not None
 
 
 def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
@@ -90,16 +107,35 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _stop(body: dict) -> tuple[str, ...]:
+def _stop(body: dict) -> Any:
     v = body.get("stop")
+    if isinstance(v, list) and len(v) > MAX_STOPS:
+        raise BadRequest(f"stop: at most {MAX_STOPS} stop strings, got {len(v)}", "stop")
+    return () if v is None else v
+
+
+def _sampling(tokenizer: Any, **fields: tuple[str, Any]) -> SamplingParams:
+    """SamplingParams from the request's fields (SamplingParams field -> (the request's name, value)), each
+    checked by its row of the option table, so the refusal is the API's, naming the request's field."""
+    for name, (asked, value) in fields.items():
+        try:
+            check_options(spell=lambda _, asked=asked: asked, **{name: value})
+        except BadInput as e:
+            raise BadRequest(str(e), asked) from None
+    return SamplingParams(**{name: value for name, (_, value) in fields.items()}).with_tokenizer(tokenizer)
+
+
+def _ids(body: dict, name: str, limits: Limits) -> list[int] | None:
+    """A field that is a list of token ids in the vocabulary, or None."""
+    v = body.get(name)
     if v is None:
-        return ()
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 16:
-        raise BadRequest("stop must be a string or a list of at most 16 strings", "stop")
-    if any(not s for s in stops):
-        raise BadRequest("stop strings must not be empty", "stop")
-    return tuple(stops)
+        return None
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise BadRequest(f"{name} must be a list of integer token ids, got {v!r}"[:300], name)
+    bad = [t for t in v if not 0 <= t < limits.vocab]
+    if bad:
+        raise BadRequest(f"{name}: token id {bad[0]} is outside 0 .. {limits.vocab - 1}", name)
+    return v
 
 
 def _token_ids(ids: list, limits: Limits, where: str) -> list[int]:
@@ -138,7 +174,8 @@ def _prompts(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[list[int]
     return ids, texts
 
 
-def _messages(body: dict, tokenizer: Any) -> list[int]:
+def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
+    """The chat's prompt ids, and (with echo) the final assistant message the answer continues."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
@@ -157,34 +194,66 @@ def _messages(body: dict, tokenizer: Any) -> list[int]:
         turns.append({"role": m["role"], "content": content})
     if tokenizer.chat_template is None:
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
+    generation = _bool(body, "add_generation_prompt", True)
+    if _bool(body, "continue_final_message"):
+        if generation:
+            raise BadRequest("continue_final_message needs add_generation_prompt: false (the answer continues "
+                             "the final message instead of starting a new one)", "continue_final_message")
+        ids = _continued(turns, tokenizer)
+    else:
+        try:
+            ids = tokenizer.encode_chat(turns, add_generation_prompt=generation)
+        except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
+            raise BadRequest(f"messages: the chat template refused them ({e})", "messages") from None
+    echo = _bool(body, "echo") and turns[-1]["role"] == "assistant"
+    return ids, turns[-1]["content"] if echo else ""
+
+
+def _continued(turns: list[dict[str, str]], tokenizer: Any) -> list[int]:
+    """continue_final_message: the chat rendered up to the end of its final message's text, with nothing
+    after it (no end of turn), as HF transformers cuts it."""
+    final = turns[-1]["content"]
+    if not final.strip():
+        raise BadRequest("continue_final_message: the final message is empty", "continue_final_message")
+    if any(t in m["content"] for m in turns for t in tokenizer.special_tokens()):
+        raise BadRequest("continue_final_message: messages that spell control tokens are not supported with it",
+                         "continue_final_message")
     try:
-        return tokenizer.encode_chat(turns, add_generation_prompt=True)
-    except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=False)
+    except Exception as e:
         raise BadRequest(f"messages: the chat template refused them ({e})", "messages") from None
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise BadRequest("continue_final_message: the chat template does not write the final message's text",
+                         "continue_final_message")
+    kept = final.lstrip() if text.startswith(final.lstrip(), at) else final.strip()
+    return tokenizer.encode(text[:at + len(kept)])
 
 
 def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str) -> Job:
     """Check a /v1/completions (chat False) or /v1/chat/completions body; raises BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object", None)
+    refused = refusal(body, chat)
+    if refused is not None:
+        message, name, code = refused
+        raise BadRequest(message, name, code=code)
     model = body.get("model", model_name)
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} does not exist; this server has {model_name!r}", "model", 404,
                          "model_not_found")
-    for name, default in UNSUPPORTED.items():
-        if body.get(name) not in (default, None, {}, []) and not (name == "response_format"
-                                                               and body[name] == {"type": "text"}):
-            raise BadRequest(f"{name} is not supported by minillama serve", name, code="unsupported")
     n = _int(body, "n", 1, 1, limits.max_n)
     if body.get("best_of") not in (None, n):
         raise BadRequest("best_of is not supported (it must equal n)", "best_of", code="unsupported")
+    echo_text = ""
     if chat:
-        prompts, texts = [_messages(body, tokenizer)], []
+        prompt, echo_text = _messages(body, tokenizer)
+        prompts, texts = [prompt], []
         logprobs = _bool(body, "logprobs")
         top_k = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
         if top_k and not logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        echo = False
+        echo = False  # chat's echo is the final message's text (echo_text), not the prompt's tokens
     else:
         prompts, texts = _prompts(body, tokenizer, limits)
         k = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -203,23 +272,43 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
     if max_tokens > room:
         raise BadRequest(f"{name}: {longest} prompt tokens + {max_tokens} new ones exceed the model's context "
                          f"({limits.context})", name, code="context_length_exceeded")
-    temperature = _num(body, "temperature", 1.0)
-    top_p = _num(body, "top_p", 1.0)
-    top_k_sampling = _int(body, "top_k", 0, -1)
-    seed = _int(body, "seed", 0)
-    if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0, got {temperature}", "temperature")
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    stop = _stop(body)
-    params = api.sampling_params(max_tokens, temperature, max(top_k_sampling, 0), top_p, seed,
-                                 _bool(body, "ignore_eos"), stop, tokenizer)
+    top_k_sampling = body.get("top_k")
+    params = _sampling(tokenizer, max_new_tokens=(name, max_tokens),
+                       temperature=("temperature", _default(body, "temperature", 1.0)),
+                       top_k=("top_k", 0 if top_k_sampling in (None, -1) else top_k_sampling),  # vLLM's -1: off
+                       top_p=("top_p", _default(body, "top_p", 1.0)), seed=("seed", _default(body, "seed", 0)),
+                       ignore_eos=("ignore_eos", _default(body, "ignore_eos", False)),
+                       stop_token_ids=("stop_token_ids", _default(body, "stop_token_ids", ())),
+                       stop=("stop", _stop(body)))
+    _ids(body, "stop_token_ids", limits)  # past the option table's check: also in the vocabulary
+    min_p = _num(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise BadRequest(f"min_p must be in [0, 1] (0: off), got {min_p}", "min_p")
+    allowed = _ids(body, "allowed_token_ids", limits)
+    if allowed is not None and not allowed:
+        raise BadRequest("allowed_token_ids must not be empty (no token could be chosen)", "allowed_token_ids")
+    stream = _bool(body, "stream")
     opts = body.get("stream_options")
-    if opts is not None and not (isinstance(opts, dict) and isinstance(opts.get("include_usage", False), bool)):
+    if opts is not None and not (isinstance(opts, dict) and set(opts) <= {"include_usage"}
+                                 and isinstance(opts.get("include_usage", False), bool)):
         raise BadRequest("stream_options must be {\"include_usage\": true|false}", "stream_options")
-    return Job(chat=chat, prompts=prompts, n=n, params=params, stop=stop, top_k=top_k, logprobs=logprobs,
-               echo=echo, stream=_bool(body, "stream"), include_usage=bool((opts or {}).get("include_usage")),
-               ids_as_tokens=_bool(body, "return_tokens_as_token_ids"), model=model_name, prompt_texts=texts)
+    if opts is not None and not stream:
+        raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    if stream and body.get("prompt_logprobs") is not None:
+        raise BadRequest("prompt_logprobs are not available with stream: true", "prompt_logprobs")
+    return Job(chat=chat, prompts=prompts, n=n, params=params, stop=params.stop_strings, top_k=top_k,
+               logprobs=logprobs, echo=echo, stream=stream, include_usage=bool((opts or {}).get("include_usage")),
+               ids_as_tokens=_bool(body, "return_tokens_as_token_ids"), model=model_name, prompt_texts=texts,
+               include_stop=_bool(body, "include_stop_str_in_output"),
+               skip_special=_bool(body, "skip_special_tokens", False),
+               prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS),
+               logits_filter=row_filter(limits.vocab, params.temperature, min_p, allowed), echo_text=echo_text)
+
+
+def _default(body: dict, name: str, default: Any) -> Any:
+    """The field's value, or its default when absent or null (the option table checks the value)."""
+    v = body.get(name)
+    return default if v is None else v
 
 
 # --- answers --------------------------------------------------------------------------------------
@@ -229,8 +318,10 @@ class Text:
     """A choice's text as its tokens arrive: only what can no longer change is released (an incomplete
     UTF-8 character or the start of a stop string waits), and the end is `api.answer_text`'s cut."""
 
-    def __init__(self, tokenizer: Any, stop_ids: set[int], stop: Sequence[str]):
+    def __init__(self, tokenizer: Any, stop_ids: set[int], stop: Sequence[str], include_stop: bool = False,
+                 skip_special: bool = False):
         self.tok, self.stop_ids, self.stop = tokenizer, stop_ids, tuple(stop)
+        self.include_stop, self.skip_special = include_stop, skip_special
         self.ids: list[int] = []
         self.sent = ""
 
@@ -238,9 +329,9 @@ class Text:
         if token is not None:
             self.ids.append(token)
         if final:
-            text = api.answer_text(self.tok, self.ids, self.stop_ids, self.stop)
+            text = api.answer_text(self.tok, self.ids, self.stop_ids, self.stop, self.include_stop, self.skip_special)
         else:
-            text = self.tok.decode(self.ids).rstrip("\ufffd")
+            text = self.tok.decode(self.ids, skip_special=self.skip_special).rstrip("\ufffd")
             hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[:len(text) - hold]
         if not text.startswith(self.sent):
@@ -267,6 +358,19 @@ def completion_logprobs(tokenizer: Any, tokens: Sequence[int], lps: Sequence[flo
         top = [None if lp is None else {token_name(tokenizer, i, job.ids_as_tokens): v for i, v in t}
                for lp, t in zip(lps, tops)]
     return {"tokens": names, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer: Any, prompt: Sequence[int], lps: Sequence[tuple[float | None, int | None, list]],
+                    k: int, ids_as_tokens: bool) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then per token {token id: {logprob, rank,
+    decoded_token}} for the prompt's own token and the top `k` at its position."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for t, (lp, rank, top) in zip(prompt[1:], lps[1:]):
+        entry = {str(t): {"logprob": lp, "rank": rank, "decoded_token": token_name(tokenizer, t, ids_as_tokens)}}
+        for r, (i, v) in enumerate(top[:k], 1):
+            entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": token_name(tokenizer, i, ids_as_tokens)})
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(tokenizer: Any, tokens: Sequence[int], lps: Sequence[float],

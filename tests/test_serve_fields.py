@@ -1,0 +1,176 @@
+"""`minillama serve`'s fields do what they ask or are refused: the vLLM fields it implements (stop_token_ids,
+min_p, allowed_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs; in chat
+add_generation_prompt, continue_final_message, echo), each answer bit-identical whether served alone or
+beside others; the field table (minillama/serve/fields.py) and docs/serve.md's agree; and the smaller
+points of conformance (GET /v1/models/{id}, 404/405 bodies, 429 with Retry-After)."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from minillama.generate import SamplingParams, generate
+from minillama.serve.fields import FIELDS
+from minillama.serve.identity import eos_of, solo_prompt_logprobs
+from _serve_harness import LONG_DOC, ckpt, model, serving  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = f"{LONG_DOC} Who built it?"
+BASE = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+
+
+def ids_of(choice: dict[str, Any]) -> list[int]:
+    return [int(t[9:]) for t in choice["logprobs"]["tokens"]]
+
+
+def post(c: httpx.Client, url: str, body: dict[str, Any], route: str = "/completions") -> dict[str, Any]:
+    r = c.post(url + route, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_stop_token_ids_and_include_stop_str_in_output(model):
+    tok = model.tokenizer
+    prompt = tok.encode(PROMPT, add_special=True, parse_special=False)
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        free = post(c, url, {**BASE, "temperature": 0})["choices"][0]
+        stop_at = ids_of(free)[3]
+        k = ids_of(free).index(stop_at)
+        cut = post(c, url, {**BASE, "temperature": 0, "stop_token_ids": [stop_at]})["choices"][0]
+        kept = post(c, url, {**BASE, "temperature": 0, "stop_token_ids": [stop_at],
+                             "include_stop_str_in_output": True})["choices"][0]
+        word = tok.decode(ids_of(free)[:6])[-2:]
+        by_text = post(c, url, {**BASE, "temperature": 0, "stop": word, "include_stop_str_in_output": True})
+    want = generate(model.llama, [prompt], SamplingParams(12, 0.0, ignore_eos=True, stop_token_ids=[stop_at]),
+                    mode="independent", eos_ids=eos_of(model))[0]
+    assert ids_of(cut) == ids_of(free)[:k + 1] == want.token_ids and cut["logprobs"]["token_logprobs"] == want.logprobs
+    assert cut["finish_reason"] == "stop" and cut["text"] == tok.decode(ids_of(free)[:k])
+    assert kept["text"] == tok.decode(ids_of(free)[:k + 1])
+    text = by_text["choices"][0]["text"]
+    assert text.endswith(word) and word not in text[:-len(word)], text
+
+
+def test_allowed_token_ids_min_p_and_skip_special_tokens(model):
+    tok = model.tokenizer
+    allowed = [5, 17, 40, 41, 250]
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        greedy = post(c, url, {**BASE, "temperature": 0})["choices"][0]
+        top1 = post(c, url, {**BASE, "temperature": 1.5, "seed": 3, "min_p": 1.0})["choices"][0]
+        loose = post(c, url, {**BASE, "temperature": 1.5, "seed": 3})["choices"][0]
+        inside = [post(c, url, {**BASE, "temperature": t, "seed": 1, "allowed_token_ids": allowed})["choices"][0]
+                  for t in (0, 1.0)]
+        special = tok.token_to_id("<|im_start|>")
+        spelled = post(c, url, {**BASE, "temperature": 0, "allowed_token_ids": [special]})["choices"][0]
+        skipped = post(c, url, {**BASE, "temperature": 0, "allowed_token_ids": [special],
+                                "skip_special_tokens": True})["choices"][0]
+    # min_p 1 keeps only the likeliest token: sampling then takes the greedy answer; log-probs stay the model's.
+    assert (ids_of(top1), top1["logprobs"]["token_logprobs"]) == (ids_of(greedy), greedy["logprobs"]["token_logprobs"])
+    assert ids_of(loose) != ids_of(greedy)  # without it, this seed samples something else
+    for choice in inside:
+        assert set(ids_of(choice)) <= set(allowed), ids_of(choice)
+    assert ids_of(spelled) == [special] * 12 and spelled["text"] == "<|im_start|>" * 12 and skipped["text"] == ""
+
+
+def test_prompt_logprobs(model):
+    tok = model.tokenizer
+    prompt = tok.encode(PROMPT, add_special=True, parse_special=False)
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        got = post(c, url, {**BASE, "max_tokens": 2, "prompt_logprobs": 3})["choices"][0]["prompt_logprobs"]
+        chat = post(c, url, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+                    "/chat/completions")
+    want = solo_prompt_logprobs(model, prompt)
+    assert got[0] is None and len(got) == len(prompt)
+    for t, entry, lp in zip(prompt[1:], got[1:], want[1:]):
+        assert entry[str(t)]["logprob"] == lp
+        assert 1 <= entry[str(t)]["rank"] and len(entry) in (3, 4)  # the token, and the top 3 (it may be one)
+        best = min(entry.values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1 and best["logprob"] >= lp
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_chat_generation_prompt_continue_final_message_and_echo(model):
+    tok = model.tokenizer
+    turns = [{"role": "user", "content": "Who built the bridge?"}, {"role": "assistant", "content": "The town"}]
+    body = {"max_tokens": 6, "temperature": 0, "logprobs": True, "return_tokens_as_token_ids": True,
+            "ignore_eos": True}
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        plain = post(c, url, {**body, "messages": turns[:1], "add_generation_prompt": False}, "/chat/completions")
+        cont = post(c, url, {**body, "messages": turns, "add_generation_prompt": False, "continue_final_message": True,
+                             "echo": True}, "/chat/completions")
+    no_prompt = tok.encode_chat(turns[:1], add_generation_prompt=False)
+    continued = tok.encode(tok.apply_chat_template(turns, add_generation_prompt=False).rsplit("The town", 1)[0]
+                           + "The town")
+    for got, prompt in ((plain, no_prompt), (cont, continued)):
+        assert got["usage"]["prompt_tokens"] == len(prompt)
+        want = generate(model.llama, [prompt], SamplingParams(6, 0.0, ignore_eos=True), mode="independent",
+                        eos_ids=eos_of(model))[0]
+        lp = got["choices"][0]["logprobs"]["content"]
+        assert [int(e["token"][9:]) for e in lp] == want.token_ids and [e["logprob"] for e in lp] == want.logprobs
+    assert cont["choices"][0]["message"]["content"].startswith("The town")
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_new_fields_are_bit_identical_beside_others(model, invariant):
+    """Requests using the new fields, fired together, answer exactly as each served alone. The control:
+    with the plain kernels behind the server, some answers differ (the comparison can see a batch)."""
+    bodies = [{**BASE, "temperature": 1.0, "seed": s, "min_p": 0.05 * s, "stop_token_ids": [s * 7]} for s in range(1, 4)]
+    bodies += [{**BASE, "temperature": t, "seed": 9, "allowed_token_ids": list(range(30, 90)), "top_k": 5}
+               for t in (0, 0.7)]
+    bodies += [{**BASE, "temperature": 0, "prompt_logprobs": 2, "include_stop_str_in_output": True, "stop": "e"}]
+    model.llama.invariant = invariant
+    try:
+        with serving(model) as url, httpx.Client(timeout=120) as c:
+            alone = [post(c, url, b) for b in bodies]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                together = list(pool.map(lambda b: post(c, url, b), bodies * 2))
+    finally:
+        model.llama.invariant = True
+    differ = [bodies[i % len(bodies)] for i, got in enumerate(together)
+              if got["choices"] != alone[i % len(bodies)]["choices"]]
+    assert (differ == []) if invariant else differ, differ
+
+
+DOC_ROW = re.compile(r"^\| `([a-z_]+)` \| (implemented|label|refused) \|")
+
+
+def test_the_field_table_is_documented():
+    """docs/serve.md's field table names every field of fields.FIELDS with its kind, and no other."""
+    rows = {}
+    for line in (ROOT / "docs" / "serve.md").read_text().splitlines():
+        m = DOC_ROW.match(line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    assert rows == {name: f.kind for name, f in FIELDS.items()}
+
+
+def test_conformance_routes_and_error_bodies(model):
+    with serving(model, max_running=1, max_queue=1) as url, httpx.Client(timeout=60) as c:
+        assert c.get(url + "/models/tiny").json()["id"] == "tiny"
+        r = c.get(url + "/models/gpt-4")
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "model_not_found")
+        r = c.get(url + "/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+        r = c.get(url + "/completions")
+        assert r.status_code == 405 and "GET" in r.json()["error"]["message"] and "POST" in r.headers["allow"]
+        long = {"prompt": LONG_DOC, "max_tokens": 40, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda _: c.post(url + "/completions", json=long), range(8)))
+    busy = [r for r in replies if r.status_code == 429]
+    assert busy and all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "requests"
+                        and r.json()["error"]["code"] == "rate_limit_exceeded" for r in busy)
+
+
+@pytest.mark.parametrize("field", ["typical_p", "guided_regex", "chat_template", "max_token"])
+def test_a_refused_or_unknown_field_is_named(model, field):
+    route = "/chat/completions" if field == "chat_template" else "/completions"
+    body = {"messages": [{"role": "user", "content": "x"}]} if field == "chat_template" else {"prompt": "x"}
+    with serving(model) as url:
+        r = httpx.post(url + route, json={**body, field: "x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+    if field == "max_token":
+        assert "did you mean 'max_tokens'" in r.json()["error"]["message"]
