@@ -684,3 +684,23 @@ def test_peak_memory_falls_back_to_sampling_where_the_mark_cannot_be_reset(monke
     with memory.PeakRSS(interval=0.001) as mem:
         _hold_for_a_while(200 * 2**20)
     assert mem.sampled and mem.delta >= 150 * 2**20
+
+
+def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
+    """The GPU machine's one script, its steps at tiny sizes on a CPU: the test run's counts, parity
+    (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios."""
+    import json
+
+    from minillama.bench import gpu_check
+
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    tests = data["steps"]["tests"]["result"]
+    assert tests["exit"] == 0 and tests["passed"] > 0 and not tests.get("failed")
+    bench = data["steps"]["bench tiny float32"]["result"]
+    by_kernels = {(r["kernels"], r["sampled"]): r["steps_differing"] for r in bench["parity"]}
+    assert by_kernels[("invariant", False)] == by_kernels[("invariant", True)] == 0
+    assert by_kernels[("plain", False)] > 0
+    assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent"}
+    assert {"exact_over_plain", "parallel_over_floor"} <= set(bench["targets"])
