@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import options
 from .cache import KVCache
@@ -141,33 +142,81 @@ class Stats:
         return self.prefill_s + self.decode_s
 
 
-def question_generator(seed: int, index: int) -> torch.Generator:
-    """The random stream of question `index`: the same in every mode."""
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + index) % (2**63))
-    return g
+def stream_key(seed: int, index: int) -> int:
+    """The random stream of question `index`: the same in every mode (a 63-bit key)."""
+    return (seed * 1_000_003 + index) % (2**63)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token from one (vocab,) row of raw logits."""
+_MASK64 = (1 << 64) - 1
+# SplitMix64's constants, as the signed 64-bit integers torch multiplies with (wrapping, on every device).
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) if c >= 1 << 63 else c
+                         for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(z: torch.Tensor, k: int) -> torch.Tensor:
+    """z >>> k, the logical right shift of 64-bit words held in int64."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: every bit of z spread over every bit of the result (int64, wrapping)."""
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    return z ^ _shift(z, 31)
+
+
+def uniforms(keys: torch.Tensor, steps: torch.Tensor, width: int) -> torch.Tensor:
+    """(Q, width) float64 in (0, 1): draw v of step t of stream `keys[q]`, a pure function of (key, t, v).
+
+    Counter-based: no generator state to carry, the same numbers on every device and in every batch (integer arithmetic, element by element), so a question's draws never depend on
+    what else is sampled beside it."""
+    row = _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]  # (Q, 1)
+    z = _mix(row + (torch.arange(width, device=keys.device, dtype=torch.int64) + 1) * _GOLDEN)  # (Q, width)
+    return (_shift(z, 11).double() + 0.5) * 2.0**-53
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                keys: torch.Tensor, steps: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+    """The sampled token of every row of raw logits (Q, vocab), on the logits' device: (Q,) int64.
+
+    Per row: y = (x - max x) / temperature in float64 (a tiny temperature cannot overflow it); top-k keeps the
+    K likeliest (ties at the K-th kept), top-p then the smallest set reaching P; the token is the Gumbel-max
+    argmax(y + g) with g = -log(-log(u)) and u the row's own `uniforms`, which picks token i with probability
+    softmax(y)_i. Everything is row-wise and nothing comes back to the host. Rows are padded to whole tiles
+    of 8 and columns to a multiple of 64 (-inf, never picked): an element-wise kernel then finishes no row
+    with scalar code, and top-p's cumulative sum is issued on fixed (8, width) shapes, so a row's bits do not
+    depend on how many rows are sampled together. `filtered=False` (no row asks for top-k or top-p) skips the
+    sort, which hides nothing then: the same tokens.
+    """
+    q, vocab = logits.shape
+    rows, width = -(-max(q, 1) // 8) * 8, -(-vocab // 64) * 64
+    x = torch.full((rows, width), float("-inf"), dtype=torch.float64, device=logits.device)
+    x[:q, :vocab] = logits
+    x[q:] = 0.0  # padding rows: finite, discarded
+    pad = rows - q
+    t = F.pad(temperature.double(), (0, pad), value=1.0)[:, None]
+    y = (x - x.amax(dim=-1, keepdim=True)) / t  # (rows, width)
+    g = -torch.log(-torch.log(uniforms(F.pad(keys, (0, pad)), F.pad(steps, (0, pad)), width)))
+    if not filtered:
+        return torch.argmax(y + g, dim=-1)[:q]
+    sorted_y, order = torch.sort(y, dim=-1, descending=True, stable=True)
+    k = F.pad(top_k, (0, pad))[:, None]
+    kth = sorted_y.gather(1, (k.clamp(1, vocab) - 1))
+    cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th
+    p = torch.softmax(sorted_y.masked_fill(cut, float("-inf")), dim=-1)
+    cum = torch.cat([torch.cumsum(p[i:i + 8], dim=-1) for i in range(0, rows, 8)])  # fixed (8, width) scans
+    cut |= cum - p >= F.pad(top_p.double(), (0, pad), value=1.0)[:, None]  # the smallest set reaching top_p
+    hidden = torch.zeros_like(cut).scatter_(1, order, cut)
+    return torch.argmax(y.masked_fill(hidden, float("-inf")) + g, dim=-1)[:q]
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, key: int, step: int) -> int:
+    """Pick the next token from one (vocab,) row of raw logits: draw `step` of stream `key` (sample_rows)."""
     if params.temperature == 0:
         return int(torch.argmax(logits))  # first maximal index
-    x = logits.float().cpu() / params.temperature
-    if torch.isnan(x).any():
-        raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
-                       "weights hold NaN or inf)")
-    if not torch.isfinite(x.max()):  # a tiny temperature overflowed: divide the gaps to the maximum instead,
-        x = logits.double().cpu()  # in float64, where a subnormal temperature is still not 0
-        x = (x - x.max()) / params.temperature
-    if params.top_k and params.top_k < x.numel():
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True, stable=True)
-        cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_x, dim=-1) >= params.top_p  # keep the smallest set reaching top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator))
+    one = lambda v, dtype: torch.tensor([v], dtype=dtype, device=logits.device)  # noqa: E731
+    return int(sample_rows(logits[None], one(params.temperature, torch.float64), one(params.top_k, torch.int64),
+                           one(params.top_p, torch.float64), one(key, torch.int64), one(step, torch.int64))[0])
 
 
 class _Question:
@@ -180,7 +229,7 @@ class _Question:
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
         self.answer = Answer(logits=[] if params.keep_logits else None)
-        self.generator = question_generator(params.seed, index if stream is None else stream)
+        self.key = stream_key(params.seed, index if stream is None else stream)  # its random stream
         self.segment = -1
         self.next_pos = 0
         self.done = params.max_new_tokens == 0
@@ -203,20 +252,32 @@ class _Question:
 def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) -> None:
     """Pick every question's next token from its row of this step's logits (Q, vocab), all at once.
 
-    One log-softmax and one argmax over all rows on the model's device, then one copy to the host (both
-    are row-wise, so a row's bits do not depend on the others). Sampled questions draw from their own
-    random streams on the host, so sampling gives the same tokens in every mode too.
+    One log-softmax, one argmax and, for sampled questions, `sample_rows` (each with its own random stream,
+    draw number = tokens it has so far) over all rows on the model's device, then one copy of the tokens,
+    their log-probs and a NaN flag to the host. Every one of these is row-wise, so a row's bits do not depend
+    on the others, and sampling gives the same tokens in every mode too.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)  # (Q, vocab)
-    greedy = torch.argmax(logits, dim=-1)  # (Q,) first maximal index
-    # Token ids and their log-probs in one float64 tensor (both exact there): one copy to the host.
-    toks, picked = torch.stack([greedy.double(), logp.gather(1, greedy[:, None])[:, 0].double()]).cpu().tolist()
-    sampled = [i for i, q in enumerate(questions) if q.params.temperature != 0]
+    toks = torch.argmax(logits, dim=-1)  # (Q,) first maximal index
+    sampled = [q.params.temperature != 0 for q in questions]
+    if any(sampled):
+        column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(logits.device)  # noqa: E731
+        drawn = sample_rows(logits, column([q.params.temperature or 1.0 for q in questions], torch.float64),
+                            column([q.params.top_k for q in questions], torch.int64),
+                            column([q.params.top_p for q in questions], torch.float64),
+                            column([q.key for q in questions], torch.int64),
+                            column([len(q.answer.token_ids) for q in questions], torch.int64),
+                            filtered=any(q.params.top_k or q.params.top_p < 1 for q in questions))
+        toks = torch.where(column(sampled, torch.bool), drawn, toks)
+    nan = torch.isnan(logits).any(dim=-1)  # a sampled row of NaN has nothing to sample from
+    # Token ids, their log-probs and the NaN flags in one float64 tensor (all exact there): one copy to the host.
+    toks, picked, nans = torch.stack([toks.double(), logp.gather(1, toks[:, None])[:, 0].double(),
+                                      nan.double()]).cpu().tolist()
+    if any(s and n for s, n in zip(sampled, nans)):
+        raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
+                       "weights hold NaN or inf)")
     keep = any(q.answer.logits is not None for q in questions)
-    host = logits.detach().cpu() if sampled or keep else None  # (Q, vocab): the rows, copied once
-    for i in sampled:  # on the host, with the question's own random stream
-        toks[i] = sample(host[i], questions[i].params, questions[i].generator)
-        picked[i] = float(torch.log_softmax(host[i].float(), dim=-1)[int(toks[i])])
+    host = logits.detach().cpu() if keep else None  # (Q, vocab): only where every step's logits are kept
     for i, q in enumerate(questions):
         q.record(int(toks[i]), picked[i], None if q.answer.logits is None else host[i].clone(), max_positions)
 

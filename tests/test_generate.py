@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
+from minillama.generate import SamplingParams, Stats, generate, sample, sample_rows, shared_prefix_length, uniforms
 from tiny import tiny_config, tiny_model
 
 
@@ -63,12 +63,14 @@ def test_sampling_is_seeded_per_question(model):
 
 def test_sample_filters():
     logits = torch.tensor([0.0, 5.0, 4.9, -1.0, 4.8])
-    g = torch.Generator().manual_seed(0)
-    assert sample(logits, SamplingParams(), g) == 1
-    picks = {sample(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
+    assert sample(logits, SamplingParams(), 0, 0) == 1
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_k=2), 0, t) for t in range(200)}
     assert picks == {1, 2}
-    picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.3), g) for _ in range(100)}
+    picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.3), 0, t) for t in range(100)}
     assert picks == {1}
+    picks = [sample(logits, SamplingParams(temperature=1.0), 5, t) for t in range(4000)]
+    freq = torch.bincount(torch.tensor(picks), minlength=5).double() / len(picks)
+    assert torch.allclose(freq, torch.softmax(logits.double(), -1), atol=0.03)  # the draws follow softmax
 
 
 def test_seqbatch_answers_in_one_stream(model):
@@ -133,3 +135,44 @@ def test_a_pass_sizes_its_cache_once(model, monkeypatch, mode):
     answers = generate(model, prompts, SamplingParams(max_new_tokens=3, ignore_eos=True), mode=mode)
     assert len(grown) == (1 if mode == "parallel" else len(prompts))  # one cache per independent question
     assert all(len(a.token_ids) == 3 for a in answers)
+
+
+def _rows(q, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(q, vocab, generator=g)
+    params = (torch.rand(q, generator=g).double() * 1.5 + 0.1, torch.randint(0, 6, (q,), generator=g),
+              torch.rand(q, generator=g).double() * 0.9 + 0.1, torch.randint(0, 2**62, (q,), generator=g),
+              torch.randint(0, 50, (q,), generator=g))
+    return logits, params
+
+
+@pytest.mark.parametrize("vocab", [61, 1000])
+def test_a_rows_draw_does_not_depend_on_the_rows_beside_it(vocab):
+    logits, params = _rows(37, vocab, 0)
+    together = sample_rows(logits, *params)
+    alone = torch.cat([sample_rows(logits[i:i + 1], *(p[i:i + 1] for p in params)) for i in range(37)])
+    assert torch.equal(together, alone)
+    noise = uniforms(params[3], params[4], 128)
+    assert torch.equal(noise[5:9], uniforms(params[3][5:9], params[4][5:9], 128))
+    assert bool(((noise > 0) & (noise < 1)).all())
+    # negative control: the draws are what decides, so another draw number picks other tokens somewhere
+    assert not torch.equal(together, sample_rows(logits, *params[:4], params[4] + 1))
+
+
+def test_sampling_ships_tokens_not_vocabulary_rows(model, monkeypatch):
+    copies = []
+    to_host = torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return to_host(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    prompts = _prompts()
+    params = SamplingParams(max_new_tokens=3, temperature=0.9, top_k=20, top_p=0.8, ignore_eos=True)
+    generate(model, prompts, params)
+    vocab = model.config.vocab_size
+    assert copies and not any(vocab in shape for shape in copies)  # tokens, log-probs and flags only
+    copies.clear()  # negative control: keeping every step's logits does ship vocabulary rows, and is seen
+    generate(model, prompts, SamplingParams(**{**params.__dict__, "keep_logits": True}))
+    assert any(vocab in shape for shape in copies)

@@ -5,7 +5,7 @@ sequence (decode) with the prompt tokens of sequences that arrived since (prefil
 of them; a long prompt is fed over several steps), exactly as parallel mode packs a document's questions.
 A prompt's whole leading blocks come from the prefix cache (prefix.py) when an earlier prompt computed
 them; its other tokens go into its own segment, where its answer grows. Tokens are picked by
-`generate.take_tokens`, with each sequence's own random stream `question_generator(seed, index)`, so a
+`generate.take_tokens`, with each sequence's own random stream `stream_key(seed, index)`, so a
 sequence's tokens and log-probs are those of `generate([prompt], params, mode="independent")` (index 0;
 choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
 
@@ -62,7 +62,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     emit: Callable[[Event], None]
-    index: int = 0  # its random stream: question_generator(params.seed, index)
+    index: int = 0  # its random stream: stream_key(params.seed, index)
     top_k: int = 0  # top log-probs wanted per token (0: none)
     echo: bool = False  # the prompt's own log-probs are wanted (no prefix reuse: every row is computed)
     prompt_top_k: int = 0  # with echo: top log-probs wanted per prompt token
@@ -297,20 +297,19 @@ class Engine:
         is put back as it was and takes its token alone: each step of `take_tokens` is row-wise, so the bits
         are the same, and a failure is the failure of the sequences it belongs to, never of the others."""
         max_pos = self.model.config.max_position_embeddings
-        saved = [(len(s.q.answer.token_ids), s.q.answer.finish_reason, s.q.done, s.q.generator.get_state())
-                 for s in seqs]
+        # (a random stream has no state to put back: its draw number is the tokens the answer holds)
+        saved = [(len(s.q.answer.token_ids), s.q.answer.finish_reason, s.q.done) for s in seqs]
         try:
             take_tokens([s.q for s in seqs], self._filtered(seqs, raw), max_pos)
             self._raw_logprobs(seqs, raw)
             return seqs
         except Exception:  # find whose it is: every sequence again, alone
-            for s, (n, reason, done, state) in zip(seqs, saved):
+            for s, (n, reason, done) in zip(seqs, saved):
                 a = s.q.answer
                 del a.token_ids[n:], a.logprobs[n:]
                 if a.logits is not None:
                     del a.logits[n:]
                 a.finish_reason, s.q.done = reason, done
-                s.q.generator.set_state(state)
         for i, s in enumerate(seqs):
             self._guarded(s, lambda s=s, i=i: (take_tokens([s.q], self._filtered([s], raw[i:i + 1]), max_pos),
                                                self._raw_logprobs([s], raw[i:i + 1])))
