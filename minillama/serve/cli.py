@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)
-    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype))
+    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype), invariant=not args.plain_kernels)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
@@ -123,7 +123,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if api_key is None and args.host not in LOOPBACK:
         print(f"warning: --host {args.host} without --api-key (or ${API_KEY_ENV}): anyone who can reach this "
               "machine can use the server", file=sys.stderr)
-    print(f"minillama serve: model {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    kernels = " (plain kernels: an answer may depend on the batch)" if args.plain_kernels else ""
+    print(f"minillama serve: model {name!r} on http://{host}:{port}/v1{kernels}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
     run(config, sock)
     print("minillama serve: stopped", file=sys.stderr)
