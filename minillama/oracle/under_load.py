@@ -151,7 +151,7 @@ def workload(rng: random.Random, server: Server, n: int, max_tokens: int) -> tup
             prompt = p[:rng.randint(1, len(p))]
         else:
             prompt = rng.choice(heads) if kind == "head" else _prompt(rng, server, rng.randrange(10**6), 0)
-        body = _body(rng, server, prompt + _tail(rng, server, rng.randint(1, 40)), 2 * max_tokens)
+        body = _body(rng, server, prompt + _tail(rng, server, rng.randint(1, 40)), max_tokens)
         others.append({**body, "stream": rng.random() < 0.5})
     return probes, others
 
