@@ -189,9 +189,9 @@ def _send_alone(client: Any, url: str, probes: list[dict], on_probe=None) -> dic
 
 
 def _send_under_load(client: Any, url: str, probes: list[dict], others: list[dict], clients: int,
-                     rng: random.Random) -> tuple[list, int]:
+                     rng: random.Random) -> tuple[list, list[str]]:
     """Probes and other requests shuffled, from `clients` client threads, each request `delay` seconds after
-    its client is free; the probes' answers, and how many of the other requests got none."""
+    its client is free; the probes' answers, and why each of the other requests that got none got none."""
     tasks = [("probe", i, {**b, "stream": False}) for i, b in enumerate(probes)] + \
         [("other", i, b) for i, b in enumerate(others)]
     rng.shuffle(tasks)
@@ -204,12 +204,12 @@ def _send_under_load(client: Any, url: str, probes: list[dict], others: list[dic
     with ThreadPoolExecutor(clients) as pool:
         answers = list(pool.map(send, range(len(tasks))))
     load: list[Any] = [None] * len(probes)
-    failed = 0
+    failed = []
     for (kind, i, _), got in zip(tasks, answers):
         if kind == "probe":
             load[i] = got if isinstance(got, str) else got[0]
-        else:
-            failed += isinstance(got, str)
+        elif isinstance(got, str):
+            failed.append(got)
     return load, failed
 
 
@@ -222,7 +222,11 @@ def summarize(runs: dict[str, list], probes: list[dict]) -> dict[str, Any]:
         bad = [{"request": i, "sampled": "seed" in probes[i], **d} for i, d in diffs if d is not None]
         steps = [d["first_step"] for d in bad if d["first_step"] is not None]
         gaps = [d["logprob_gap"] for d in bad if d["logprob_gap"] is not None]
+        for d in bad:  # where the cold answer differs too, an answer like it points at the prefix cache
+            i = d["request"]
+            d["like_cold"] = cause == "batch" and runs["cold"][i] != runs["alone"][i] and runs[run][i] == runs["cold"][i]
         out[cause] = {"compares": WHAT[cause], "requests": len(diffs), "differ": len(bad),
+                      "like_cold": sum(d["like_cold"] for d in bad),
                       "tokens_changed": sum(bool(d["tokens_changed"]) for d in bad),
                       "errors": sum(d["error"] is not None for d in bad),
                       "first_step": min(steps) if steps else None, "max_logprob_gap": max(gaps) if gaps else None,
@@ -251,7 +255,7 @@ def run(url: str, model: str | None = None, requests: int = 200, clients: int = 
                        "seed_honoured": server.seed, "describe": server.describe()},
             "settings": {"requests": requests, "clients": clients, "seed": seed, "max_tokens": max_tokens,
                          "sampled": sum("seed" in p for p in probes), "other_requests": len(others),
-                         "other_requests_failed": others_failed},
+                         "other_requests_failed": len(others_failed), "other_errors": others_failed[:3]},
             "causes": causes, "identical": all(c["differ"] == 0 for c in causes.values()),
             "wall_s": round(time.perf_counter() - t0, 2),
             "probes": [{"prompt": p["prompt"], "max_tokens": p["max_tokens"], "temperature": p["temperature"],
@@ -277,8 +281,14 @@ def report(r: dict[str, Any]) -> str:
                      f"{c['tokens_changed']:>14} {step:>10} {_fmt(c['max_logprob_gap']):>13}")
         if c["errors"]:
             lines.append(f"{'':<17} {c['errors']} got no answer, e.g. {next(d['error'] for d in c['differing'] if d['error'])}")
+    like_cold = r["causes"]["batch"]["like_cold"]
+    if like_cold:
+        lines.append(f"note: {like_cold} of the answers that differ under load equal the cold answer, which differs "
+                     "from the answer alone: the prefix cache's state under load (another prompt ran just before), "
+                     "not the batch, can explain those")
     if s["other_requests_failed"]:
-        lines.append(f"note: {s['other_requests_failed']} of the other requests got no answer")
+        lines.append(f"note: {s['other_requests_failed']} of the other requests got no answer, e.g. "
+                     f"{s['other_errors'][0]}")
     if not r["server"]["logprobs"]:
         lines.append("note: the server gives no log-probs: tokens and text are compared")
     if not r["server"]["seed_honoured"]:
