@@ -13,8 +13,9 @@ once before). Each other run changes one thing, so each comparison names one cau
                beside other requests of mixed lengths, some sharing
                a probe's prefix, some a common head, some neither
 
-A probe's prompt starts with tokens no other probe starts with, so its first send finds nothing of it
-cached; the sends after it find the whole prompt seen. Prompts are token ids where the server takes them
+A probe's prompt starts with tokens no other probe of the run starts with, so its first send finds
+nothing of it cached (unless an earlier run with the same `seed` sent it); the sends after it find the
+whole prompt seen. Prompts are token ids where the server takes them
 (ids 32..255, ordinary tokens in every byte-level and SentencePiece vocabulary of the Llama family), text
 otherwise; greedy or seeded sampling (where two sends with one seed agree: the server honours `seed`);
 log-probs where the server offers them (`logprobs: 1`, tokens named by id where it honours
@@ -111,7 +112,9 @@ def probe_server(client: Any, url: str, model: str | None, prompts: str = "auto"
                        token_ids=any(isinstance(t, int) for t in got[0]["tokens"]))
             sampled = {**body, "temperature": 1.0, "seed": 4321, "max_tokens": 8}
             pair = [_try(client, url, sampled) for _ in range(2)]
-            s.seed = not isinstance(pair[0], str) and pair[0] == pair[1]
+            # the tokens alone: log-probs that move from run to run are the run-to-run comparison's to find
+            s.seed = not isinstance(pair[0], str) and not isinstance(pair[1], str) and \
+                [(a["tokens"], a["text"]) for a in pair[0]] == [(a["tokens"], a["text"]) for a in pair[1]]
             return s
     raise BackendError(f"{url}/completions: every form of a one-token request was refused ({why[-1]})")
 
