@@ -2,9 +2,10 @@
 with the exact kernels every answer of 200 probes from 16 clients is identical alone, again, cold, streamed
 and under load (exit 0); with `serve --plain-kernels`, the negative control, the batch-dependence count is
 not zero, run-to-run is zero, and the report names batch dependence (exit 3). Also: text prompts, the
-JSON file, minillama's reference on the greedy probes, bad input (exit 2, one line), `generate
---plain-kernels`, how one comparison reads two answers, and a server that answers kept-alive connections
-without Nagle's delay (the check's time bound depends on it).
+JSON file, minillama's reference on the greedy probes, bad input (exit 2, one line), a fault planted in
+one send of a stand-in server named as its cause and no other, `generate --plain-kernels`, how one
+comparison reads two answers, and a server that answers kept-alive connections without Nagle's delay
+(the check's time bound depends on it).
 """
 
 from __future__ import annotations
@@ -143,6 +144,31 @@ def test_one_comparison_names_the_first_step_the_gap_and_changed_tokens():
     d = differ(answer([], [], "a b"), answer([], [], "a c"))  # a server without log-probs: the text
     assert d["tokens_changed"] and d["first_step"] is None
     assert differ(a, "HTTP 429: busy")["error"] == "HTTP 429: busy"
+
+
+@pytest.mark.parametrize("send, cause", [(1, "prefix_cache"), (3, "run_to_run"), (4, "streaming"), (5, "batch")])
+def test_a_fault_in_one_send_is_named_as_its_cause_only(send, cause, monkeypatch):
+    """A stand-in server whose answers are a function of the prompt, except the n-th send of each probe
+    (1 cold, 2 alone, 3 again, 4 streamed, 5 under load), whose log-probs move: only that cause differs."""
+    from minillama.oracle import under_load
+
+    sends: dict[str, int] = {}
+
+    def fake(client, url, body):
+        key = repr(body["prompt"])
+        sends[key] = sends.get(key, 0) + 1
+        lp = -1.0 - (len(key) % 7) / 8 + (1e-3 if sends[key] == send else 0.0)
+        return [{"tokens": [len(key) % 50, 7], "lps": [lp, -0.5], "text": "ab", "finish": "length"}]
+
+    monkeypatch.setattr(under_load, "_try", fake)
+    monkeypatch.setattr(under_load, "probe_server", lambda client, url, model, prompts: under_load.Server(
+        url, "m", ids=True, logprobs=True, token_ids=True, seed=True))
+    got = under_load.run("http://127.0.0.1:9/v1", requests=20, clients=4)
+    assert {k for k, c in got["causes"].items() if c["differ"]} == {cause}
+    c = got["causes"][cause]
+    assert c["differ"] == 20 and c["first_step"] == 0 and c["tokens_changed"] == 0
+    assert abs(c["max_logprob_gap"] - 1e-3) < 1e-9
+    assert under_load.CAUSES[cause][0] in under_load.report(got).splitlines()[-1]
 
 
 def generate(ckpt, files, capsys, *flags) -> list[tuple[list[int], list[float]]]:
