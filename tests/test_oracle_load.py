@@ -116,7 +116,8 @@ def test_text_prompts_and_minillama_reference(exact, ckpt, capsys):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--url", "http://127.0.0.1:9/v1", "--requests", "0"], "--requests, --clients and --max-tokens must be at least 1"),
+    (["--url", "http://127.0.0.1:9/v1", "--requests", "0"], "--requests must be at least 1, got 0"),
+    (["--url", "http://127.0.0.1:9/v1", "--clients", "-2"], "--clients must be at least 1, got -2"),
     (["--url", "ftp://127.0.0.1/v1"], "not an http:// or https:// URL"),
     (["--url", "http://127.0.0.1:9/v1"], "cannot reach the server"),
     (["--url", "http://127.0.0.1:9/v1", "--json", "/no/such/folder/r.json"], "does not exist"),

@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="token-id prompts where the server takes them, else text (auto, the default), or one kind")
     ld.add_argument("--json", metavar="FILE", help="also write the result, every differing request included, as JSON")
     ld.add_argument("--reference-model", metavar="PATH",
-                    help="also compare the server's greedy answers to the probes with minillama's on this "
-                         "checkpoint (as `compare --backend openai`, preset fp32)")
+                    help="also check the server against minillama on this checkpoint: `compare --backend openai` "
+                         "(teacher-forced on minillama's answers, preset fp32) on the greedy probes' prompts")
     ld.add_argument("--device", default="cpu", help="torch device of --reference-model (default: cpu)")
     ld.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of --reference-model (default: float32)")
     return p

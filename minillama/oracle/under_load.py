@@ -240,8 +240,9 @@ def summarize(runs: dict[str, list], probes: list[dict]) -> dict[str, Any]:
 def run(url: str, model: str | None = None, requests: int = 200, clients: int = 16, seed: int = 0,
         max_tokens: int = 16, prompts: str = "auto") -> dict[str, Any]:
     """The whole check against the server at `url` (.../v1): the result `report` reads and `--json` writes."""
-    if requests < 1 or clients < 1 or max_tokens < 1:
-        raise BadInput("--requests, --clients and --max-tokens must be at least 1")
+    for name, value in (("--requests", requests), ("--clients", clients), ("--max-tokens", max_tokens)):
+        if value < 1:
+            raise BadInput(f"{name} must be at least 1, got {value}")
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise BadInput(f"--url {url}: not an http:// or https:// URL (e.g. http://127.0.0.1:8000/v1)")
