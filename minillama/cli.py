@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_model_options(group: Any) -> None:
-    """--model, --device, --dtype and --plain-kernels, as every tool that loads a model offers them (generate, serve)."""
+    """--model, --device, --dtype and --plain-kernels, as every tool that loads a model offers them (generate,
+    serve)."""
     group.add_argument("--model", "-m", metavar="PATH", help="HF or Meta directory, or .gguf file (default: the "
                        "default model, SmolLM2-135M-Instruct, converted on first use)")
     group.add_argument("--device", default="cpu", help="torch device (default: cpu)")

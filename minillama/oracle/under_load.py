@@ -227,7 +227,8 @@ def summarize(runs: dict[str, list], probes: list[dict]) -> dict[str, Any]:
         gaps = [d["logprob_gap"] for d in bad if d["logprob_gap"] is not None]
         for d in bad:  # where the cold answer differs too, an answer like it points at the prefix cache
             i = d["request"]
-            d["like_cold"] = cause == "batch" and runs["cold"][i] != runs["alone"][i] and runs[run][i] == runs["cold"][i]
+            cold = runs["cold"][i]
+            d["like_cold"] = cause == "batch" and cold != runs["alone"][i] and runs[run][i] == cold
         out[cause] = {"compares": WHAT[cause], "requests": len(diffs), "differ": len(bad),
                       "like_cold": sum(d["like_cold"] for d in bad),
                       "tokens_changed": sum(bool(d["tokens_changed"]) for d in bad),
@@ -284,7 +285,8 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"{CAUSES[cause][0]:<17} {c['compares']:<23} {c['requests']:>8} {c['differ']:>6} "
                      f"{c['tokens_changed']:>14} {step:>10} {_fmt(c['max_logprob_gap']):>13}")
         if c["errors"]:
-            lines.append(f"{'':<17} {c['errors']} got no answer, e.g. {next(d['error'] for d in c['differing'] if d['error'])}")
+            why = next(d["error"] for d in c["differing"] if d["error"])
+            lines.append(f"{'':<17} {c['errors']} got no answer, e.g. {why}")
     like_cold = r["causes"]["batch"]["like_cold"]
     if like_cold:
         lines.append(f"note: {like_cold} of the answers that differ under load equal the cold answer, which differs "
