@@ -172,6 +172,31 @@ def test_a_fault_in_one_send_is_named_as_its_cause_only(send, cause, monkeypatch
     assert under_load.CAUSES[cause][0] in under_load.report(got).splitlines()[-1]
 
 
+def test_a_refused_request_counts_as_differing_and_says_why(monkeypatch):
+    from minillama.oracle import under_load
+
+    def fake(client, url, body):  # every request under load refused, the rest answered alike
+        if body.get("stream") is False and fake.alone_done:
+            return "HTTP 429: the server is busy"
+        return [{"tokens": [1], "lps": [-1.0], "text": "a", "finish": "length"}]
+
+    fake.alone_done = False
+    send_alone = under_load._send_alone
+
+    def alone_then_flag(*args, **kw):
+        runs = send_alone(*args, **kw)
+        fake.alone_done = True
+        return runs
+
+    monkeypatch.setattr(under_load, "_try", fake)
+    monkeypatch.setattr(under_load, "_send_alone", alone_then_flag)
+    monkeypatch.setattr(under_load, "probe_server", lambda client, url, model, prompts: under_load.Server(url, "m"))
+    got = under_load.run("http://127.0.0.1:9/v1", requests=6, clients=2)
+    batch = got["causes"]["batch"]
+    assert batch["differ"] == batch["errors"] == 6 and not got["identical"]
+    assert "6 got no answer, e.g. HTTP 429: the server is busy" in under_load.report(got)
+
+
 def generate(ckpt, files, capsys, *flags) -> list[tuple[list[int], list[float]]]:
     capsys.readouterr()
     assert cli.main(["--model", str(ckpt), "--doc", str(files[0]), "--questions", str(files[1]), "-n", "4",
