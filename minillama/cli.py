@@ -78,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_model_options(group: Any) -> None:
-    """--model, --device and --dtype, as every tool that loads a model offers them (generate, serve)."""
+    """--model, --device, --dtype and --plain-kernels, as every tool that loads a model offers them (generate,
+    serve)."""
     group.add_argument("--model", "-m", metavar="PATH", help="HF or Meta directory, or .gguf file (default: the "
                        "default model, SmolLM2-135M-Instruct, converted on first use)")
     group.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default: float32)")
+    group.add_argument("--plain-kernels", action="store_true",
+                       help="torch's own products and attention instead of the batch-invariant kernels: faster, "
+                            "but an answer may depend on what it is batched with (the honest baseline)")
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                        help="on CUDA, run every step eagerly rather than capture each step shape once as a CUDA "
                             "graph and replay it (the same bits either way; graphs are never used on a CPU)")
@@ -126,7 +130,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     # a tensor-parallel rank reads the checkpoint on the host (memory-mapped where it can) and moves only its
     # shard to the device
     model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
-                            args.cuda_graphs)
+                            invariant=not args.plain_kernels, cuda_graphs=args.cuda_graphs)
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
@@ -208,17 +212,21 @@ def check_options(args: argparse.Namespace) -> None:
     distributed.check_options(args)
 
 
-def load_checkpoint(path: str | None, device: str, dtype: Any, cuda_graphs: bool = True) -> api.LoadedModel:
+def load_checkpoint(path: str | None, device: str, dtype: Any, invariant: bool = True,
+                    cuda_graphs: bool = True) -> api.LoadedModel:
+    """The model of --model; `invariant=False` (--plain-kernels) switches its batch-invariant kernels off,
+    `cuda_graphs=False` (--no-cuda-graphs) runs every step eagerly (step.py)."""
     from .tokenizer import TokenizerError
     from .weights import WeightsError
 
     if path is not None and not Path(path).exists():
         raise BadInput(f"--model {path}: no such file or directory")
     try:
-        loaded = api.load(path, device=device, dtype=dtype)
+        model = api.load(path, device=device, dtype=dtype)
+        model.llama.invariant = invariant
         if not cuda_graphs:
-            loaded.llama.steps.captured = False  # step.py: every step eager
-        return loaded
+            model.llama.steps.captured = False
+        return model
     except (WeightsError, TokenizerError) as e:
         raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None
     except OSError as e:  # unreadable files

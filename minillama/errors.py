@@ -5,7 +5,8 @@ Every command line of minillama (`generate`, `weights`, `oracle`, `bench`, `serv
 through `run_command`, which maps what escapes to one line on stderr and an exit status (`check_device`
 checks a `--device` the same way for every tool that takes one):
 
-- 0: done (a tool may return 1 itself for a negative verdict, as the oracle does for a failed comparison);
+- 0: done (a tool may return 1 itself for a negative verdict, as the oracle does for a failed comparison,
+  or 3, as `oracle load` does when some answers differ);
 - 2: something the user gave cannot be used, or the machine refused (a `OneLineError`: bad input, a
   checkpoint that cannot be loaded, a file that cannot be written; or an `OSError` of the environment,
   such as a full disk or a read-only folder): `error: ...`, one line;

@@ -145,3 +145,17 @@ def test_openai_backend_against_llama_cpp_server(files, server, capsys):
         assert 1e-4 < q["logprob_max"] < 0.1 and "KV cache in F16" in got["hints"][0]
     else:
         assert code == 0 and q["logprob_max"] < 1e-4 and got["hints"] == []
+
+
+def test_oracle_load_against_llama_cpp_server(server, capsys, tmp_path):
+    """`oracle load` with text prompts (the server takes no token ids): each probe sent again, or streamed,
+    alone gives the same answer; what load and a cold cache do is reported, whatever it is (docs/oracle.md)."""
+    from minillama.oracle.__main__ import main as oracle
+
+    _, url = server
+    capsys.readouterr()
+    code = oracle(["load", "--url", url, "--requests", "4", "--clients", "2", "--max-tokens", "3",
+                   "--json", str(tmp_path / "load.json")])
+    out, got = capsys.readouterr().out, json.loads((tmp_path / "load.json").read_text())
+    assert code == (0 if got["identical"] else 3) and "prompts as text" in out, out
+    assert got["causes"]["run_to_run"]["differ"] == got["causes"]["streaming"]["differ"] == 0, out

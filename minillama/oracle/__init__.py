@@ -14,6 +14,7 @@
                  the pattern of the errors
 - layers.py      the layer diff that names the first layer and sub-module out of tolerance
 - report.py      the report a person reads
+- under_load.py  `oracle load`: a server's answers alone, again, cold, streamed and under load, compared per cause
 - __main__.py    the command line
 
 In Python:

@@ -5,9 +5,12 @@
     python -m minillama.oracle compare --backend llama-cpp --backend-model model.gguf
     python -m minillama.oracle compare --backend openai --url http://127.0.0.1:8000/v1
     python -m minillama.oracle compare --reference ref.safetensors --candidate answers.jsonl
+    python -m minillama.oracle load --url http://127.0.0.1:8000/v1 [--requests 200 --clients 16] [--json F]
 
 Without --doc/--questions or --prompt-ids, a small built-in document with three questions is used.
 Exit status: 0 when every question passes; 1 when one fails; 2 on bad input (one line on stderr).
+`load` (under_load.py): 0 when every answer is identical, 3 when some differ, 1 when all are identical but
+--reference-model's comparison fails, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from .. import distributed
 from ..errors import BadInput, OneLineParser, check_device, run_command
-from ..files import json_text
+from ..files import json_text, write_file
 from ..generate import MODES
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
@@ -44,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minillama.oracle", allow_abbrev=False,
                 description="minillama as a correctness oracle: export its greedy answers with every step's "
                             "logits, and compare another backend or a candidate file with them.",
-                epilog="Exit status: 0 when every question passes, 1 when one fails, 2 on bad input.")
+                epilog="Exit status: 0 when every question passes, 1 when one fails, 2 on bad input; load: 3 when "
+                       "some answers differ.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     e = sub.add_parser("export", help="answer greedily with minillama; write tokens and logits (safetensors + JSON)")
     c = sub.add_parser("compare", help="compare a backend (run on the reference's tokens) or a candidate file")
@@ -101,6 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a candidate answer shorter than the reference's passes on the steps it has "
                         "(default: it fails)")
     c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    ld = sub.add_parser("load", help="does a server give each request the same answer under load, again, cold "
+                                     "and streamed as alone? (exit 3 when some differ)")
+    ld.add_argument("--url", required=True, metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    ld.add_argument("--model", metavar="NAME", help="the served model's name (default: the first /v1/models lists)")
+    ld.add_argument("--requests", type=int, default=200, metavar="N", help="probe requests (default: 200)")
+    ld.add_argument("--clients", type=int, default=16, metavar="C", help="concurrent clients under load (default: 16)")
+    ld.add_argument("--seed", type=int, default=0, metavar="S", help="the random workload's seed (default: 0)")
+    ld.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                    help="a probe asks for 1 to N new tokens (default: 16)")
+    ld.add_argument("--prompts", choices=["auto", "ids", "text"], default="auto",
+                    help="token-id prompts where the server takes them, else text (auto, the default), or one kind")
+    ld.add_argument("--json", metavar="FILE", help="also write the result, every differing request included, as JSON")
+    ld.add_argument("--reference-model", metavar="PATH",
+                    help="also check the server against minillama on this checkpoint: `compare --backend openai` "
+                         "(teacher-forced on minillama's answers, preset fp32) on the greedy probes' prompts")
+    ld.add_argument("--device", default="cpu", help="torch device of --reference-model (default: cpu)")
+    ld.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of --reference-model (default: float32)")
     return p
 
 
@@ -333,13 +354,54 @@ def _same_setup(ref: Record, cand: Record) -> bool:
             and (ref.manifest.get("versions") or {}).get("torch") == (cand.manifest.get("versions") or {}).get("torch"))
 
 
+def cmd_load(args: argparse.Namespace) -> int:
+    """The load check (under_load.py); with --reference-model, `compare --backend openai` on its greedy probes."""
+    from . import under_load as loadcheck
+
+    if args.json:
+        _check_writable(Path(args.json))
+    if args.reference_model and not Path(args.reference_model).exists():
+        raise BadInput(f"--reference-model {args.reference_model}: no such file or directory")
+    result = loadcheck.run(args.url, args.model, args.requests, args.clients, args.seed, args.max_tokens,
+                           args.prompts)
+    text, passed = loadcheck.report(result), True
+    if args.reference_model:
+        c = _reference_of_load(args, result)
+        result["reference"] = c.to_json()
+        text, passed = text + "\n\nminillama's reference, on the greedy probes:\n" + report(c), c.passed
+    print(text)
+    if args.json:
+        write_file(args.json, json_text(result, indent=1) + "\n")
+    return 3 if not result["identical"] else 0 if passed else 1
+
+
+def _reference_of_load(args: argparse.Namespace, result: dict[str, Any]) -> Comparison:
+    path = Path(args.reference_model)
+    model = _load_reference_model(path, args)
+    tok = load_tokenizer(path)
+    prompts = [p["prompt"] if isinstance(p["prompt"], list) else tok.encode(p["prompt"], add_special=True,
+                                                                            parse_special=False)
+               for p in result["probes"] if p["temperature"] == 0]
+    if not prompts:
+        raise BadInput("no greedy probe to compare with minillama's reference: raise --requests")
+    eos = list(dict.fromkeys([*tok.eos_ids, *model.config.eos_token_ids]))
+    ref = export(model, prompts, max_new_tokens=args.max_tokens, mode="independent", eos_ids=eos,
+                 model_path=str(path))
+    args.backend_model, args.top_k = result["server"]["model"], 5
+    cand = run_backend(ref, _openai_backend(args, str(path)))
+    tol = PRESETS[BACKEND_PRESETS["openai"]]
+    return Comparison({"describe": _describe_reference(ref)}, {"describe": cand.manifest.get("describe", "")}, tol,
+                      compare(ref, cand, tol))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status (`errors.run_command`): 0 every question passes, 1 one fails, 2 bad input or a file
-    that cannot be written (one line on stderr), 130 Ctrl-C; a bug is a traceback."""
+    that cannot be written (one line on stderr), 130 Ctrl-C; a bug is a traceback. `load`: 3 when some
+    answers differ."""
     def body() -> int:
         args = build_parser().parse_args(argv)
         check_device(args.device)
-        return cmd_export(args) if args.cmd == "export" else cmd_compare(args)
+        return {"export": cmd_export, "compare": cmd_compare, "load": cmd_load}[args.cmd](args)
 
     return run_command(body)
 

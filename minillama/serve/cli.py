@@ -83,8 +83,10 @@ def bind(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise BadInput(f"--host {host}: {e.strerror}") from None
-    family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, _, proto, _, addr = infos[0]
+    # The protocol named (IPPROTO_TCP), not 0: asyncio sets TCP_NODELAY only on sockets that name it, and
+    # without it each answer on a kept-alive connection waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(addr)
@@ -112,7 +114,8 @@ def _main(argv: Sequence[str] | None) -> int:
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)
-    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype), args.cuda_graphs)
+    model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype), invariant=not args.plain_kernels,
+                            cuda_graphs=args.cuda_graphs)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
@@ -123,7 +126,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if api_key is None and args.host not in LOOPBACK:
         print(f"warning: --host {args.host} without --api-key (or ${API_KEY_ENV}): anyone who can reach this "
               "machine can use the server", file=sys.stderr)
-    print(f"minillama serve: model {name!r} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    kernels = " (plain kernels: an answer may depend on the batch)" if args.plain_kernels else ""
+    print(f"minillama serve: model {name!r} on http://{host}:{port}/v1{kernels}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
     run(config, sock)
     print("minillama serve: stopped", file=sys.stderr)

@@ -12,7 +12,6 @@ same generator (`workload`, with chat requests) and comparison (`mismatches`) on
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ import torch
 from .. import api
 from ..config import LlamaConfig
 from ..generate import generate
+from .client import Refused, ask as client_ask
 
 # Plain kernels are not batch-invariant at these shapes (6 heads of 32): a broken promise would show.
 IDENTITY_SHAPE = dict(hidden_size=192, intermediate_size=512, num_hidden_layers=2, num_attention_heads=6,
@@ -52,38 +52,9 @@ def solo_prompt_logprobs(model: api.LoadedModel, prompt: list[int]) -> list[floa
 
 def ask(client: Any, url: str, req: dict[str, Any]) -> list[dict[str, Any]]:
     """Send one request (after its `delay`); per choice its token ids, log-probs, text and finish reason,
-    streamed or not. A refused request or a stream without its end raises AssertionError."""
+    streamed or not (client.ask). A refused request or a stream without its end raises client.Refused."""
     time.sleep(req["delay"])
-    body, chat = req["body"], req["route"] == "/chat/completions"
-    got = [{"tokens": [], "lps": [], "text": "", "finish": None} for _ in range(body["n"])]
-
-    def add(choice: dict[str, Any]) -> None:
-        g = got[choice["index"]]
-        lp = choice.get("logprobs") or {}
-        if chat:
-            g["tokens"] += [int(e["token"][9:]) for e in lp.get("content", [])]
-            g["lps"] += [e["logprob"] for e in lp.get("content", [])]
-            g["text"] += (choice.get("delta") or choice.get("message") or {}).get("content") or ""
-        else:
-            g["tokens"] += [int(t[9:]) for t in lp.get("tokens", [])]
-            g["lps"] += lp.get("token_logprobs", [])
-            g["text"] += choice["text"]
-        g["finish"] = choice.get("finish_reason") or g["finish"]
-
-    if not body["stream"]:
-        r = client.post(url + req["route"], json=body)
-        assert r.status_code == 200, r.text
-        for c in r.json()["choices"]:
-            add(c)
-        return got
-    with client.stream("POST", url + req["route"], json=body) as r:
-        assert r.status_code == 200, r.read()
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]", lines[-3:]
-    for line in lines[:-1]:
-        for c in json.loads(line)["choices"]:
-            add(c)
-    return got
+    return client_ask(client, url, req["route"], req["body"])
 
 
 def mismatches(model: api.LoadedModel, url: str, reqs: list[dict[str, Any]], seen: dict | None = None,
@@ -98,7 +69,7 @@ def mismatches(model: api.LoadedModel, url: str, reqs: list[dict[str, Any]], see
     def attempt(client: Any, req: dict[str, Any]) -> Any:
         try:
             return ask(client, url, req)
-        except (AssertionError, httpx.HTTPError) as e:  # refused, cut off or timed out: every choice differs
+        except (Refused, httpx.HTTPError) as e:  # refused, cut off or timed out: every choice differs
             return e
 
     with ThreadPoolExecutor(clients or len(reqs)) as pool, httpx.Client(timeout=600) as client:

@@ -17,6 +17,8 @@ import math
 import time
 from typing import Any, Sequence
 
+from .client import empty_answer, fold
+
 
 def percentile(xs: Sequence[float], q: float) -> float:
     """The q-th percentile (nearest rank); nan for no values."""
@@ -39,9 +41,7 @@ async def ask(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     or a token held back as an incomplete character) counts none."""
     t0 = time.perf_counter()
     times: list[float] = []
-    tokens: list[int] = []
-    lps: list[float] = []
-    text, finish = "", None
+    got = empty_answer()
     async with client.stream("POST", url + "/completions", json=body) as r:
         if r.status_code != 200:
             return {"error": r.status_code}
@@ -49,15 +49,12 @@ async def ask(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for c in json.loads(line[6:]).get("choices", []):
-                lp = c.get("logprobs") or {}
-                got = [int(t[9:]) for t in lp.get("tokens", [])]
-                n = len(got) if "return_tokens_as_token_ids" in body else int(bool(c.get("text")))
-                tokens += got
-                lps += lp.get("token_logprobs", [])
-                text += c.get("text") or ""
-                finish = c.get("finish_reason") or finish
+                had = len(got["tokens"])
+                fold(got, c)
+                n = len(got["tokens"]) - had if "return_tokens_as_token_ids" in body else int(bool(c.get("text")))
                 times += [time.perf_counter()] * n
-    return {"start": t0, "times": times, "tokens": tokens, "logprobs": lps, "text": text, "finish": finish}
+    return {"start": t0, "times": times, "tokens": got["tokens"], "logprobs": got["lps"], "text": got["text"],
+            "finish": got["finish"]}
 
 
 async def _round(url: str, bodies: list[dict[str, Any]], clients: int, limit: float) -> dict[str, Any]:

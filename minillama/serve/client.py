@@ -1,0 +1,64 @@
+"""The client side of the OpenAI API, as minillama's checks read it: one request sent (streamed or not) and
+its choices folded into answers (token ids or token texts, log-probs, text, finish reason).
+
+One home for the reading of a server's answer, shared by `serve`'s identity run (identity.py), the serve
+bench's load generator (loadgen.py) and `minillama oracle load` (oracle/load.py). A token is its id where
+the server names tokens `token_id:N` (`return_tokens_as_token_ids`, as minillama serve and vLLM do), its
+text otherwise (llama-cpp-python's server).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class Refused(Exception):
+    """The server answered with an HTTP error, or a stream ended without its `[DONE]`."""
+
+
+def token(name: str) -> int | str:
+    """A token as a server names it in `logprobs`: its id for `token_id:N`, else its text."""
+    return int(name[9:]) if name.startswith("token_id:") and name[9:].isdigit() else name
+
+
+def empty_answer() -> dict[str, Any]:
+    return {"tokens": [], "lps": [], "text": "", "finish": None}
+
+
+def fold(got: dict[str, Any], choice: dict[str, Any], chat: bool = False) -> None:
+    """Add one choice, or one streamed chunk of it, to the answer `got` (`empty_answer()` to start)."""
+    lp = choice.get("logprobs") or {}
+    if chat:
+        got["tokens"] += [token(e["token"]) for e in lp.get("content") or []]
+        got["lps"] += [e["logprob"] for e in lp.get("content") or []]
+        got["text"] += (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+    else:
+        got["tokens"] += [token(t) for t in lp.get("tokens") or []]
+        got["lps"] += lp.get("token_logprobs") or []
+        got["text"] += choice.get("text") or ""
+    got["finish"] = choice.get("finish_reason") or got["finish"]
+
+
+def ask(client: Any, url: str, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send one request (an httpx.Client) to `url + route`; per choice its answer (`fold`). A refusal (an
+    HTTP status other than 200) or a stream cut short raises `Refused`; httpx raises its own errors."""
+    chat, n = route == "/chat/completions", body.get("n", 1)
+    got = [empty_answer() for _ in range(n)]
+    if not body.get("stream"):
+        r = client.post(url + route, json=body)
+        if r.status_code != 200:
+            raise Refused(f"HTTP {r.status_code}: {' '.join(r.text.split())[:300]}")
+        for c in r.json()["choices"]:
+            fold(got[c.get("index", 0)], c, chat)
+        return got
+    with client.stream("POST", url + route, json=body) as r:
+        if r.status_code != 200:
+            raise Refused(f"HTTP {r.status_code}: {' '.join(r.read().decode(errors='replace').split())[:300]}")
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    if not lines or lines[-1] != "[DONE]":
+        raise Refused(f"the stream ended without [DONE]: {lines[-3:]}")
+    for line in lines[:-1]:
+        for c in json.loads(line).get("choices", []):
+            fold(got[c.get("index", 0)], c, chat)
+    return got

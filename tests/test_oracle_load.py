@@ -1,0 +1,229 @@
+"""`minillama oracle load` against a real `minillama serve` on loopback (a subprocess on a tiny checkpoint):
+with the exact kernels every answer of 200 probes from 16 clients is identical alone, again, cold, streamed
+and under load (exit 0); with `serve --plain-kernels`, the negative control, the batch-dependence count is
+not zero, run-to-run is zero, and the report names batch dependence (exit 3). Also: text prompts, the
+JSON file, minillama's reference on the greedy probes, bad input (exit 2, one line), a fault planted in
+one send of a stand-in server named as its cause and no other, `generate --plain-kernels`, how one
+comparison reads two answers, and a server that answers kept-alive connections without Nagle's delay
+(the check's time bound depends on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minillama import cli
+from minillama.oracle.__main__ import main
+from minillama.oracle.under_load import differ
+from test_api import DOC, QUESTIONS
+from _serve_harness import ckpt, model, serving  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_server(ckpt: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`minillama serve` on a free loopback port; its base URL from the line it prints when ready."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # tiny shapes: one thread is fastest
+    out = open(log, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "minillama", "serve", "--model", str(ckpt), "--port", "0",
+                             "--served-model-name", "tiny", *flags], stdout=out, stderr=subprocess.STDOUT,
+                            env=env, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = re.search(r"on (http://\S+/v1)", log.read_text())
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    stop(proc)
+    pytest.fail(f"the server did not start: {log.read_text()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def serve(ckpt: Path, log: Path, *flags: str):
+    proc, url = start_server(ckpt, log, *flags)
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def exact(ckpt, tmp_path_factory):
+    with serve(ckpt, tmp_path_factory.mktemp("serve") / "serve.log") as url:
+        yield url
+
+
+def load(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["load", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
+def check(capsys, url: str, n: int, out_json: Path) -> tuple[int, str, dict]:
+    code, out = load(capsys, "--url", url, "--requests", n, "--clients", 16, "--max-tokens", 4, "--json", out_json)
+    got = json.loads(out_json.read_text())
+    assert got["server"]["token_id_prompts"] and got["server"]["logprobs"] and got["server"]["seed_honoured"]
+    assert all(c["requests"] == n for c in got["causes"].values()) and 0 < got["settings"]["sampled"] < n
+    return code, out, got
+
+
+def test_every_answer_identical_with_exact_kernels(exact, tmp_path, capsys):
+    """200 probes from 16 clients: alone, again, cold, streamed and under load, every answer the same."""
+    code, out, got = check(capsys, exact, 200, tmp_path / "r.json")
+    assert code == 0 and got["identical"], out
+    assert all(c["differ"] == 0 for c in got["causes"].values()) and "identical: every answer" in out
+
+
+def test_negative_control_plain_kernels_show_batch_dependence(ckpt, tmp_path, capsys):
+    """`serve --plain-kernels`: answers under load differ from those alone, and only that cause is named."""
+    with serve(ckpt, tmp_path / "serve.log", "--plain-kernels") as url:
+        code, out, got = check(capsys, url, 40, tmp_path / "r.json")  # the control needs only to see a difference
+    causes = got["causes"]
+    assert code == 3 and not got["identical"] and causes["run_to_run"]["differ"] == 0, out
+    batch = causes["batch"]
+    assert batch["differ"] > 0 and batch["max_logprob_gap"] > 0 and batch["first_step"] is not None
+    assert "DIFFER: batch dependence" in out
+    assert len(batch["differing"]) == batch["differ"] and batch["differing"][0]["error"] is None
+
+
+def test_text_prompts_and_minillama_reference(exact, ckpt, capsys):
+    code, out = load(capsys, "--url", exact, "--requests", 12, "--clients", 4, "--prompts", "text")
+    assert code == 0 and "prompts as text" in out, out
+    code, out = load(capsys, "--url", exact, "--requests", 12, "--clients", 4, "--max-tokens", 4,
+                     "--reference-model", ckpt)
+    assert code == 0 and "minillama's reference, on the greedy probes" in out, out
+    assert re.search(r"(\d+) of \1 questions pass: PASS", out), out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--url", "http://127.0.0.1:9/v1", "--requests", "0"], "--requests must be at least 1, got 0"),
+    (["--url", "http://127.0.0.1:9/v1", "--clients", "-2"], "--clients must be at least 1, got -2"),
+    (["--url", "ftp://127.0.0.1/v1"], "not an http:// or https:// URL"),
+    (["--url", "http://127.0.0.1:9/v1"], "cannot reach the server"),
+    (["--url", "http://127.0.0.1:9/v1", "--json", "/no/such/folder/r.json"], "does not exist"),
+    (["--url", "http://127.0.0.1:9/v1", "--reference-model", "/no/such/ckpt"], "no such file or directory"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, says, capsys):
+    code = main(["load", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def answer(tokens, lps, text="x", finish="length"):
+    return {"tokens": tokens, "lps": lps, "text": text, "finish": finish}
+
+
+def test_one_comparison_names_the_first_step_the_gap_and_changed_tokens():
+    a = answer([5, 6, 7], [-1.0, -2.0, -3.0])
+    assert differ(a, answer([5, 6, 7], [-1.0, -2.0, -3.0])) is None
+    d = differ(a, answer([5, 6, 7], [-1.0, -2.5, -3.0]))
+    assert (d["first_step"], d["logprob_gap"], d["tokens_changed"]) == (1, 0.5, False)
+    d = differ(a, answer([5, 9, 7], [-1.25, -2.0, -3.0]))
+    assert (d["first_step"], d["logprob_gap"], d["tokens_changed"]) == (0, 0.25, True)  # gap before they part
+    d = differ(a, answer([5, 9], [-1.0, -2.0]))
+    assert (d["first_step"], d["logprob_gap"], d["tokens_changed"]) == (1, 0.0, True)
+    d = differ(answer([], [], "a b"), answer([], [], "a c"))  # a server without log-probs: the text
+    assert d["tokens_changed"] and d["first_step"] is None
+    assert differ(a, "HTTP 429: busy")["error"] == "HTTP 429: busy"
+
+
+@pytest.mark.parametrize("send, cause", [(1, "prefix_cache"), (3, "run_to_run"), (4, "streaming"), (5, "batch")])
+def test_a_fault_in_one_send_is_named_as_its_cause_only(send, cause, monkeypatch):
+    """A stand-in server whose answers are a function of the prompt, except the n-th send of each probe
+    (1 cold, 2 alone, 3 again, 4 streamed, 5 under load), whose log-probs move: only that cause differs."""
+    from minillama.oracle import under_load
+
+    sends: dict[str, int] = {}
+
+    def fake(client, url, body):
+        key = repr(body["prompt"])
+        sends[key] = sends.get(key, 0) + 1
+        lp = -1.0 - (len(key) % 7) / 8 + (1e-3 if sends[key] == send else 0.0)
+        return [{"tokens": [len(key) % 50, 7], "lps": [lp, -0.5], "text": "ab", "finish": "length"}]
+
+    monkeypatch.setattr(under_load, "_try", fake)
+    monkeypatch.setattr(under_load, "probe_server", lambda client, url, model, prompts: under_load.Server(
+        url, "m", ids=True, logprobs=True, token_ids=True, seed=True))
+    got = under_load.run("http://127.0.0.1:9/v1", requests=20, clients=4)
+    assert {k for k, c in got["causes"].items() if c["differ"]} == {cause}
+    c = got["causes"][cause]
+    assert c["differ"] == 20 and c["first_step"] == 0 and c["tokens_changed"] == 0
+    assert abs(c["max_logprob_gap"] - 1e-3) < 1e-9
+    assert under_load.CAUSES[cause][0] in under_load.report(got).splitlines()[-1]
+
+
+def test_a_refused_request_counts_as_differing_and_says_why(monkeypatch):
+    from minillama.oracle import under_load
+
+    def fake(client, url, body):  # every request under load refused, the rest answered alike
+        if body.get("stream") is False and fake.alone_done:
+            return "HTTP 429: the server is busy"
+        return [{"tokens": [1], "lps": [-1.0], "text": "a", "finish": "length"}]
+
+    fake.alone_done = False
+    send_alone = under_load._send_alone
+
+    def alone_then_flag(*args, **kw):
+        runs = send_alone(*args, **kw)
+        fake.alone_done = True
+        return runs
+
+    monkeypatch.setattr(under_load, "_try", fake)
+    monkeypatch.setattr(under_load, "_send_alone", alone_then_flag)
+    monkeypatch.setattr(under_load, "probe_server", lambda client, url, model, prompts: under_load.Server(url, "m"))
+    got = under_load.run("http://127.0.0.1:9/v1", requests=6, clients=2)
+    batch = got["causes"]["batch"]
+    assert batch["differ"] == batch["errors"] == 6 and not got["identical"]
+    assert "6 got no answer, e.g. HTTP 429: the server is busy" in under_load.report(got)
+
+
+def generate(ckpt, files, capsys, *flags) -> list[tuple[list[int], list[float]]]:
+    capsys.readouterr()
+    assert cli.main(["--model", str(ckpt), "--doc", str(files[0]), "--questions", str(files[1]), "-n", "4",
+                     "--json", "--logprobs", "--no-chat-template", *flags]) == 0
+    return [(r["token_ids"], r["logprobs"]) for r in map(json.loads, capsys.readouterr().out.splitlines())]
+
+
+def test_generate_plain_kernels_answers_depend_on_the_batch(ckpt, tmp_path, capsys):
+    """Parallel mode packs the questions into one pass: with the exact kernels each answer equals its
+    independent run; with --plain-kernels (the honest baseline) some log-prob does not."""
+    files = (tmp_path / "doc.txt", tmp_path / "q.txt")
+    files[0].write_text(DOC)
+    files[1].write_text("\n".join(QUESTIONS[:4]))
+    assert generate(ckpt, files, capsys) == generate(ckpt, files, capsys, "--mode", "independent")
+    assert generate(ckpt, files, capsys, "--plain-kernels") != \
+        generate(ckpt, files, capsys, "--plain-kernels", "--mode", "independent")
+
+
+def test_served_answers_on_a_kept_alive_connection_do_not_wait_for_delayed_acks(model):
+    """minillama serve's socket names TCP, so asyncio turns Nagle's algorithm off: without that each answer
+    on a kept-alive connection waited for the client's delayed ACK (about 40 ms)."""
+    import httpx
+
+    with serving(model) as url, httpx.Client(timeout=30) as client:
+        times = []
+        for _ in range(11):
+            t0 = time.perf_counter()
+            assert client.get(url + "/models").status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert sorted(times)[5] < 0.02, times
