@@ -120,9 +120,9 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     n_questions = sum(len(q) for _, q in jobs)
     t0 = time.perf_counter()
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
-    # a tensor-parallel rank reads the checkpoint on the host (memory-mapped where it can) and moves only its
-    # shard to the device
-    model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
+    # a tensor-parallel rank reads only its parts of the checkpoint, on the host, and moves them to the device
+    model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
+                            parallel.sharding(args, here))
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
@@ -204,13 +204,16 @@ def check_options(args: argparse.Namespace) -> None:
     distributed.check_options(args)
 
 
-def load_checkpoint(path: str | None, device: str, dtype: Any) -> api.LoadedModel:
+def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None) -> api.LoadedModel:
+    """shard: a tensor-parallel rank's (distributed.parallel.sharding): only its parts are read."""
     from .tokenizer import TokenizerError
-    from .weights import WeightsError
+    from .weights import WeightsError, load_model
 
     if path is not None and not Path(path).exists():
         raise BadInput(f"--model {path}: no such file or directory")
     try:
+        if shard is not None:
+            return api.LoadedModel(*load_model(path, device=device, dtype=dtype, shard=shard))
         return api.load(path, device=device, dtype=dtype)
     except (WeightsError, TokenizerError) as e:
         raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None

@@ -200,7 +200,8 @@ class _Question:
             self.on_answer(self.index, a)
 
 
-def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) -> None:
+def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int,
+          agree: Callable[[list[int]], None] | None = None) -> None:
     """Pick every question's next token from its row of this step's logits (Q, vocab), all at once.
 
     One log-softmax and one argmax over all rows on the model's device, then one copy to the host (both
@@ -217,8 +218,15 @@ def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) 
     for i in sampled:  # on the host, with the question's own random stream
         toks[i] = sample(host[i], questions[i].params, questions[i].generator)
         picked[i] = float(torch.log_softmax(host[i].float(), dim=-1)[int(toks[i])])
+    if agree is not None:  # a tensor-parallel rank: raises unless every rank chose these tokens (distributed/tp.py)
+        agree([int(t) for t in toks])
     for i, q in enumerate(questions):
         q.record(int(toks[i]), picked[i], None if q.answer.logits is None else host[i].clone(), max_positions)
+
+
+def _agreement(model: Llama) -> Callable[[list[int]], None] | None:
+    """A tensor-parallel rank's check that every rank of its group chose the same tokens (None in one process)."""
+    return getattr(model.kernels.comm, "agree", None)
 
 
 # Public names for schedulers outside this module that run their own forward passes and pick tokens
@@ -268,7 +276,7 @@ def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
                       len(live), stats)
         for q in live:
             q.next_pos += 1
-        _take(live, logits, max_pos)
+        _take(live, logits, max_pos, _agreement(model))
         for q in live:
             if q.done:
                 cache.release(q.segment)
@@ -364,7 +372,7 @@ def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int],
     live = [(q, piece) for q, piece in zip((w[0] for w in work), pieces) if not q.done]
     if live:
         _take([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats),
-              model.config.max_position_embeddings)
+              model.config.max_position_embeddings, _agreement(model))
     stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
     stats.generated_tokens += len(live)
     for q, _ in live:
@@ -421,7 +429,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
         stats.prompt_tokens += len(pending)
         stats.prefill_s += time.perf_counter() - t0
         q.next_pos = cache.length(seg)
-        _take([q], logits, max_pos)
+        _take([q], logits, max_pos, _agreement(model))
         stats.generated_tokens += 1
         if on_token:
             on_token(1)
@@ -430,7 +438,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
             t0 = time.perf_counter()
             logits = _run(model, cache, [(seg, q.next_pos, [q.answer.token_ids[-1]])], 1, stats)
             q.next_pos += 1
-            _take([q], logits, max_pos)
+            _take([q], logits, max_pos, _agreement(model))
             stats.decode_s += time.perf_counter() - t0
             stats.generated_tokens += 1
             if on_token:
