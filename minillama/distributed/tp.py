@@ -43,7 +43,10 @@ class TensorParallel:
         self.units = units
         self.runs = [range(r * units // self.size, (r + 1) * units // self.size) for r in range(self.size)]
         self.nodes = [tree_nodes(0, units, run) for run in self.runs]  # each rank's largest whole subtrees
-        self.plain_all_reduce = plain_all_reduce  # the negative control: let the collective add
+        # The negative control, what a serving engine does: a rank adds its partials in turn (as one product
+        # over its whole shard accumulates them), the collective adds the ranks' sums in an order it picks.
+        # At tp=2 the collective's part alone (a + b) is the tree's root: the in-turn part makes it fail there too.
+        self.plain_all_reduce = plain_all_reduce
         self.bytes_moved = 0  # sent by this rank, for the bench's traffic report
 
     @property
@@ -54,12 +57,12 @@ class TensorParallel:
         """This rank's unit partials (..., N) -> the tree's sum over every rank's units, on every rank."""
         mine = self.nodes[self.rank]
         run = self.local
-        values = [tree_sum(partials[lo - run.start:hi - run.start]) for lo, hi in mine]  # node (lo, hi) of the tree
-        if self.plain_all_reduce:
-            out = values[0]
-            for v in values[1:]:
-                out = out + v
+        if self.plain_all_reduce:  # the control: this rank's partials added in turn, then the collective's sum
+            out = partials[0]
+            for p in partials[1:]:
+                out = out + p
             return self.all_reduce(out)
+        values = [tree_sum(partials[lo - run.start:hi - run.start]) for lo, hi in mine]  # node (lo, hi) of the tree
         shape, n = values[0].shape, values[0].shape[-1]
         cols = unit_bounds(n, self.size)  # rank d adds columns cols[d] of every node
         rows = values[0].reshape(-1, n)
