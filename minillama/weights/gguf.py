@@ -231,10 +231,11 @@ def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConf
 def _read_part(f: Any, t: Any, shape: tuple[int, ...], cut: tuple[int, int, int] | None) -> torch.Tensor:
     """A tensor's part `cut` (or all of it) in float32, read from the file at its offset (shard.py).
 
-    Quantized rows are blocks of `block` values in `size` bytes: a slice of rows reads whole rows; a slice of
-    columns that starts and stops on block boundaries reads only its blocks of each row. Another column slice
-    reads and dequantizes whole rows, a block of rows at a time, and keeps its columns: the file's bytes of
-    the whole tensor pass through (tp times the slice's), but no more than a block of rows is held."""
+    Quantized rows are blocks of `block` values in `size` bytes, dequantized a block of rows at a time (so
+    that the dequantizer's temporaries stay small). A slice of rows reads its rows; a slice of columns that
+    starts and stops on block boundaries reads only its blocks of each row. Another column slice reads and
+    dequantizes whole rows and keeps its columns: the tensor's bytes pass through (tp times the slice's), but
+    no more than a block of rows is held."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from gguf.quants import dequantize
 
@@ -245,21 +246,23 @@ def _read_part(f: Any, t: Any, shape: tuple[int, ...], cut: tuple[int, int, int]
     rows, cols = shape if len(shape) == 2 else (1, shape[0])
     row_bytes = cols // block * size
 
-    def values(raw: torch.Tensor) -> torch.Tensor:  # (r, bytes) -> (r, values) float32
+    def values(r0: int, r1: int, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Rows r0 .. r1-1 (of the bytes `part` of each) dequantized: (r1 - r0, values) float32."""
+        raw = read_tensor(f, t.data_offset + r0 * row_bytes, (r1 - r0, row_bytes), torch.uint8, part)
         return torch.from_numpy(dequantize(raw.contiguous().numpy(), t.tensor_type).astype(np.float32, copy=False))
 
+    step = max(1, BLOCK_BYTES // (4 * cols))
     if cut is None or cut[0] == 0:
-        a, b = (0, rows) if cut is None else cut[1:]
-        return values(read_tensor(f, t.data_offset, (rows, row_bytes), torch.uint8, (0, a, b))).reshape(
-            sliced_shape(shape, cut))
+        lo, hi = (0, rows) if cut is None else cut[1:]
+        out = torch.empty(hi - lo, cols)
+        for r0 in range(lo, hi, step):
+            out[r0 - lo:min(hi, r0 + step) - lo] = values(r0, min(hi, r0 + step))
+        return out.reshape(sliced_shape(shape, cut))
     _, a, b = cut
-    if a % block == 0 and (b % block == 0 or b == cols):
-        part = values(read_tensor(f, t.data_offset, (rows, row_bytes), torch.uint8,
-                                  (1, a // block * size, -(-b // block) * size)))
-        return part.t().contiguous().t()  # column-major: a row-split weight's layout
-    out = torch.empty(b - a, rows)  # column-major (rows, b - a), as out.t()
-    step = max(1, BLOCK_BYTES // max(1, row_bytes))
+    aligned = a % block == 0 and (b % block == 0 or b == cols)
+    out = torch.empty(b - a, rows)  # column-major (rows, b - a), as out.t(): a row-split weight's layout
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        out[:, r0:r1] = values(read_tensor(f, t.data_offset, (rows, row_bytes), torch.uint8, (0, r0, r1)))[:, a:b].t()
+        part = values(r0, r1, (1, a // block * size, -(-b // block) * size)) if aligned else values(r0, r1)[:, a:b]
+        out[:, r0:r1] = part.t()
     return out.t()
