@@ -127,10 +127,10 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     n_questions = sum(len(q) for _, q in jobs)
     t0 = time.perf_counter()
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
-    # a tensor-parallel rank reads the checkpoint on the host (memory-mapped where it can) and moves only its
-    # shard to the device
+    # a tensor-parallel rank reads only its parts of the checkpoint, on the host, and moves them to the device
     model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
-                            invariant=not args.plain_kernels, cuda_graphs=args.cuda_graphs)
+                            parallel.sharding(args, here), invariant=not args.plain_kernels,
+                            cuda_graphs=args.cuda_graphs)
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
@@ -212,17 +212,21 @@ def check_options(args: argparse.Namespace) -> None:
     distributed.check_options(args)
 
 
-def load_checkpoint(path: str | None, device: str, dtype: Any, invariant: bool = True,
+def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invariant: bool = True,
                     cuda_graphs: bool = True) -> api.LoadedModel:
-    """The model of --model; `invariant=False` (--plain-kernels) switches its batch-invariant kernels off,
-    `cuda_graphs=False` (--no-cuda-graphs) runs every step eagerly (step.py)."""
+    """The model of --model. shard: a tensor-parallel rank's (distributed.parallel.sharding): only its parts
+    are read; `invariant=False` (--plain-kernels) switches the batch-invariant kernels off; `cuda_graphs=False`
+    (--no-cuda-graphs) runs every step eagerly (step.py)."""
     from .tokenizer import TokenizerError
-    from .weights import WeightsError
+    from .weights import WeightsError, load_model
 
     if path is not None and not Path(path).exists():
         raise BadInput(f"--model {path}: no such file or directory")
     try:
-        model = api.load(path, device=device, dtype=dtype)
+        if shard is not None:
+            model = api.LoadedModel(*load_model(path, device=device, dtype=dtype, shard=shard))
+        else:
+            model = api.load(path, device=device, dtype=dtype)
         model.llama.invariant = invariant
         if not cuda_graphs:
             model.llama.steps.captured = False

@@ -249,7 +249,8 @@ class _Question:
             self.on_answer(self.index, a)
 
 
-def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) -> None:
+def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int,
+          agree: Callable[[list[int]], None] | None = None) -> None:
     """Pick every question's next token from its row of this step's logits (Q, vocab), all at once.
 
     One log-softmax, one argmax and, for sampled questions, `sample_rows` (each with its own random stream,
@@ -273,6 +274,8 @@ def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) 
     # Token ids, their log-probs and the NaN flags in one float64 tensor (all exact there): one copy to the host.
     toks, picked, nans = torch.stack([toks.double(), logp.gather(1, toks[:, None])[:, 0].double(),
                                       nan.double()]).cpu().tolist()
+    if agree is not None:  # a tensor-parallel rank: raises unless every rank chose these tokens (distributed/tp.py)
+        agree([int(t) for t in toks])
     if any(s and n for s, n in zip(sampled, nans)):
         raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
                        "weights hold NaN or inf)")
@@ -280,6 +283,11 @@ def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int) 
     host = logits.detach().cpu() if keep else None  # (Q, vocab): only where every step's logits are kept
     for i, q in enumerate(questions):
         q.record(int(toks[i]), picked[i], None if q.answer.logits is None else host[i].clone(), max_positions)
+
+
+def _agreement(model: Llama) -> Callable[[list[int]], None] | None:
+    """A tensor-parallel rank's check that every rank of its group chose the same tokens (None in one process)."""
+    return getattr(model.kernels.comm, "agree", None)
 
 
 # Public names for schedulers outside this module that run their own forward passes and pick tokens
@@ -329,7 +337,7 @@ def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
                       len(live), stats)
         for q in live:
             q.next_pos += 1
-        _take(live, logits, max_pos)
+        _take(live, logits, max_pos, _agreement(model))
         for q in live:
             if q.done:
                 cache.release(q.segment)
@@ -425,7 +433,7 @@ def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int],
     live = [(q, piece) for q, piece in zip((w[0] for w in work), pieces) if not q.done]
     if live:
         _take([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats),
-              model.config.max_position_embeddings)
+              model.config.max_position_embeddings, _agreement(model))
     stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
     stats.generated_tokens += len(live)
     for q, _ in live:
@@ -482,7 +490,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
         stats.prompt_tokens += len(pending)
         stats.prefill_s += time.perf_counter() - t0
         q.next_pos = cache.length(seg)
-        _take([q], logits, max_pos)
+        _take([q], logits, max_pos, _agreement(model))
         stats.generated_tokens += 1
         if on_token:
             on_token(1)
@@ -491,7 +499,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
             t0 = time.perf_counter()
             logits = _run(model, cache, [(seg, q.next_pos, [q.answer.token_ids[-1]])], 1, stats)
             q.next_pos += 1
-            _take([q], logits, max_pos)
+            _take([q], logits, max_pos, _agreement(model))
             stats.decode_s += time.perf_counter() - t0
             stats.generated_tokens += 1
             if on_token:

@@ -1,6 +1,8 @@
 """One rank of the tensor-parallel checks in tests/test_distributed.py, started by torchrun.
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/_dist_worker.py OUT --tp T [--plain]
+    ... tests/_dist_worker.py OUT --tp T --load CHECKPOINT [--whole]     (memory of a sharded load)
+    ... tests/_dist_worker.py OUT --tp T --diverge                        (a planted token divergence)
 
 Every rank builds the same tiny model (8 KV heads, biases, a sliding window), sets `units = 8`, shards it over its tensor-parallel group
 and then (a) runs the parity property (parallel == independent, every step's logits torch.equal) on random
@@ -8,6 +10,12 @@ layouts drawn by hypothesis, derandomized so that every rank draws the same exam
 (b) answers one fixed workload and (c) checks prefill == decode. Rank 0 saves what it found to OUT for the
 parent test, which compares the fixed workload's logits across degrees. --plain swaps the fixed combine for a
 plain all_reduce (the negative control).
+
+--load: each rank loads CHECKPOINT as `minillama generate --tp T` does (only its parts read) and reports its
+peak resident memory over the load, from a peak reset just before (/proc/self/clear_refs); --whole loads the
+whole checkpoint and then shards it (the old way, the negative control). Then every rank checks that its parts
+equal, in value and strides, those of the whole model sharded.
+--diverge: rank 1 samples with another seed; the run must stop on the first step, in one line, on every rank.
 """
 
 from __future__ import annotations
@@ -94,14 +102,68 @@ def parity_property(group, dtype: torch.dtype, examples: int) -> None:
     check()
 
 
+def memory_kib(field: str) -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+
+def load(world, path: str, whole: bool) -> dict:
+    """Peak resident memory over one load of `path` at this rank's degree, and whether the parts are right."""
+    import argparse as ap
+
+    from minillama.distributed import parallel
+    from minillama.weights import load_model
+
+    from minillama.model import Llama
+    from minillama.weights import read_config
+
+    args = ap.Namespace(tp=world.tp, units=None, device="cpu")
+    here = parallel.Here(world)
+    with torch.device("meta"):  # torch's one-time set-up of a model skeleton (~70 MiB, whatever the model) is
+        Llama(read_config(path))  # the process's, not the weights': paid before the peak is reset
+    open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+    before = memory_kib("VmRSS")
+    model, _ = load_model(path, shard=None if whole else parallel.sharding(args, here))
+    parallel.place(model, args, here)
+    peak = memory_kib("VmHWM") - before
+    reference, _ = load_model(path)
+    parallel.place(reference, args, here)
+    mine, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    same = mine.keys() == theirs.keys() and all(
+        torch.equal(mine[k], theirs[k]) and mine[k].stride() == theirs[k].stride() for k in mine)
+    return {"peak_kib": peak, "same_parts": same}
+
+
+def diverge(world) -> int:
+    """Sampled answers, rank 1 with another seed: the ranks' first tokens differ."""
+    from minillama.errors import run_command
+
+    model = build(torch.float32, group=world.tp_group)
+    prompts, _ = fixed_workload()
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True, seed=5 + (world.rank == 1))
+    return run_command(lambda: len(generate(model, prompts, params, mode="parallel")) and 0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--examples", type=int, default=10)
     p.add_argument("--plain", action="store_true")
+    p.add_argument("--load")
+    p.add_argument("--whole", action="store_true")
+    p.add_argument("--diverge", action="store_true")
     args = p.parse_args()
     world = worlds.init(args.tp, torch.device("cpu"), timeout_s=120)
+    if args.diverge:
+        sys.exit(diverge(world))
+    if args.load:
+        mine = load(world, args.load, args.whole)
+        every = [None] * world.size
+        dist.all_gather_object(every, mine)
+        if world.rank == 0:
+            torch.save(every, args.out)
+        worlds.finish()
+        return
     results = {"world": world.size, "tp": world.tp}
     for dtype in (torch.float32, torch.bfloat16):
         model = build(dtype, group=world.tp_group, plain=args.plain)

@@ -67,9 +67,12 @@ def test_tensor_parallel_parity_and_degree_invariance(tmp_path, one_process, one
         assert r[f"signatures_{dtype}"] <= one_process_signatures[dtype], "a product signature one process never issues"
 
 
-def test_negative_control_all_reduce_breaks_degree_invariance(tmp_path, one_process):
-    """The same run at tp=4 with a plain all_reduce adding the partials: the bits move."""
-    r = run_worker(tmp_path, 4, 4, "--plain")
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_negative_control_all_reduce_breaks_degree_invariance(tmp_path, one_process, tp):
+    """The same run with the partials added as a serving engine adds them (each rank's in turn, then a plain
+    all_reduce): the bits move at every degree tested. At tp=2 the all_reduce alone would be the tree's
+    root (a + b); the in-turn sum inside a rank is what the test sees there."""
+    r = run_worker(tmp_path, tp, tp, "--plain")
     for dtype in (torch.float32, torch.bfloat16):
         assert not same_logits(one_process[dtype], r[f"logits_{dtype}"]), f"{dtype}: the control shows nothing"
 
@@ -129,13 +132,13 @@ def common(ckpt, jobs, *extra) -> list:
 
 @pytest.fixture(scope="module")
 def one(ckpt, jobs):
-    """One process, products whole (--units 1) and in the tensor-parallel units (--units 4)."""
+    """One process with default options (the products in 4 units, one a KV head) and with --units 1."""
     out = {}
-    for units in (1, 4):
-        p = generate(*common(ckpt, jobs, "--units", str(units)))
+    for units in (None, 1):
+        p = generate(*common(ckpt, jobs, *(["--units", str(units)] if units else [])))
         assert p.returncode == 0, p.stderr
         out[units] = p.stdout
-    assert out[1].count("\n") == N_QUESTIONS
+    assert out[None].count("\n") == N_QUESTIONS
     return out
 
 
@@ -143,17 +146,18 @@ def test_data_parallel_output_is_byte_identical(ckpt, jobs, one):
     """Two ranks (--procs 2) and torchrun's two: the same bytes as one process, sampled answers included."""
     for p in (generate(*common(ckpt, jobs), procs=2), generate(*common(ckpt, jobs), torchrun_nproc=2)):
         assert p.returncode == 0, p.stderr[-3000:]
-        assert p.stdout == one[1]
+        assert p.stdout == one[None]
         s = json.loads(p.stderr.strip().splitlines()[-1])
         assert (s["ranks"], s["dp"], s["tp"], s["questions"]) == (2, 2, 1, N_QUESTIONS)
 
 
 def test_data_by_tensor_parallel_output_is_byte_identical(ckpt, jobs, one):
-    """Four ranks as two groups of --tp 2, and one group of --tp 4: one process's bytes at --units 4."""
-    for procs, tp in ((4, 2), (4, 4)):
-        p = generate(*common(ckpt, jobs, "--tp", str(tp)), procs=procs)
+    """Four ranks as two groups of --tp 2, and one group of --tp 4, with no other flag: one process's bytes
+    with default options (both issue the products in one unit a KV head); --units 1 too, on every rank."""
+    for procs, tp, extra in ((4, 2, ()), (4, 4, ()), (2, 1, ("--units", "1"))):
+        p = generate(*common(ckpt, jobs, "--tp", str(tp), *extra), procs=procs)
         assert p.returncode == 0, p.stderr[-3000:]
-        assert p.stdout == one[4], f"--procs {procs} --tp {tp}"
+        assert p.stdout == one[1 if extra else None], f"--procs {procs} --tp {tp} {extra}"
 
 
 def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
@@ -174,14 +178,16 @@ def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
         for n in nodes:
             n.kill()
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert outs[0][0] + outs[1][0] == one[1]  # rank 0's node writes everything, the other nothing
+    assert outs[0][0] + outs[1][0] == one[None]  # rank 0's node writes everything, the other nothing
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--tp", "3", "--procs", "3"], "--tp 3: the model's 4 KV heads do not divide into 3 ranks"),
+    (["--tp", "3", "--procs", "3"], "--tp 3: the model's 4 KV heads do not divide into 3 ranks; --tp must divide 4: "
+                                    "1, 2 or 4"),
     (["--tp", "2"], "--tp 2 needs a multiple of 2 processes"),
     (["--tp", "2", "--procs", "3"], "--tp 2 needs a multiple of 2 processes, got --procs 3"),
-    (["--units", "3"], "--units 3: must divide the model's 4 KV heads"),
+    (["--units", "3"], "--units 3: must divide the model's 4 KV heads: 1, 2 or 4"),
+    (["--units", "2", "--tp", "4", "--procs", "4"], "--units 2: --tp 4 must divide it"),
     (["--procs", "0"], "--procs must be at least 1"),
     (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
 ])
@@ -189,6 +195,87 @@ def test_bad_distributed_options(ckpt, jobs, args, message):
     p = generate("--model", ckpt, "--input", jobs, *args)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.strip().splitlines() == [f"error: {p.stderr.strip()[7:]}"] and message in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args,env", [
+    (["--tp", "3", "--procs", "3"], {}),
+    (["--units", "3"], {}),
+    (["--tp", "3"], {"WORLD_SIZE": "3", "RANK": "0", "LOCAL_RANK": "0"}),  # a rank torchrun started
+])
+def test_a_bad_degree_is_refused_before_any_rank_starts_or_reads_a_weight(ckpt, jobs, monkeypatch, capsys, args, env):
+    """The degree and units are checked against the checkpoint's config (its KV heads) in the command's own
+    option checks: no rank is started, no process group joined, no weight file opened. Seen without
+    timing: each of those is replaced by a marker that records being reached."""
+    from minillama import cli
+    from minillama.distributed import launch, parallel
+    from minillama.weights import hf, load
+
+    reached = []
+    for module, name in ((launch, "run"), (parallel, "join"), (load, "load_model"), (hf, "_read_hf_dir")):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: reached.append(_n))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code = cli.main(["--model", str(ckpt), "--input", str(jobs), *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "4 KV heads" in err[0] and "1, 2 or 4" in err[0], err
+    assert reached == []
+
+
+def test_a_planted_token_divergence_stops_every_rank_in_one_line(tmp_path):
+    """Rank 1 samples with another seed than rank 0 (as a rank on different hardware might): the first step's
+    tokens differ, every rank stops there, one line says which, the exit status is not 0, nothing hangs."""
+    proc = torchrun(2, "tests/_dist_worker.py", str(tmp_path / "x"), "--tp", "2", "--diverge", timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: tensor-parallel rank 1 chose token"), proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory) -> tuple[Path, dict]:
+    """An HF checkpoint in three files, 151 MiB of split weights (12 layers at hidden 512) against 0.6 MiB
+    replicated: big enough that a rank holding a quarter of it and one holding all of it are told apart."""
+    from minillama.distributed.tp import slices
+    from minillama.model import Llama
+    from minillama.weights import expected_shapes
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _ckpt_writers import write_hf_dir
+
+    tok = tiny_tokenizer()
+    config = tiny_config(layers=12, heads=8, kv_heads=4, head_dim=64, vocab=tok.vocab_size, max_pos=512)
+    g = torch.Generator().manual_seed(0)
+    sd = {name: (torch.ones(shape) if len(shape) == 1 else 0.02 * torch.randn(shape, generator=g))
+          for name, shape in expected_shapes(config).items()}
+    path = write_hf_dir(tmp_path_factory.mktemp("big") / "ckpt", config, sd, tok, shards=3)
+    with torch.device("meta"):
+        model = Llama(config)
+    model.units = 4
+    split = slices(model, range(4))
+    sizes = {"sharded": sum(sd[n].numel() * 4 for n in split), "replicated": sum(
+        t.numel() * 4 for n, t in sd.items() if n not in split)}
+    sizes["largest"] = max(sd[n].numel() * 4 for n in split)
+    return path, sizes
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_rank_holds_only_its_part_of_the_checkpoint(tmp_path, big_ckpt, tp):
+    """Per rank, the peak resident memory of loading is at most (split weights / tp) + replicated + the
+    largest tensor's part, + 25%; the parts equal the whole model's, sharded. The control: loading the whole
+    checkpoint first, as before, breaks the bound on every rank."""
+    path, sizes = big_ckpt
+    bound = 1.25 * (sizes["sharded"] / tp + sizes["replicated"] + sizes["largest"] / tp)
+    for whole in (False, True):
+        out = tmp_path / f"load{tp}{whole}.pt"
+        proc = torchrun(tp, "tests/_dist_worker.py", str(out), "--tp", str(tp), "--load", str(path),
+                        *(["--whole"] if whole else []), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ranks = torch.load(out)
+        assert all(r["same_parts"] for r in ranks)
+        peaks = [r["peak_kib"] * 1024 for r in ranks]
+        if whole:
+            assert all(p > bound for p in peaks), (peaks, bound)
+        else:
+            assert all(p <= bound for p in peaks), (peaks, bound)
 
 
 def test_a_failing_rank_is_named_and_written_answers_stay(ckpt, tmp_path):

@@ -589,3 +589,63 @@ def test_concurrent_first_use_all_succeed(default_dir, tmp_path):
     _, got = load_state_dict(wdir / weights.DEFAULT_MODEL_NAME)
     _, want = load_state_dict(default_dir)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# --------------------------------------------------------------------------------------------------
+# A tensor-parallel rank's parts (weights/shard.py): the same bits as the whole tensor's, read alone
+
+
+def rank_slices(config, rank: int, ranks: int):
+    """The parts rank `rank` of `ranks` keeps at units = the KV heads (distributed/tp.py's plan)."""
+    from minillama.distributed.tp import slices
+    from minillama.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(config)
+    model.units = config.num_key_value_heads
+    per = model.units // ranks
+    return slices(model, range(rank * per, (rank + 1) * per))
+
+
+def assert_parts(path, slices):
+    _, whole = load_state_dict(path)
+    _, parts = load_state_dict(path, slices)
+    assert parts.keys() == whole.keys()
+    for name, t in whole.items():
+        cut = slices.get(name)
+        want = t if cut is None else t.narrow(cut[0], cut[1], cut[2] - cut[1])
+        assert torch.equal(parts[name], want), name
+        if cut is not None and cut[0] == 1:  # a row-split weight: column-major from the slice
+            assert parts[name].stride() == (1, parts[name].shape[0]), name
+
+
+@pytest.mark.parametrize("fmt", ["hf", "hf-shards", "meta-1", "meta-2", "gguf-F16", "gguf-Q8_0", "gguf-Q4_1"])
+def test_a_rank_reads_the_parts_of_every_format(tmp_path, bpe, hf_tok, fmt):
+    """Every rank's parts equal the whole tensors' parts, bit for bit, in HF (one file and shards), Meta
+    (one and two model-parallel shards) and GGUF (plain and block-quantized, whose column parts start on
+    block boundaries); a row split's part is column-major."""
+    config = (tiny_config(vocab=512, kv_heads=2) if fmt.startswith("meta")  # Meta's own FFN sizing rule
+              else tiny_config(vocab=320, heads=4, kv_heads=4, hidden=128, ffn=256))
+    sd = random_state_dict(config, seed=7)
+    if fmt.startswith("hf"):
+        path = write_hf_dir(tmp_path / "hf", config, sd, hf_tok, shards=3 if fmt == "hf-shards" else 1)
+    elif fmt.startswith("meta"):
+        path = write_meta_dir(tmp_path / "meta", config, sd, sentencepiece_model(), shards=int(fmt[-1]))
+    else:
+        path = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q[fmt.split("-")[1]])
+    for ranks in (2, 4)[:config.num_key_value_heads // 2]:
+        for rank in range(ranks):
+            assert_parts(path, rank_slices(config, rank, ranks))
+
+
+def test_a_rank_reads_kquant_columns_off_block_boundaries(tmp_path, bpe):
+    """K-quant blocks hold 256 values: a column part of 128 starts inside a block, so whole rows are read and
+    dequantized a block of rows at a time; the part is still the whole tensor's bits."""
+    config = tiny_config(vocab=320, hidden=256, heads=4, kv_heads=2, ffn=256, layers=1)
+    sd = random_state_dict(config, seed=5)
+    raw = {f"blk.0.{name}.weight": (random_kquant_blocks(Q.Q6_K, {"attn_k": 128, "attn_v": 128}.get(name, 256), 256,
+                                                         seed=k), Q.Q6_K)
+           for k, name in enumerate(["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"])}
+    path = write_gguf(tmp_path / "k.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.F32, raw=raw)
+    for rank in range(2):
+        assert_parts(path, rank_slices(config, rank, 2))

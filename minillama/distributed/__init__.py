@@ -37,8 +37,46 @@ def add_options(parser, procs: bool = True) -> None:
                    help="seconds a rank waits for another before the run ends with an error (default: 600)")
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _either(ds: list[int]) -> str:
+    return ", ".join(map(str, ds[:-1])) + f" or {ds[-1]}" if len(ds) > 1 else str(ds[0])
+
+
+def check_degrees(kv_heads: int | None, tp: int, units: int | None, ranks: int = 1,
+                  started: str | None = None) -> int | None:
+    """Every degree and units check of a run, in one place; the units to use (default: the KV heads).
+
+    A tensor-parallel rank holds whole units and a unit whole KV-head groups, so --tp divides --units, which
+    divides the KV heads; the world is (ranks / tp) groups of --tp ranks. Raises BadInput (one line naming the
+    KV heads and the values that divide them). kv_heads None: the model is not known yet (only the counts
+    are checked, and None returned). started: how the ranks were asked for, for the message."""
+    from ..errors import BadInput
+
+    if ranks % tp:
+        how = started or f"{ranks} process{'es' * (ranks != 1)}"
+        raise BadInput(f"--tp {tp} needs a multiple of {tp} processes, got {how}"
+                       + ("; add --procs N or start with torchrun --nproc-per-node N" if ranks == 1 else ""))
+    if units is not None and units % tp:
+        raise BadInput(f"--units {units}: --tp {tp} must divide it")
+    if kv_heads is None:
+        return None
+    ok = _either(divisors(kv_heads))
+    if kv_heads % tp:
+        raise BadInput(f"--tp {tp}: the model's {kv_heads} KV heads do not divide into {tp} ranks; "
+                       f"--tp must divide {kv_heads}: {ok}")
+    if units is not None and kv_heads % units:
+        raise BadInput(f"--units {units}: must divide the model's {kv_heads} KV heads: {ok}")
+    return kv_heads if units is None else units
+
+
 def check_options(args) -> None:
-    """The distributed options of `minillama generate`, checked before anything slow (raises BadInput)."""
+    """The distributed options of `minillama generate` and `oracle export`, checked before anything slow and
+    before any rank starts or reads a weight (raises BadInput). With --tp or --units the checkpoint's config
+    is read here (the default model fetched first), so a degree that does not divide its KV heads is refused
+    as early as any other bad option."""
     from ..errors import BadInput
 
     for name in ("procs", "tp", "units"):
@@ -49,13 +87,26 @@ def check_options(args) -> None:
         raise BadInput(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout}")
     procs = getattr(args, "procs", 1)
     ranks = procs if procs > 1 else int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks % args.tp:
-        how = f"--procs {procs}" if procs > 1 else f"{ranks} process{'es' * (ranks != 1)}"
-        raise BadInput(f"--tp {args.tp} needs a multiple of {args.tp} processes, got {how}"
-                       + ("; add --procs N or start with torchrun --nproc-per-node N" if ranks == 1 else ""))
-    if args.units is not None and args.units % args.tp:
-        raise BadInput(f"--units {args.units}: --tp {args.tp} must divide it")
+    started = f"--procs {procs}" if procs > 1 else None
+    check_degrees(None, args.tp, args.units, ranks, started)
     if launched() and procs > 1:
         raise BadInput("--procs starts its own ranks; under torchrun, leave it out")
     if launched() and "-" in (args.doc, args.questions, getattr(args, "input", None)):
         raise BadInput("under torchrun every rank reads the input: give files, not '-' (or use --procs N)")
+    if args.tp > 1 or args.units is not None:
+        check_degrees(model_kv_heads(getattr(args, "model", None)), args.tp, args.units, ranks, started)
+
+
+def model_kv_heads(path: str | None) -> int:
+    """The KV heads of a checkpoint, from its config alone (no weight is read); BadInput when it cannot be read."""
+    from pathlib import Path
+
+    from ..errors import BadInput, one_line
+    from ..weights import WeightsError, fetch_default, read_config
+
+    if path is not None and not Path(path).exists():
+        raise BadInput(f"--model {path}: no such file or directory")
+    try:
+        return read_config(fetch_default() if path is None else path).num_key_value_heads
+    except (WeightsError, OSError) as e:
+        raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None

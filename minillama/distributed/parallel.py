@@ -1,7 +1,8 @@
 """What `minillama generate` calls to run as one process or as one rank of many.
 
     here = join(args)                 # this process's place in the world (one process: a world of one)
-    place(model, args, here)          # the product units; a tensor-parallel rank keeps its shard
+    shard = sharding(args, here)      # a tensor-parallel rank's: the loader reads only its parts
+    place(model, args, here)          # the product units; the model on args.device
     share(jobs, here, tokenizer)      # the documents this rank's data-parallel group answers
     channel = here.channel(...)       # each finished answer: written (rank 0) or sent there
     totals = here.finish(channel, stats)
@@ -13,14 +14,14 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import BadInput
 from ..generate import Stats
 from ..model import Llama
-from . import launched
+from . import check_degrees, launched
 from . import tp as tensor_parallel
 from .dp import Channel, share_documents
 from .world import World, finish, init, single
@@ -30,6 +31,7 @@ from .world import World, finish, init, single
 class Here:
     world: World
     units: int = 1
+    kv_heads: int = 1
     _channel: Channel | None = field(default=None, repr=False)
 
     def channel(self, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[int], write) -> Channel:
@@ -62,7 +64,7 @@ class Here:
         return self.world.rank == 0
 
     def summary(self) -> dict[str, Any]:
-        if self.world.size == 1 and self.units == 1:
+        if self.world.size == 1 and self.units == self.kv_heads:  # one process at the default units
             return {}
         return {"ranks": self.world.size, "dp": self.world.dp, "tp": self.world.tp, "units": self.units}
 
@@ -84,19 +86,38 @@ def load_device(args: argparse.Namespace, here: Here) -> str:
     return "cpu" if here.world.tp > 1 else args.device
 
 
-def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
-    """Set the product units (--units); at --tp > 1 keep this rank's shard of the model, on args.device."""
-    n_kv = model.config.num_key_value_heads
-    units = args.units or (n_kv if here.world.tp > 1 else 1)
-    try:
-        tensor_parallel.check_degree(n_kv, units, here.world.tp)
-        model.units = units
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    here.units = units
-    if here.world.tp > 1:
+def sharding(args: argparse.Namespace, here: Here) -> Callable[[Llama], dict[str, tuple[int, int, int]]] | None:
+    """For `weights.load_model(..., shard=)` on a tensor-parallel rank (None otherwise): sets the units on the
+    model skeleton, shards it over this rank's group and returns the parts of the split tensors it keeps,
+    the only bytes the rank then reads."""
+    if here.world.tp == 1:
+        return None
+
+    def shard(model: Llama) -> dict[str, tuple[int, int, int]]:
+        model.units = units_of(model, args, here)
         tensor_parallel.shard_(model, here.world.tp_group)
+        return tensor_parallel.slices(model, model.kernels.local)
+
+    return shard
+
+
+def units_of(model: Llama, args: argparse.Namespace, here: Here) -> int:
+    """The product units (--units, default the KV heads: one process and every --tp dividing them give the
+    same bits), checked against the degree by the one check (`check_degrees`)."""
+    return check_degrees(model.config.num_key_value_heads, here.world.tp, args.units, here.world.size)
+
+
+def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
+    """Set the product units (a model `sharding` did not shard yet: at --tp > 1 keep this rank's shard of it),
+    and put a tensor-parallel rank's model on args.device."""
+    here.units, here.kv_heads = units_of(model, args, here), model.config.num_key_value_heads
+    if model.kernels.comm is None:
+        model.units = here.units
+        if here.world.tp > 1:
+            tensor_parallel.shard_(model, here.world.tp_group)
+    if here.world.tp > 1:
         model.to(args.device)
+        tensor_parallel.tie_head_(model)
 
 
 def share(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0) -> list[int]:

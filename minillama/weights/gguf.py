@@ -16,7 +16,8 @@ import torch
 from minillama.config import LlamaConfig
 from minillama.family import GGUF_ARCHS
 
-from .layout import GGUF_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, map_name
+from .layout import GGUF_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, expected_shapes, map_name
+from .shard import BLOCK_BYTES, Slices, read_tensor, sliced_shape
 
 
 def _gguf_types() -> set[Any]:
@@ -191,8 +192,9 @@ def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Pa
         raise WeightsError(f"{source}: llama metadata of the wrong type or value ({e})") from None
 
 
-def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
-    """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file."""
+def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
+    """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file; with
+    `slices`, only those parts of the split tensors, read at their offsets (`_read_part`)."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
@@ -210,9 +212,57 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, StateDict, dict[str, Any]]
             continue
         # GGUF lists dimensions fastest-first; numpy/torch want (rows, cols).
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        if slices is not None:
+            want = expected_shapes(config).get(name)
+            if name in slices and shape != want:  # the whole shape, before it is cut
+                raise WeightsError(f"{path}: tensor {name} has shape {shape} but the config implies {want} "
+                                   "(config and weights do not match)")
+            with open(path, "rb") as f:
+                sd[name] = _unpermute_qk(name, _read_part(f, t, shape, slices.get(name)), config)
+            continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only file map
             w = w.copy()
         sd[name] = _unpermute_qk(name, torch.from_numpy(w), config)
-    check_state_dict(config, sd, path)
+    check_state_dict(config, sd, path, slices)
     return config, sd, meta
+
+
+def _read_part(f: Any, t: Any, shape: tuple[int, ...], cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """A tensor's part `cut` (or all of it) in float32, read from the file at its offset (shard.py).
+
+    Quantized rows are blocks of `block` values in `size` bytes, dequantized a block of rows at a time (so
+    that the dequantizer's temporaries stay small). A slice of rows reads its rows; a slice of columns that
+    starts and stops on block boundaries reads only its blocks of each row. Another column slice reads and
+    dequantizes whole rows and keeps its columns: the tensor's bytes pass through (tp times the slice's), but
+    no more than a block of rows is held."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    plain = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+    if t.tensor_type in plain:
+        return read_tensor(f, t.data_offset, shape, plain[t.tensor_type], cut).float()
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    rows, cols = shape if len(shape) == 2 else (1, shape[0])
+    row_bytes = cols // block * size
+
+    def values(r0: int, r1: int, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Rows r0 .. r1-1 (of the bytes `part` of each) dequantized: (r1 - r0, values) float32."""
+        raw = read_tensor(f, t.data_offset + r0 * row_bytes, (r1 - r0, row_bytes), torch.uint8, part)
+        return torch.from_numpy(dequantize(raw.contiguous().numpy(), t.tensor_type).astype(np.float32, copy=False))
+
+    step = max(1, BLOCK_BYTES // (4 * cols))
+    if cut is None or cut[0] == 0:
+        lo, hi = (0, rows) if cut is None else cut[1:]
+        out = torch.empty(hi - lo, cols)
+        for r0 in range(lo, hi, step):
+            out[r0 - lo:min(hi, r0 + step) - lo] = values(r0, min(hi, r0 + step))
+        return out.reshape(sliced_shape(shape, cut))
+    _, a, b = cut
+    aligned = a % block == 0 and (b % block == 0 or b == cols)
+    out = torch.empty(b - a, rows)  # column-major (rows, b - a), as out.t(): a row-split weight's layout
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        part = values(r0, r1, (1, a // block * size, -(-b // block) * size)) if aligned else values(r0, r1)[:, a:b]
+        out[:, r0:r1] = part.t()
+    return out.t()

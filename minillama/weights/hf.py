@@ -13,7 +13,8 @@ import torch
 from minillama.config import LlamaConfig
 from minillama.family import hf_fields
 
-from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, map_name
+from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes, map_name
+from .shard import Slices, read_tensor, safetensors_index
 
 
 def _is_hf_dir(d: Path) -> bool:
@@ -42,10 +43,8 @@ def hf_config(path: str | Path) -> LlamaConfig:
         raise WeightsError(f"{path}: {e}") from None
 
 
-def _read_hf_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
-    from safetensors import safe_open
-
-    config = hf_config(d / "config.json")
+def _hf_files(d: Path) -> list[Path]:
+    """The .safetensors files of an HF directory: those its index names, or model.safetensors, or every one."""
     index = d / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -61,11 +60,23 @@ def _read_hf_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
         files = sorted(f.name for f in d.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{d}: no .safetensors weights (other weight formats are not supported)")
-    sd: StateDict = {}
     for name in files:
-        f = d / name
-        if not f.exists():
-            raise WeightsError(f"{f}: missing shard named by {index.name}")
+        if not (d / name).exists():
+            raise WeightsError(f"{d / name}: missing shard named by {index.name}")
+    return [d / name for name in files]
+
+
+def _read_hf_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
+    """Config and state dict; with `slices`, only those parts of the split tensors (shard.py), read at offsets."""
+    from safetensors import safe_open
+
+    # sliced: the tie decided first, from the whole tensors, as every rank must decide it alike
+    config = hf_config(d / "config.json") if slices is None else hf_dir_config(d)
+    sd: StateDict = {}
+    for f in _hf_files(d):
+        if slices is not None:
+            sd.update(_read_slices(f, slices, config))
+            continue
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
@@ -75,11 +86,55 @@ def _read_hf_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
             raise
         except Exception as e:  # safetensors raises SafetensorError for a truncated or corrupt file
             raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
-    _untie_if_head_differs(config, sd, d)
+    if slices is None:
+        _untie_if_head_differs(config, sd, d)
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
-    check_state_dict(config, sd, d)
+    check_state_dict(config, sd, d, slices)
     return config, sd
+
+
+def _read_slices(f: Path, slices: Slices, config: LlamaConfig) -> StateDict:
+    """The tensors of one .safetensors file, those named in `slices` cut to their parts."""
+    try:
+        with open(f, "rb") as fh:
+            sd, want = {}, expected_shapes(config)
+            for key, (offset, shape, dtype) in safetensors_index(fh).items():
+                if map_name(key, HF_NAMES, f) is None or (key == "lm_head.weight" and config.tie_word_embeddings):
+                    continue
+                if key in slices and shape != want.get(key):  # the whole shape, before it is cut
+                    raise WeightsError(f"{f}: tensor {key} has shape {shape} but the config implies "
+                                       f"{want.get(key)} (config and weights do not match)")
+                sd[key] = read_tensor(fh, offset, shape, dtype, slices.get(key))
+            return sd
+    except WeightsError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError) as e:
+        raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+
+
+def hf_dir_config(d: Path) -> LlamaConfig:
+    """The config of an HF directory as loading it decides it: tie_word_embeddings true with a stored
+    lm_head.weight that differs from the embeddings is untied (`_untie_if_head_differs`). Reads no weight,
+    except those two in that rare case (every rank of a tensor-parallel run must decide the tie alike)."""
+    config = hf_config(d / "config.json")
+    if not config.tie_word_embeddings:
+        return config
+    where = {}
+    for f in _hf_files(d):
+        try:
+            with open(f, "rb") as fh:
+                where.update({k: (f, *v) for k, v in safetensors_index(fh).items()
+                              if k in ("lm_head.weight", "model.embed_tokens.weight")})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+    if len(where) == 2:
+        sd = {}
+        for key, (f, offset, shape, dtype) in where.items():
+            with open(f, "rb") as fh:
+                sd[key] = read_tensor(fh, offset, shape, dtype)
+        _untie_if_head_differs(config, sd, d)
+    return config
 
 
 def _untie_if_head_differs(config: LlamaConfig, sd: StateDict, source: Path) -> None:

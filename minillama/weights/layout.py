@@ -16,6 +16,8 @@ import torch
 from minillama.config import LlamaConfig
 from minillama.errors import OneLineError
 
+from .shard import Slices, sliced_shape
+
 StateDict = dict[str, torch.Tensor]
 
 
@@ -41,10 +43,8 @@ def _unpermute_qk(name: str, t: torch.Tensor, c: LlamaConfig) -> torch.Tensor:
     runs qwen2 and qwen3 with rotate-half ("NeoX") RoPE, so their converter keeps HF's order."""
     if c.model_type != "llama":
         return t
-    if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return interleaved_to_half(t, c.num_attention_heads)
-    if name.endswith(("k_proj.weight", "k_proj.bias")):
-        return interleaved_to_half(t, c.num_key_value_heads)
+    if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+        return interleaved_to_half(t, t.shape[0] // c.head_dim)  # every head, or a rank's whole heads
     return t
 
 
@@ -134,9 +134,9 @@ def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state_dict(config: LlamaConfig, sd: StateDict, source: str | Path) -> None:
-    """Raise unless `sd` holds exactly the tensors `config` describes, in their shapes."""
-    want = expected_shapes(config)
+def check_state_dict(config: LlamaConfig, sd: StateDict, source: str | Path, slices: Slices | None = None) -> None:
+    """Raise unless `sd` holds exactly the tensors `config` describes, in their shapes (cut to `slices`)."""
+    want = {name: sliced_shape(shape, (slices or {}).get(name)) for name, shape in expected_shapes(config).items()}
     for name, t in sd.items():
         if name not in want:
             raise WeightsError(f"{source}: unexpected tensor {name!r} for this config")

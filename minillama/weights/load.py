@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -15,7 +15,8 @@ from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_m
 from .default import fetch_default
 from .gguf import read_gguf
 from .layout import StateDict, WeightsError, check_state_dict
-from .read import detect_format, load_state_dict, load_tokenizer
+from .read import detect_format, load_state_dict, load_tokenizer, read_config
+from .shard import Slices
 
 
 def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.device = "cpu",
@@ -53,10 +54,17 @@ def _no_random_init() -> Iterator[None]:
 
 
 def load_model(path: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Tokenizer]:
+               dtype: torch.dtype = torch.float32,
+               shard: Callable[[torch.nn.Module], Slices] | None = None) -> tuple[torch.nn.Module, Tokenizer]:
     """Model and tokenizer of a checkpoint: an HF or Meta directory or a .gguf file. Without a path,
-    the default model (SmolLM2-135M-Instruct), fetched and converted on first use."""
+    the default model (SmolLM2-135M-Instruct), fetched and converted on first use.
+
+    shard: a tensor-parallel rank's (distributed/tp.py `sharding`): it shards a model skeleton (no weights,
+    on the meta device) in place and returns the parts of the split tensors the rank keeps; only those
+    parts are read (shard.py), and the model is built around them."""
     path = fetch_default() if path is None else Path(path)
+    if shard is not None:
+        return _load_shard(path, device, dtype, shard)
     if detect_format(path) == "gguf":  # read the file once: the tokenizer is in its metadata
         config, sd, meta = read_gguf(path)
         try:
@@ -67,3 +75,29 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
         config, sd = load_state_dict(path)
         tok = load_tokenizer(path)
     return build_model(config, sd, device, dtype), tok
+
+
+def _load_shard(path: Path, device: str | torch.device, dtype: torch.dtype,
+                shard: Callable[[torch.nn.Module], Slices]) -> tuple[torch.nn.Module, Tokenizer]:
+    """`load_model` on a tensor-parallel rank: the skeleton sharded first, then only its parts read."""
+    from minillama.model import Llama
+
+    with torch.device("meta"):
+        model = Llama(read_config(path))
+    slices = shard(model)
+    if detect_format(path) == "gguf":
+        config, sd, meta = read_gguf(path, slices)
+        try:
+            tok = tokenizer_from_gguf_metadata(meta, str(path))
+        except TokenizerError as e:
+            raise WeightsError(str(e)) from None
+    else:
+        config, sd = load_state_dict(path, slices)
+        tok = load_tokenizer(path)
+    # .to keeps strides: a row-split part read column-major stays so
+    sd = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in sd.items()}
+    if config.tie_word_embeddings:  # the head's vocabulary rows are a view of the replicated embedding
+        _, a, b = slices["lm_head.weight"]
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"][a:b]
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.column_major_().eval(), tok

@@ -13,7 +13,9 @@ import torch
 from minillama.config import LlamaConfig
 from minillama.tokenizer import TokenizerError, load_tokenizer
 
-from .layout import META_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, map_name
+from .layout import (META_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, expected_shapes,
+                     map_name)
+from .shard import Slices
 
 
 # The dimension Meta's model-parallel layers split each 2-D weight on (fairscale's ColumnParallel: 0,
@@ -22,7 +24,32 @@ from .layout import META_NAMES, StateDict, WeightsError, _unpermute_qk, check_st
 META_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1, "output": 0}
 
 
-def _read_meta_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
+def _read_meta_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
+    """Config and state dict; with `slices`, only those parts of the split tensors, cut from the memory-mapped
+    shards (`_part`) without joining the whole tensor first."""
+    config, raw = _open_meta_dir(d)
+    sd = {}
+    want = expected_shapes(config)
+    for key, (pieces, axis) in raw.items():
+        name = map_name(key, META_NAMES, d)
+        if name is None:
+            continue
+        cut = (slices or {}).get(name)
+        if cut is not None and _shape(pieces, axis) != want.get(name):  # the whole shape, before it is cut
+            raise WeightsError(f"{d}: tensor {name} has shape {_shape(pieces, axis)} but the config implies "
+                               f"{want.get(name)} (config and weights do not match)")
+        sd[name] = _unpermute_qk(name, _part(pieces, axis, cut), config)
+    check_state_dict(config, sd, d, slices)
+    return config, sd
+
+
+def meta_config(d: Path) -> LlamaConfig:
+    """The config of a Meta directory; the shards are memory-mapped for their shapes, no weight is read."""
+    return _open_meta_dir(d)[0]
+
+
+def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Tensor], int | None]]]:
+    """The config, and each tensor's memory-mapped pieces with the axis joining them (None: one piece)."""
     shards = sorted(d.glob("consolidated.*.pth"))
     if not shards:
         raise WeightsError(f"{d}: no consolidated.NN.pth weights next to params.json")
@@ -39,18 +66,17 @@ def _read_meta_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
     if not isinstance(params, dict):
         raise WeightsError(f"{d / 'params.json'}: must be a JSON object, got a {type(params).__name__}")
     dim = params.get("dim")
-    raw: StateDict = {}
+    raw: dict[str, tuple[list[torch.Tensor], int | None]] = {}  # each tensor's pieces and the axis joining them
     for key in parts[0]:
-        pieces = [p[key] for p in parts]
         if any(key not in p for p in parts):
             raise WeightsError(f"{d}: tensor {key!r} is missing from some shards")
+        pieces = [p[key] for p in parts]
         if len(pieces) == 1 or pieces[0].dim() < 2:
-            raw[key] = pieces[0]
+            raw[key] = ([pieces[0]], None)
             continue
         kind = key.split(".")[-2]
-        axis = 0 if kind == "tok_embeddings" and pieces[0].shape[1] == dim else META_SPLIT_DIM.get(kind, 1)
-        raw[key] = torch.cat(pieces, dim=axis)
-    vocab = raw["tok_embeddings.weight"].shape[0] if "tok_embeddings.weight" in raw else None
+        raw[key] = (pieces, 0 if kind == "tok_embeddings" and pieces[0].shape[1] == dim else META_SPLIT_DIM.get(kind, 1))
+    vocab = _shape(*raw["tok_embeddings.weight"])[0] if "tok_embeddings.weight" in raw else None
     try:
         config = LlamaConfig.from_meta_params(d / "params.json", vocab_size=vocab)
     except (KeyError, TypeError, ValueError) as e:
@@ -61,10 +87,32 @@ def _read_meta_dir(d: Path) -> tuple[LlamaConfig, StateDict]:
         config.bos_token_id, config.eos_token_id = tok.bos_id, (tok.eos_ids[0] if tok.eos_ids else None)
     except TokenizerError:
         config.bos_token_id = config.eos_token_id = None
-    sd = {}
-    for key, t in raw.items():
-        name = map_name(key, META_NAMES, d)
-        if name is not None:
-            sd[name] = _unpermute_qk(name, t, config)
-    check_state_dict(config, sd, d)
-    return config, sd
+    return config, raw
+
+
+def _shape(pieces: list[torch.Tensor], axis: int | None) -> tuple[int, ...]:
+    shape = list(pieces[0].shape)
+    if axis is not None:
+        shape[axis] = sum(p.shape[axis] for p in pieces)
+    return tuple(shape)
+
+
+def _part(pieces: list[torch.Tensor], axis: int | None, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """The tensor Meta's shards join along `axis` (None: one piece), or its part `cut` = (dim, start, stop):
+    only the pieces' parts inside the cut are copied out of the memory maps. A cut along dimension 1 comes
+    back column-major (a row-split weight's layout)."""
+    if cut is None:
+        return pieces[0] if axis is None else torch.cat(pieces, dim=axis)
+    dim, a, b = cut
+    if axis is None or axis != dim:
+        kept = [p.narrow(dim, a, b - a) for p in pieces]
+    else:
+        kept, at = [], 0
+        for p in pieces:
+            lo, hi = max(a, at), min(b, at + p.shape[dim])
+            if lo < hi:
+                kept.append(p.narrow(dim, lo - at, hi - lo))
+            at += p.shape[dim]
+    if dim == 1:  # (rows, b - a) column-major: the transposes joined row-major
+        return torch.cat([k.t() for k in kept], dim=0 if axis in (None, 1) else 1).t()
+    return torch.cat(kept, dim=0 if axis in (None, 0) else axis)

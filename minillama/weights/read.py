@@ -7,10 +7,11 @@ from pathlib import Path
 from minillama.config import LlamaConfig
 from minillama.tokenizer import Tokenizer, TokenizerError, load_tokenizer as _load_tokenizer
 
-from .gguf import read_gguf
-from .hf import _read_hf_dir
+from .gguf import _checked_gguf_config, gguf_metadata, open_gguf, read_gguf
+from .hf import _read_hf_dir, hf_dir_config
 from .layout import StateDict, WeightsError
-from .meta import _read_meta_dir
+from .meta import _read_meta_dir, meta_config
+from .shard import Slices
 
 
 def detect_format(path: str | Path) -> str:
@@ -33,16 +34,29 @@ def detect_format(path: str | Path) -> str:
     raise WeightsError(f"{p}: no such file or directory")
 
 
-def load_state_dict(path: str | Path) -> tuple[LlamaConfig, StateDict]:
+def load_state_dict(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
     """Config and HF-named, rotate-half state dict of any supported checkpoint. Tensors keep their
-    stored dtype (GGUF tensors are dequantized to float32); lm_head.weight is absent when tied."""
+    stored dtype (GGUF tensors are dequantized to float32); lm_head.weight is absent when tied. With
+    `slices` (shard.py), the tensors it names are only their parts, and only their bytes are read."""
     fmt = detect_format(path)
     if fmt == "hf":
-        return _read_hf_dir(Path(path))
+        return _read_hf_dir(Path(path), slices)
     if fmt == "meta":
-        return _read_meta_dir(Path(path))
-    config, sd, _ = read_gguf(path)
+        return _read_meta_dir(Path(path), slices)
+    config, sd, _ = read_gguf(path, slices)
     return config, sd
+
+
+def read_config(path: str | Path) -> LlamaConfig:
+    """The config of any supported checkpoint, as loading it decides it, without reading its weights
+    (a Meta directory's vocabulary comes from its embedding's shape: the shards are memory-mapped, not read)."""
+    fmt = detect_format(path)
+    if fmt == "hf":
+        return hf_dir_config(Path(path))
+    if fmt == "meta":
+        return meta_config(Path(path))
+    reader = open_gguf(path)
+    return _checked_gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors}, path, reader)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -1,0 +1,95 @@
+"""A tensor-parallel rank's slices of a checkpoint, read at their file offsets: only their bytes.
+
+`Slices` names, for each HF tensor a rank holds only a part of, the dimension it is split on and the range
+it keeps: `{"model.layers.0.mlp.down_proj.weight": (1, 512, 1024), ...}` (distributed/tp.py makes it from the
+model's units). Every tensor not named is read whole (norms, embeddings).
+
+Why reads at offsets rather than a memory map (or safetensors' own lazy slices, which read through one): a
+column slice of a row-major tensor takes a few bytes of every row, so it touches every page of the tensor,
+and a mapped page counts in the process's resident memory for as long as the map lives. Reading a column
+slice row by row (`os.preadv` into the rows of the output) brings in the slice's bytes only. A row-split
+weight (split on its input features, dimension 1) is written straight into column-major storage
+(`Llama.column_major_`'s layout), a block of rows at a time, so no row-major copy of the slice exists.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import BinaryIO
+
+import torch
+
+Slices = dict[str, tuple[int, int, int]]
+
+BLOCK_BYTES = 8 << 20  # rows of a column slice read per block before they are laid out column-major
+
+
+def sliced_shape(shape: tuple[int, ...], cut: tuple[int, int, int] | None) -> tuple[int, ...]:
+    if cut is None:
+        return tuple(shape)
+    dim, a, b = cut
+    return tuple(b - a if d == dim else n for d, n in enumerate(shape))
+
+
+def _into(f: BinaryIO, out: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous tensor `out` with the file's bytes at `offset`."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    got = 0
+    while got < len(view):
+        n = os.preadv(f.fileno(), [view[got:]], offset + got)
+        if n <= 0:
+            raise EOFError(f"the file ends before the tensor's {len(view)} bytes at offset {offset}")
+        got += n
+
+
+def read_tensor(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
+                cut: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """A row-major tensor stored at `offset` of an open file, or its slice `cut` = (dim, start, stop) along
+    dimension 0 or 1. A slice along dimension 1 of a matrix comes back column-major."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    if cut is not None and not (cut[0] < len(shape) and 0 <= cut[1] <= cut[2] <= shape[cut[0]]):
+        raise ValueError(f"a tensor of shape {tuple(shape)} has no slice {cut[1]}:{cut[2]} along dimension {cut[0]}")
+    if cut is None or cut[0] == 0:
+        a, b = (0, shape[0]) if cut is None else cut[1:]
+        out = torch.empty(sliced_shape(shape, cut), dtype=dtype)
+        row = item * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+        if out.numel():
+            _into(f, out, offset + a * row)
+        return out
+    if len(shape) != 2 or cut[0] != 1:
+        raise ValueError(f"a slice along dimension {cut[0]} of a {len(shape)}-D tensor is not supported")
+    rows, cols = shape
+    _, a, b = cut
+    out = torch.empty(b - a, rows, dtype=dtype)  # column-major (rows, b - a), as out.t()
+    step = max(1, BLOCK_BYTES // max(1, (b - a) * item))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        block = torch.empty(r1 - r0, b - a, dtype=dtype)
+        for r in range(r0, r1):
+            _into(f, block[r - r0], offset + (r * cols + a) * item)
+        out[:, r0:r1] = block.t()
+    return out.t()
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+    """Each tensor of an open .safetensors file: (offset in the file, shape, dtype). The format: an 8-byte
+    little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the data."""
+    import json
+
+    f.seek(0)
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if t["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {t['dtype']}, which minillama does not read")
+        out[name] = (8 + n + int(t["data_offsets"][0]), tuple(int(d) for d in t["shape"]),
+                     SAFETENSORS_DTYPES[t["dtype"]])
+    return out
