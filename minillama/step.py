@@ -54,6 +54,13 @@ class Step:
             out += [items.rows, items.keys] + ([] if items.hidden is None else [items.hidden])
         return out + [t for t in (plan.order, plan.visible) if t is not None]
 
+    @property
+    def capturable(self) -> bool:
+        """Whether the device half's launches follow from the tensors' shapes alone. Not so for a pass whose
+        attention goes block after block in chunks (`plan.order` None, a long prefill): its loops follow the
+        plan's distinct blocks, which two passes of one shape need not share. It runs eagerly."""
+        return self.plan.order is not None or self.plan.visible is not None
+
     def key(self) -> tuple:
         """The bucket: every input's shape and dtype. Steps with one key issue the same launches."""
         return tuple((tuple(t.shape), t.dtype) for t in self.tensors())
@@ -162,7 +169,7 @@ class Steps:
 
     def run(self, model: Llama, cache: KVCache, step: Step) -> torch.Tensor:
         """The step's logits (step.wanted, vocab)."""
-        if not self.capturing(model):
+        if not (self.capturing(model) and step.capturable):
             return model.run_step(cache, step)[:step.wanted]
         captured = self._by_cache.get(cache)
         if captured is None or captured.storage != cache.k.data_ptr():  # new cache, or it grew: new graphs

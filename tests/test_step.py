@@ -204,6 +204,21 @@ def test_captured_steps_replay_the_eager_bits(mode):
     assert_same_answers(eager, replayed)
 
 
+def test_a_chunked_prefill_is_never_captured():
+    """Its attention loops over the plan's distinct blocks, which two passes of one shape need not share."""
+    capture = Rerun()
+    model = _captured(tiny_model(tiny_config()), capture)
+    cache = model.new_cache(1024)  # room for all: the cache never grows (which would drop its graphs)
+    for _ in range(3):  # three 200-token documents: one shape, chunked attention
+        root = cache.new_segment()
+        model(torch.arange(200) % 50, torch.arange(200), torch.full((200,), root), cache)
+    assert capture.captures == 0
+    sids = [cache.new_segment(root) for _ in range(3)]  # control: decode steps of one shape are captured
+    for _ in range(3):
+        model(*_decode_inputs(cache, sids), cache)
+    assert capture.captures == 1
+
+
 def test_captured_parallel_equals_captured_independent():
     model = _captured(tiny_model(tiny_config(kv_heads=1, heads=3)), Rerun())
     assert_same_answers(generate(model, PROMPTS, PARAMS, mode="independent"),
