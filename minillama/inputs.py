@@ -1,41 +1,82 @@
 """The generate command's input: a document and its questions from text files, or many documents from JSON Lines.
 
-Both are read whole and checked before anything slow happens: a file that is missing, binary or not UTF-8,
-an empty document, no questions, a JSON line that is not a `{"doc": ..., "questions": [...]}` object, or
-text that is not text (`checks.check_jobs`) is a `BadInput` naming the file and line.
+Both are read in blocks and checked before anything slow happens: a file that is missing, binary or not UTF-8
+(refused at its first bad block), longer than the model's context could hold (`input_limit`), an empty
+document, no questions, a JSON line that is not a `{"doc": ..., "questions": [...]}` object, or text that is
+not text (`checks.check_jobs`) is a `BadInput` naming the file and line. `--doc /dev/zero` or `yes | ... --doc -`
+stop at the first block or at the limit, never at the end of memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from .checks import check_jobs
 from .errors import BadInput
 
 
-def read_text(path: str, what: str) -> str:
-    """A UTF-8 text file (or standard input for '-'), whole, with Windows line endings (\\r\\n) made \\n.
-    A leading byte-order mark is dropped."""
+BLOCK = 1 << 16  # bytes read at a time: a binary file is refused at its first block
+# The most bytes one token stands for, with room to spare: a byte-level BPE token is at most its longest piece
+# (81 bytes for SmolLM2), and real text averages about 4 bytes a token. A document longer than
+# `context x BYTES_PER_TOKEN` (plus MARGIN, for the chat template and the question) cannot fit; the exact
+# checks (`checks.too_long`, then the tokenized prompt) come once the model is loaded.
+BYTES_PER_TOKEN = 256
+MARGIN = 1 << 20
+FILE_DOCUMENTS = 16  # a file of questions or of many documents holds at most this many documents' worth
+
+
+def input_limit(context: int) -> int:
+    """The most bytes of one document worth reading for a model with this context (in tokens)."""
+    return context * BYTES_PER_TOKEN + MARGIN
+
+
+def read_text(path: str, what: str, limit: int | None = None, bound: str = "more than the model's context could "
+              "hold at a generous 256 bytes a token") -> str:
+    """A UTF-8 text file (or standard input for '-'), read in blocks of `BLOCK` bytes, at most `limit` (None:
+    no bound), with Windows line endings (\\r\\n) made \\n. A leading byte-order mark is dropped. A NUL byte
+    or bytes that are not UTF-8 are refused in the block where they first appear."""
     if path == "-" and sys.stdin is None:
         raise BadInput(f"{what} -: standard input is closed")
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        if path == "-":
+            return _read_blocks(sys.stdin.buffer, path, what, limit, bound).replace("\r\n", "\n")
+        with open(path, "rb") as f:
+            return _read_blocks(f, path, what, limit, bound).replace("\r\n", "\n")
     except FileNotFoundError:
         raise BadInput(f"{what} {path}: no such file") from None
     except IsADirectoryError:
         raise BadInput(f"{what} {path}: is a directory, not a file") from None
     except OSError as e:
         raise BadInput(f"{what} {path}: cannot read ({e.strerror or e})") from None
-    if b"\0" in data:
-        raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
+
+
+def _read_blocks(f: BinaryIO, path: str, what: str, limit: int | None, bound: str) -> str:
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    parts: list[str] = []
+    n = 0
+    while True:
+        block = f.read(BLOCK)
+        if not block:
+            break
+        if limit is not None and n + len(block) > limit:
+            raise BadInput(f"{what} {path}: longer than {limit:,} bytes, {bound}")
+        if b"\0" in block:
+            raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
+        try:
+            parts.append(decoder.decode(block))
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {n + e.start})") from None
+        n += len(block)
     try:
-        return data.decode("utf-8-sig").replace("\r\n", "\n")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        parts.append(decoder.decode(b"", final=True))
+    except UnicodeDecodeError:
+        raise BadInput(f"{what} {path}: not UTF-8 text (the file ends inside a character)") from None
+    return "".join(parts)
 
 
 def lines(text: str) -> list[str]:
@@ -63,19 +104,23 @@ def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
         yield at, obj
 
 
-def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(document, questions) pairs from --doc/--questions or --input."""
+def read_jobs(args: argparse.Namespace, limit: int | None = None) -> list[tuple[str, list[str]]]:
+    """(document, questions) pairs from --doc/--questions or --input; a document of more than `limit` bytes
+    (`input_limit`) is refused as it is read, and so is a file of questions or documents of more than
+    FILE_DOCUMENTS times that."""
+    many = None if limit is None else FILE_DOCUMENTS * limit
+    bound = f"the most read from one file ({FILE_DOCUMENTS} documents' worth of the model's context); split it"
     if args.input is None:
-        doc = read_text(args.doc, "--doc")
+        doc = read_text(args.doc, "--doc", limit)
         if not doc.strip():
             raise BadInput(f"--doc {args.doc}: the document is empty")
-        questions = [q.strip() for q in lines(read_text(args.questions, "--questions")) if q.strip()]
+        questions = [q.strip() for q in lines(read_text(args.questions, "--questions", many, bound)) if q.strip()]
         if not questions:
             raise BadInput(f"--questions {args.questions}: no questions (one per line)")
         return [(doc, questions)]
     jobs = []
-    for where, obj in json_objects(read_text(args.input, "--input"), lambda n: f"--input {args.input}, line {n}",
-                                   BadInput, 'an object {"doc": ..., "questions": [...]}'):
+    text = read_text(args.input, "--input", many, bound)
+    for where, obj in json_objects(text, lambda n: f"--input {args.input}, line {n}", BadInput, 'an object {"doc": ..., "questions": [...]}'):
         extra = sorted(set(obj) - {"doc", "questions"})
         if extra:
             raise BadInput(f"{where}: unknown key {extra[0]!r} (expected doc and questions)")
