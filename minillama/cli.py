@@ -34,7 +34,7 @@ from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as che
 from .errors import BadInput, OneLineParser, check_device, one_line, run_command
 from .files import json_text
 from .generate import SamplingParams, Stats, StreamTooLong
-from .inputs import input_limit, read_jobs
+from .inputs import read_jobs
 from .options import parse_or_keep
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -105,7 +105,7 @@ def _main(argv: Sequence[str] | None) -> int:
     check_options(args)
     if distributed.launched():  # under torchrun every rank reads the input, and the ranks agree on it (answer)
         return answer(args, None)
-    jobs = read_jobs(args, input_limit(model_context(args.model)))
+    jobs = read_jobs(args, model_context(args.model))
     if args.procs > 1:
         from .distributed import launch
 
@@ -126,11 +126,12 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     def prepare() -> tuple[list[tuple[str, list[str]]], api.LoadedModel]:
         """Everything that may refuse the input, before any rank shares work (a tensor-parallel rank reads
         the checkpoint on the host, memory-mapped where it can, and `place` moves only its shard)."""
-        read = jobs if jobs is not None else read_jobs(args, input_limit(model_context(args.model)))
+        read = jobs if jobs is not None else read_jobs(args, model_context(args.model))
         loaded = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype))
         why = too_long(loaded.tokenizer, read, loaded.context_length)  # before tokenizing anything
         if why is not None:
             raise BadInput(why)
+        api.prompt_text(loaded.tokenizer, "", "", args.system, args.chat_template)  # the chat template renders
         return read, loaded
 
     jobs, model = here.agree(prepare)
@@ -230,7 +231,8 @@ def check_options(args: argparse.Namespace) -> None:
 
 def model_context(path: str | None) -> int:
     """The checkpoint's context in tokens, from its config alone (read before the input, to bound how much of
-    the input is worth reading); config.MAX_CONTEXT when it cannot be read here (loading it will say why)."""
+    the input is worth reading: `inputs.read_jobs`); config.MAX_CONTEXT when it cannot be read here (loading
+    it will say why)."""
     from .config import MAX_CONTEXT, LlamaConfig
 
     try:

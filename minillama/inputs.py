@@ -30,15 +30,9 @@ MARGIN = 1 << 20
 FILE_DOCUMENTS = 16  # a file of questions or of many documents holds at most this many documents' worth
 
 
-def input_limit(context: int) -> int:
-    """The most bytes of one document worth reading for a model with this context (in tokens)."""
-    return context * BYTES_PER_TOKEN + MARGIN
-
-
-def read_text(path: str, what: str, limit: int | None = None, bound: str = "more than the model's context could "
-              "hold at a generous 256 bytes a token") -> str:
+def read_text(path: str, what: str, limit: int | None = None, bound: str = "") -> str:
     """A UTF-8 text file (or standard input for '-'), read in blocks of `BLOCK` bytes, at most `limit` (None:
-    no bound), with Windows line endings (\\r\\n) made \\n. A leading byte-order mark is dropped. A NUL byte
+    no bound; `bound` says why), with Windows line endings (\\r\\n) made \\n. A leading byte-order mark is dropped. A NUL byte
     or bytes that are not UTF-8 are refused in the block where they first appear."""
     if path == "-" and sys.stdin is None:
         raise BadInput(f"{what} -: standard input is closed")
@@ -104,14 +98,16 @@ def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
         yield at, obj
 
 
-def read_jobs(args: argparse.Namespace, limit: int | None = None) -> list[tuple[str, list[str]]]:
-    """(document, questions) pairs from --doc/--questions or --input; a document of more than `limit` bytes
-    (`input_limit`) is refused as it is read, and so is a file of questions or documents of more than
-    FILE_DOCUMENTS times that."""
+def read_jobs(args: argparse.Namespace, context: int | None = None) -> list[tuple[str, list[str]]]:
+    """(document, questions) pairs from --doc/--questions or --input. With the model's `context` (in tokens),
+    a document of more than `context x BYTES_PER_TOKEN + MARGIN` bytes is refused as it is read, and so is a
+    file of questions or documents of more than FILE_DOCUMENTS times that."""
+    limit = None if context is None else context * BYTES_PER_TOKEN + MARGIN
     many = None if limit is None else FILE_DOCUMENTS * limit
+    fits = f"more than fits when the model's context is {context} tokens (at most {BYTES_PER_TOKEN} bytes a token)"
     bound = f"the most read from one file ({FILE_DOCUMENTS} documents' worth of the model's context); split it"
     if args.input is None:
-        doc = read_text(args.doc, "--doc", limit)
+        doc = read_text(args.doc, "--doc", limit, fits)
         if not doc.strip():
             raise BadInput(f"--doc {args.doc}: the document is empty")
         questions = [q.strip() for q in lines(read_text(args.questions, "--questions", many, bound)) if q.strip()]
