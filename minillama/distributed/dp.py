@@ -19,7 +19,7 @@ import sys
 import threading
 import traceback
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -174,17 +174,24 @@ class Channel:
 
     def _write(self, index: int, reply: Reply) -> None:
         """Write an answer from this thread; when writing fails (the reader of stdout went away, a full disk)
-        the one error runner says so (`errors.report`) and this thread ends the process with its status."""
+        the one error runner says so and this thread ends the process (`end`)."""
         try:
             with self.lock:
                 self.write(index, reply)
         except BaseException as e:
-            code = report(e)
-            if code is None:  # a bug: its traceback, as the main thread would print it
-                traceback.print_exc()
-                code = 1
-            sys.stderr.flush()
-            os._exit(code)
+            end(e)
+
+
+def end(error: BaseException) -> NoReturn:
+    """End this rank now, with the line and status of the one error runner (`errors.report`; a bug's
+    traceback, status 1). A rank of a running world cannot return from its main function: its peers may be
+    blocked on it, and the process group's threads would abort the interpreter's exit."""
+    code = report(error)
+    if code is None:
+        traceback.print_exception(error)
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def agree(world: World, prepare: Callable[[], Any]) -> Any:
@@ -208,6 +215,7 @@ def agree(world: World, prepare: Callable[[], Any]) -> Any:
             refusals.setdefault(message, []).append(rank)
     if not refusals:
         return done
+    dist.destroy_process_group()  # every rank is here: leave together, before saying why
     if world.rank == 0:
         if len(refusals) == 1 and len(next(iter(refusals.values()))) == world.size:
             raise RankRefused(next(iter(refusals)))

@@ -18,12 +18,12 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import BadInput, SaidElsewhere
+from ..errors import BadInput, OneLineError, SaidElsewhere
 from ..generate import Stats
 from ..model import Llama
 from . import launched
 from . import tp as tensor_parallel
-from .dp import Channel, Piece, agree, share_questions
+from .dp import Channel, Piece, agree, end, share_questions
 from .world import World, finish, init, single
 
 
@@ -42,12 +42,15 @@ class Here:
         return self._channel
 
     def failed(self, error: BaseException) -> None:
-        """This rank hit an error: rank 0 hears of it (it is rank 0's own to report otherwise)."""
-        if isinstance(error, SaidElsewhere):
+        """This rank hit an error while answering. Alone: nothing to do here (the caller raises it). In a
+        distributed run another rank's error goes to rank 0, which says it; then this rank ends at once with
+        the one error runner's status (`dp.end`), its peers and the process group being past waiting for."""
+        if self.world.size == 1 or self._channel is None:
             return
-        if self._channel is not None and self.world.size > 1 and not self.world.writes:
+        if not self.world.writes and not isinstance(error, SaidElsewhere):
             message = " ".join(str(error).split()) or type(error).__name__
-            self._channel.error(message, 2 if isinstance(error, BadInput) else 1)
+            self._channel.error(message, 2 if isinstance(error, OneLineError) else 1)
+        end(error)
 
     def finish(self, channel: Channel, stats: Stats) -> Stats:
         """Wait (rank 0) for every group; the totals over the groups."""
