@@ -34,7 +34,7 @@ from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as che
 from .errors import BadInput, OneLineParser, check_device, one_line, run_command
 from .files import json_text
 from .generate import SamplingParams, Stats, StreamTooLong
-from .inputs import read_jobs
+from .inputs import model_context, read_jobs
 from .options import parse_or_keep
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -227,33 +227,6 @@ def check_options(args: argparse.Namespace) -> None:
         from .distributed.launch import check_procs
 
         check_procs(args)
-
-
-def model_context(path: str | None) -> int:
-    """The checkpoint's context in tokens, from its config alone (read before the input, to bound how much of
-    the input is worth reading: `inputs.read_jobs`); config.MAX_CONTEXT when it cannot be read here (loading
-    it will say why)."""
-    from .config import MAX_CONTEXT, LlamaConfig
-
-    try:
-        if path is None:
-            from .weights import default_model_dir
-
-            path = str(default_model_dir())
-        p = Path(path)
-        if p.is_dir() and (p / "config.json").exists():
-            return min(LlamaConfig.from_hf_json(p / "config.json").max_position_embeddings, MAX_CONTEXT)
-        if p.is_dir() and (p / "params.json").exists():
-            return min(LlamaConfig.from_meta_params(p / "params.json", 1).max_position_embeddings, MAX_CONTEXT)
-        if p.is_file():
-            from .weights.gguf import gguf_metadata, open_gguf
-
-            meta = gguf_metadata(open_gguf(p))
-            arch = meta.get("general.architecture")
-            return min(int(meta[f"{arch}.context_length"]), MAX_CONTEXT)
-    except Exception:  # noqa: BLE001 - any fault of the checkpoint is the loader's to report, in its words
-        pass
-    return MAX_CONTEXT
 
 
 def load_checkpoint(path: str | None, device: str, dtype: Any) -> api.LoadedModel:

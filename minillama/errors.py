@@ -13,6 +13,11 @@ checks a `--device` the same way for every tool that takes one):
 - 141, quietly: the reader of stdout went away (`... | head -1`);
 - 1, with a traceback: anything else, which is a bug in minillama. Catching every `ValueError` as
   "bad input" would hide those bugs, so only the types named here are turned into one line.
+
+`report` is that mapping on its own, for a thread that must end the process itself (the answer-writing
+thread of a distributed run). In a distributed run rank 0 alone says a one-line error, as every rank meets
+the same bad input, except a `RankRefused` (what the ranks agreed one of them refused, said where it was
+raised) and a `SaidElsewhere` (this rank stops quietly: another has said why).
 """
 
 from __future__ import annotations

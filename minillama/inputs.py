@@ -73,6 +73,33 @@ def _read_blocks(f: BinaryIO, path: str, what: str, limit: int | None, bound: st
     return "".join(parts)
 
 
+def model_context(path: str | None) -> int:
+    """The checkpoint's context in tokens, from its config alone (read before the input, to bound how much of
+    the input is worth reading: `read_jobs`); config.MAX_CONTEXT when it cannot be read here (loading
+    it will say why)."""
+    from .config import MAX_CONTEXT, LlamaConfig
+
+    try:
+        if path is None:
+            from .weights import default_model_dir
+
+            path = str(default_model_dir())
+        p = Path(path)
+        if p.is_dir() and (p / "config.json").exists():
+            return min(LlamaConfig.from_hf_json(p / "config.json").max_position_embeddings, MAX_CONTEXT)
+        if p.is_dir() and (p / "params.json").exists():
+            return min(LlamaConfig.from_meta_params(p / "params.json", 1).max_position_embeddings, MAX_CONTEXT)
+        if p.is_file():
+            from .weights.gguf import gguf_metadata, open_gguf
+
+            meta = gguf_metadata(open_gguf(p))
+            arch = meta.get("general.architecture")
+            return min(int(meta[f"{arch}.context_length"]), MAX_CONTEXT)
+    except Exception:  # noqa: BLE001 - any fault of the checkpoint is the loader's to report, in its words
+        pass
+    return MAX_CONTEXT
+
+
 def lines(text: str) -> list[str]:
     """Lines end at \\n only: U+2028, U+0085, form feeds and other characters `str.splitlines` also
     breaks at belong to the line (and are valid inside a JSON string)."""

@@ -256,19 +256,16 @@ class EndlessStream:
 
 @pytest.mark.parametrize("chunk,word", [(b"y\n", "longer than"), (b"\0", "binary"),
                                         (bytes(range(256)), "binary"), (b"\xff\xfe", "not UTF-8")])
-def test_an_endless_input_is_read_up_to_the_limit_or_its_first_bad_block(monkeypatch, chunk, word):
-    """`yes`, /dev/zero, /dev/urandom on standard input: refused at the limit (what the context could hold,
-    plus a margin) or at the first block holding a NUL or a byte that is not UTF-8, never read to the end."""
-    from minillama import inputs
-
-    context = 512
-    limit = context * inputs.BYTES_PER_TOKEN + inputs.MARGIN
-    stream = EndlessStream(chunk, limit + inputs.BLOCK)
+def test_an_endless_input_is_read_up_to_the_limit_or_its_first_bad_block(ckpt, inputs, capsys, monkeypatch,
+                                                                          chunk, word):
+    """`yes`, /dev/zero, /dev/urandom on standard input: refused at the limit (for the tiny model's 512-token
+    context, under 2 MiB: what the context could hold, plus a margin) or at the first 64 KiB block holding a
+    NUL or a byte that is not UTF-8, never read to the end."""
+    stream = EndlessStream(chunk, 2 << 20)
     monkeypatch.setattr(sys, "stdin", type("Stdin", (), {"buffer": stream})())
-    args = type("Args", (), {"input": None, "doc": "-", "questions": "q.txt"})()
-    with pytest.raises(errors.BadInput, match=word):
-        inputs.read_jobs(args, context)
-    assert stream.given <= (limit + inputs.BLOCK if word == "longer than" else inputs.BLOCK)
+    code = cli.main(["--model", str(ckpt), "--doc", "-", "--questions", str(inputs["questions"])])
+    assert word in one_line_error((code, capsys.readouterr().err))
+    assert stream.given <= (2 << 20 if word == "longer than" else 1 << 16)
 
 
 def _memory_bound():
@@ -302,7 +299,7 @@ def test_ten_megabytes_of_zero_width_spaces_are_refused_without_tokenizing_them(
 
     small = tiny_loaded(max_pos=512)
     counting = CountingTokenizer(small.tokenizer)
-    checks.dropped(counting)  # the tokenizer's one probe of which characters it keeps, cached
+    checks.too_long(counting, [("x", ["q"])], 512)  # the tokenizer's one probe of which characters it keeps
     counting.chars = 0
     from minillama import api
 
