@@ -477,3 +477,16 @@ def test_the_bound_on_ranks_is_the_cpus_this_process_may_use_and_the_memory(monk
     monkeypatch.setattr(launch, "usable_cpus", lambda: 64)
     with pytest.raises(BadInput, match=r"--procs 11: each rank needs at least 256 MiB .*\(at most --procs 10\)"):
         launch.check_procs(Namespace(procs=11, tp=1, device="cpu"))
+
+
+@pytest.mark.parametrize("fault", ["pipe", "full"])
+def test_the_answer_writing_thread_ends_through_the_one_error_runner(fault):
+    """Rank 0's receiving thread writes rank 1's answer into a closed pipe or a full disk: the process ends
+    with the one runner's status (141 quietly; 2 with one line), no thread traceback, no summary after it."""
+    p = torchrun(2, "tests/_dist_writer_fault.py", fault, timeout=200)
+    ours = [line for line in p.stderr.splitlines() if "torch.distributed.elastic" not in line]
+    assert "Exception in thread" not in p.stderr and "summary" not in p.stderr, p.stderr[-3000:]
+    assert "exitcode  : " + ("141" if fault == "pipe" else "2") in p.stderr, p.stderr[-3000:]
+    errors = [line for line in ours if line.startswith("error: ")]
+    assert errors == ([] if fault == "pipe" else ["error: cannot write the output (No space left on device)"]), \
+        p.stderr[-3000:]
