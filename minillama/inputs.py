@@ -32,8 +32,8 @@ FILE_DOCUMENTS = 16  # a file of questions or of many documents holds at most th
 
 def read_text(path: str, what: str, limit: int | None = None, bound: str = "") -> str:
     """A UTF-8 text file (or standard input for '-'), read in blocks of `BLOCK` bytes, at most `limit` (None:
-    no bound; `bound` says why), with Windows line endings (\\r\\n) made \\n. A leading byte-order mark is dropped. A NUL byte
-    or bytes that are not UTF-8 are refused in the block where they first appear."""
+    no bound; `bound` says why), with Windows line endings (\\r\\n) made \\n. A leading byte-order mark is
+    dropped. A NUL byte or bytes that are not UTF-8 are refused in the block where they first appear."""
     if path == "-" and sys.stdin is None:
         raise BadInput(f"{what} -: standard input is closed")
     try:
@@ -143,7 +143,8 @@ def read_jobs(args: argparse.Namespace, context: int | None = None) -> list[tupl
         return [(doc, questions)]
     jobs = []
     text = read_text(args.input, "--input", many, bound)
-    for where, obj in json_objects(text, lambda n: f"--input {args.input}, line {n}", BadInput, 'an object {"doc": ..., "questions": [...]}'):
+    for where, obj in json_objects(text, lambda n: f"--input {args.input}, line {n}", BadInput,
+                                   'an object {"doc": ..., "questions": [...]}'):
         extra = sorted(set(obj) - {"doc", "questions"})
         if extra:
             raise BadInput(f"{where}: unknown key {extra[0]!r} (expected doc and questions)")

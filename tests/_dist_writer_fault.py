@@ -12,7 +12,8 @@ from minillama.distributed import dp
 from minillama.distributed.world import init
 
 world = init(1, torch.device("cpu"), 60)
-fault = OSError(errno.ENOSPC, "No space left on device") if sys.argv[1] == "full" else BrokenPipeError(errno.EPIPE, "Broken pipe")
+fault = (OSError(errno.ENOSPC, "No space left on device") if sys.argv[1] == "full"
+         else BrokenPipeError(errno.EPIPE, "Broken pipe"))
 
 
 def write(index: int, reply: Reply) -> None:

@@ -153,7 +153,8 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
     if t is None and (d / "chat_template.jinja").exists():
         t, where = (d / "chat_template.jinja").read_text(), str(d / "chat_template.jinja")
     if t is None and (d / "chat_template.json").exists():
-        t, where = _read_json(d / "chat_template.json").get("chat_template"), f"{d / 'chat_template.json'}, field chat_template"
+        where = f"{d / 'chat_template.json'}, field chat_template"
+        t = _read_json(d / "chat_template.json").get("chat_template")
         if not (t is None or isinstance(t, str)):
             raise TokenizerError(f"{where} must be a string, got {json.dumps(t)[:80]}")
     return t, where
