@@ -74,6 +74,8 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
     from .weights import load_model
 
     llama, tokenizer = load_model(path, device=device, dtype=dtype)
+    # a token id past the embedding would fail on the first prompt that holds it: say so now
+    tokenizer.check_fits(llama.config.vocab_size)
     return LoadedModel(llama, tokenizer)
 
 

@@ -5,7 +5,7 @@ run's own (`RUN_OPTIONS`, here) and the sampling ones (`SAMPLING_OPTIONS`, decla
 naming the option as the caller spells it (`max_new_tokens` for the API, `--max-new-tokens` for the CLI);
 `check_jobs` checks the documents and questions (text, not bytes; not empty; encodable as UTF-8); and
 `too_long` refuses a document or question that cannot fit in the model's context from its length in
-characters alone, before the slow part (rendering and tokenizing every question's prompt).
+characters alone (those the tokenizer keeps), before the slow part (rendering and tokenizing every question's prompt).
 Every refusal is a `BadInput` (a ValueError), or a `BadType` (also a TypeError) for a value of the
 wrong type, in one line.
 """
@@ -94,10 +94,39 @@ def check_jobs(jobs: Any) -> list[tuple[str, list[str]]]:
     return out
 
 
-# Characters no tokenizer normalization is sure to keep (whitespace may be collapsed, control and
-# zero-width characters dropped); the rest survive, at worst composed a few into one by NFKC.
+# Characters some tokenizer normalization drops (whitespace may be collapsed, control and zero-width
+# characters dropped); the rest survive, at worst composed a few into one by NFKC. Which of them a given
+# tokenizer does drop is asked of it (`dropped`): 10 MB of zero-width spaces are 10 MB of text to a byte-level
+# BPE, and must count as such.
 _DROPPABLE = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u2028-\u202f\u2060-\u206f\ufeff]+")
 NORMALIZATION_SLACK = 4  # NFKC composes at most a few characters into one
+
+
+def dropped(tokenizer: Any) -> re.Pattern | None:
+    """The characters of `_DROPPABLE` this tokenizer may drop or collapse, as a pattern of runs of them (None:
+    it keeps every one), cached on the tokenizer. A character counts as kept when eight of them between two
+    letters come back from encode and decode as eight."""
+    cached = getattr(tokenizer, "_dropped", False)
+    if cached is not False:
+        return cached
+    if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        pattern = _DROPPABLE
+    else:
+        drops = []
+        for c in map(chr, [*range(0x3001), 0xFEFF]):
+            if _DROPPABLE.fullmatch(c):
+                try:
+                    kept = c * 8 in tokenizer.decode(tokenizer.encode(f"a{c * 8}a", parse_special=False))
+                except Exception:  # noqa: BLE001 - a tokenizer of one's own that cannot say: assume dropped
+                    kept = False
+                if not kept:
+                    drops.append(c)
+        pattern = re.compile("[" + "".join(map(re.escape, drops)) + "]+") if drops else None
+    try:
+        tokenizer._dropped = pattern
+    except AttributeError:
+        pass
+    return pattern
 
 
 def longest_token(tokenizer: Any) -> int:
@@ -119,10 +148,12 @@ def too_long(tokenizer: Any, jobs: Sequence[tuple[str, Sequence[str]]], context:
     if not hasattr(tokenizer, "id_to_token"):
         return None
     per_token = longest_token(tokenizer) * NORMALIZATION_SLACK
+    drop = dropped(tokenizer)
+    count = len if drop is None else lambda text: len(drop.sub("", text))
     for d, (doc, questions) in enumerate(jobs, 1):
-        kept = len(_DROPPABLE.sub("", doc))
+        kept = count(doc)
         for k, q in enumerate(questions, 1):
-            least = (kept + len(_DROPPABLE.sub("", q))) // per_token
+            least = (kept + count(q)) // per_token
             if least >= context:
                 return (f"document {d}, question {k}: the prompt has at least {least} tokens ({len(doc) + len(q)} "
                         f"characters), the model's context is {context}")

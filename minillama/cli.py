@@ -34,7 +34,7 @@ from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as che
 from .errors import BadInput, OneLineParser, check_device, one_line, run_command
 from .files import json_text
 from .generate import SamplingParams, Stats, StreamTooLong
-from .inputs import read_jobs
+from .inputs import model_context, read_jobs
 from .options import parse_or_keep
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -110,7 +110,9 @@ def _rank(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     check_options(args)
-    jobs = read_jobs(args)
+    if distributed.launched():  # under torchrun every rank reads the input, and the ranks agree on it (answer)
+        return answer(args, None)
+    jobs = read_jobs(args, model_context(args.model))
     if args.procs > 1:
         from .distributed import launch
 
@@ -118,26 +120,35 @@ def _main(argv: Sequence[str] | None) -> int:
     return answer(args, jobs)
 
 
-def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
-    """Load the model and answer every question; in a distributed run, this rank's part of that."""
+def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -> int:
+    """Load the model and answer every question; in a distributed run, this rank's part of that. `jobs`
+    None: read them here (every rank under torchrun)."""
     import torch
 
     from .distributed import parallel
 
-    n_questions = sum(len(q) for _, q in jobs)
     t0 = time.perf_counter()
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
-    # a tensor-parallel rank reads only its parts of the checkpoint, on the host, and moves them to the device
-    model = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
-                            parallel.sharding(args, here), invariant=not args.plain_kernels,
-                            cuda_graphs=args.cuda_graphs)
+
+    def prepare() -> tuple[list[tuple[str, list[str]]], api.LoadedModel]:
+        """Everything that may refuse the input, before any rank shares work (a tensor-parallel rank reads
+        only its parts of the checkpoint, on the host, and `place` moves them to the device)."""
+        read = jobs if jobs is not None else read_jobs(args, model_context(args.model))
+        loaded = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
+                                 parallel.sharding(args, here), invariant=not args.plain_kernels,
+                                 cuda_graphs=args.cuda_graphs)
+        why = too_long(loaded.tokenizer, read, loaded.context_length)  # before tokenizing anything
+        if why is not None:
+            raise BadInput(why)
+        api.prompt_text(loaded.tokenizer, "", "", args.system, args.chat_template)  # the chat template renders
+        return read, loaded
+
+    jobs, model = here.agree(prepare)
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
-    why = too_long(model.tokenizer, jobs, model.context_length)  # before tokenizing anything
-    if why is not None:
-        raise BadInput(why)
-    share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens)
-    plan = plan_waves(model, [jobs[d] for d in share], args)
+    n_questions = sum(len(q) for _, q in jobs)
+    share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens, args.mode)
+    plan = plan_waves(model, [piece_job(jobs, p) for p in share], args) if share else WavePlan(None, None, 0)
 
     out = sys.stdout
     if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
@@ -176,14 +187,25 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]]) -> int:
     return 0
 
 
+def piece_job(jobs: Sequence[tuple[str, Sequence[str]]], piece: tuple[int, int, int]) -> tuple[str, list[str]]:
+    """A piece of the input (document, first question, past the last) as a job of its own."""
+    d, lo, hi = piece
+    return jobs[d][0], list(jobs[d][1][lo:hi])
+
+
 def _ask(model, jobs, share, args, plan, progress, stats, channel) -> None:
+    if not share:  # a rank past the last piece: nothing to do
+        return
     run = {name: getattr(args, name) for name, row in RUN_OPTIONS.items() if row.flag}
     run.update(parallel_size=plan.parallel_size, batch_docs=plan.batch_docs)
     try:
-        api.ask_many(model, [jobs[d] for d in share], sampling(args), **run, on_token=progress.update, stats=stats,
-                     on_reply=channel.on_reply, first_question=channel.first_question)
-    except api.PromptTooLong as e:  # numbered within this rank's share: say which input document it is
-        raise BadInput(re.sub(r"^document (\d+)", lambda m: f"document {share[int(m[1]) - 1] + 1}", str(e))) from None
+        api.ask_many(model, [piece_job(jobs, p) for p in share], sampling(args), **run, on_token=progress.update,
+                     stats=stats, on_reply=channel.on_reply, first_question=channel.first_question)
+    except api.PromptTooLong as e:  # numbered within this rank's share: say which input question it is
+        def renumber(m: re.Match) -> str:
+            d, lo, _ = share[int(m[1]) - 1]
+            return f"document {d + 1}, question {lo + int(m[2])}"
+        raise BadInput(re.sub(r"^document (\d+), question (\d+)", renumber, str(e))) from None
     except StreamTooLong as e:
         raise BadInput(f"{e}; use --mode parallel or fewer questions per document") from None
 
@@ -210,6 +232,10 @@ def check_options(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise BadInput(str(e)) from None
     distributed.check_options(args)
+    if args.procs > 1:
+        from .distributed.launch import check_procs
+
+        check_procs(args)
 
 
 def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invariant: bool = True,

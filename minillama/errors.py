@@ -14,6 +14,11 @@ checks a `--device` the same way for every tool that takes one):
 - 141, quietly: the reader of stdout went away (`... | head -1`);
 - 1, with a traceback: anything else, which is a bug in minillama. Catching every `ValueError` as
   "bad input" would hide those bugs, so only the types named here are turned into one line.
+
+`report` is that mapping on its own, for a thread that must end the process itself (the answer-writing
+thread of a distributed run). In a distributed run rank 0 alone says a one-line error, as every rank meets
+the same bad input, except a `RankRefused` (what the ranks agreed one of them refused, said where it was
+raised) and a `SaidElsewhere` (this rank stops quietly: another has said why).
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ class OneLineError(Exception):
 
 class BadInput(OneLineError, ValueError):
     """Something the user gave that cannot be used: reported in one line, exit status 2."""
+
+
+class RankRefused(OneLineError):
+    """What the ranks of a distributed run refused, agreed among them (`distributed/dp.py`): said by the rank
+    that raises it, whatever its rank (a rank on another machine says its own refusal where it runs)."""
+
+
+class SaidElsewhere(OneLineError):
+    """The run ends for a reason another rank has said (or, for a closed pipe, that needs no words): this
+    rank stops quietly, exit status 2."""
 
 
 class CannotWrite(OneLineError):
@@ -117,19 +132,32 @@ def run_command(body: Callable[[], int]) -> int:
         code = body()
         sys.stdout.flush()  # a closed pipe or a full device shows here, inside the handlers
         return code
-    except OneLineError as e:
-        if _rank() == 0:  # in a distributed run every rank meets the same bad input: one says so
+    except BaseException as e:
+        code = report(e)
+        if code is None:
+            raise
+        return code
+
+
+def report(e: BaseException) -> int | None:
+    """Say what `e` means in one line (or nothing) and return the exit status; None for a bug, which the
+    caller lets through as a traceback. `run_command` uses it, and so does a thread of a command that must
+    end the process itself (the answer-writing thread of a distributed run)."""
+    if isinstance(e, SaidElsewhere):
+        return 2
+    if isinstance(e, OneLineError):
+        # in a distributed run every rank meets the same bad input: one says so
+        if _rank() == 0 or isinstance(e, RankRefused):
             print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
-    except BrokenPipeError:
+    if isinstance(e, BrokenPipeError):
         return quiet_exit_on_broken_pipe()
-    except KeyboardInterrupt:
+    if isinstance(e, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)
         return 130
-    except OSError as e:
-        if e.errno not in ENVIRONMENT_ERRNOS:
-            raise
+    if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
         if e.filename is None:  # a write to stdout failed: Python would fail again at exit
             _stdout_to_devnull()
         print(f"error: {one_line(describe_os_error(e))}", file=sys.stderr)
         return 2
+    return None

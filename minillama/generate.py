@@ -81,9 +81,12 @@ class SamplingParams:
     top_k: int = options.option(
         0, "--top-k", "keep the K likeliest tokens (0: off)", options.INTEGER, options.at_least(0, ">= 0 (0: off)"),
         metavar="K", parse=int)
+    # The sampler compares top_p with float32 sums: a top_p that float32 rounds to 0 would drop every token
+    # (a softmax of all -inf: NaN); any other keeps at least the likeliest one.
     top_p: float = options.option(
         1.0, "--top-p", "nucleus sampling, in (0, 1] (1: off)", options.NUMBER,
-        options.need(lambda p: 0 < p <= 1, "in (0, 1] (1: off)"), metavar="P", parse=float)
+        options.need(lambda p: 0 < p <= 1 and options.float32(p) > 0, "in (0, 1] (1: off), and not so small that "
+                     "float32 rounds it to 0 (below about 7e-46)"), metavar="P", parse=float)
     seed: int = options.option(0, "--seed", "sampling seed (default: 0)", options.INTEGER, parse=int)
     ignore_eos: bool = options.option(
         False, "--ignore-eos", "keep generating past end-of-sequence tokens", options.BOOLEAN, action="store_true")

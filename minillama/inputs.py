@@ -1,41 +1,103 @@
 """The generate command's input: a document and its questions from text files, or many documents from JSON Lines.
 
-Both are read whole and checked before anything slow happens: a file that is missing, binary or not UTF-8,
-an empty document, no questions, a JSON line that is not a `{"doc": ..., "questions": [...]}` object, or
-text that is not text (`checks.check_jobs`) is a `BadInput` naming the file and line.
+Both are read in blocks and checked before anything slow happens: a file that is missing, binary or not UTF-8
+(refused at its first bad block), longer than the model's context could hold (`input_limit`), an empty
+document, no questions, a JSON line that is not a `{"doc": ..., "questions": [...]}` object, or text that is
+not text (`checks.check_jobs`) is a `BadInput` naming the file and line. `--doc /dev/zero` or `yes | ... --doc -`
+stop at the first block or at the limit, never at the end of memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from .checks import check_jobs
 from .errors import BadInput
 
 
-def read_text(path: str, what: str) -> str:
-    """A UTF-8 text file (or standard input for '-'), whole, with Windows line endings (\\r\\n) made \\n.
-    A leading byte-order mark is dropped."""
+BLOCK = 1 << 16  # bytes read at a time: a binary file is refused at its first block
+# The most bytes one token stands for, with room to spare: a byte-level BPE token is at most its longest piece
+# (81 bytes for SmolLM2), and real text averages about 4 bytes a token. A document longer than
+# `context x BYTES_PER_TOKEN` (plus MARGIN, for the chat template and the question) cannot fit; the exact
+# checks (`checks.too_long`, then the tokenized prompt) come once the model is loaded.
+BYTES_PER_TOKEN = 256
+MARGIN = 1 << 20
+FILE_DOCUMENTS = 16  # a file of questions or of many documents holds at most this many documents' worth
+
+
+def read_text(path: str, what: str, limit: int | None = None, bound: str = "") -> str:
+    """A UTF-8 text file (or standard input for '-'), read in blocks of `BLOCK` bytes, at most `limit` (None:
+    no bound; `bound` says why), with Windows line endings (\\r\\n) made \\n. A leading byte-order mark is
+    dropped. A NUL byte or bytes that are not UTF-8 are refused in the block where they first appear."""
     if path == "-" and sys.stdin is None:
         raise BadInput(f"{what} -: standard input is closed")
     try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+        if path == "-":
+            return _read_blocks(sys.stdin.buffer, path, what, limit, bound).replace("\r\n", "\n")
+        with open(path, "rb") as f:
+            return _read_blocks(f, path, what, limit, bound).replace("\r\n", "\n")
     except FileNotFoundError:
         raise BadInput(f"{what} {path}: no such file") from None
     except IsADirectoryError:
         raise BadInput(f"{what} {path}: is a directory, not a file") from None
     except OSError as e:
         raise BadInput(f"{what} {path}: cannot read ({e.strerror or e})") from None
-    if b"\0" in data:
-        raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
+
+
+def _read_blocks(f: BinaryIO, path: str, what: str, limit: int | None, bound: str) -> str:
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    parts: list[str] = []
+    n = 0
+    while True:
+        block = f.read(BLOCK)
+        if not block:
+            break
+        if limit is not None and n + len(block) > limit:
+            raise BadInput(f"{what} {path}: longer than {limit:,} bytes, {bound}")
+        if b"\0" in block:
+            raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
+        try:
+            parts.append(decoder.decode(block))
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {n + e.start})") from None
+        n += len(block)
     try:
-        return data.decode("utf-8-sig").replace("\r\n", "\n")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {e.start})") from None
+        parts.append(decoder.decode(b"", final=True))
+    except UnicodeDecodeError:
+        raise BadInput(f"{what} {path}: not UTF-8 text (the file ends inside a character)") from None
+    return "".join(parts)
+
+
+def model_context(path: str | None) -> int:
+    """The checkpoint's context in tokens, from its config alone (read before the input, to bound how much of
+    the input is worth reading: `read_jobs`); config.MAX_CONTEXT when it cannot be read here (loading
+    it will say why)."""
+    from .config import MAX_CONTEXT, LlamaConfig
+
+    try:
+        if path is None:
+            from .weights import default_model_dir
+
+            path = str(default_model_dir())
+        p = Path(path)
+        if p.is_dir() and (p / "config.json").exists():
+            return min(LlamaConfig.from_hf_json(p / "config.json").max_position_embeddings, MAX_CONTEXT)
+        if p.is_dir() and (p / "params.json").exists():
+            return min(LlamaConfig.from_meta_params(p / "params.json", 1).max_position_embeddings, MAX_CONTEXT)
+        if p.is_file():
+            from .weights.gguf import gguf_metadata, open_gguf
+
+            meta = gguf_metadata(open_gguf(p))
+            arch = meta.get("general.architecture")
+            return min(int(meta[f"{arch}.context_length"]), MAX_CONTEXT)
+    except Exception:  # noqa: BLE001 - any fault of the checkpoint is the loader's to report, in its words
+        pass
+    return MAX_CONTEXT
 
 
 def lines(text: str) -> list[str]:
@@ -63,19 +125,26 @@ def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
         yield at, obj
 
 
-def read_jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """(document, questions) pairs from --doc/--questions or --input."""
+def read_jobs(args: argparse.Namespace, context: int | None = None) -> list[tuple[str, list[str]]]:
+    """(document, questions) pairs from --doc/--questions or --input. With the model's `context` (in tokens),
+    a document of more than `context x BYTES_PER_TOKEN + MARGIN` bytes is refused as it is read, and so is a
+    file of questions or documents of more than FILE_DOCUMENTS times that."""
+    limit = None if context is None else context * BYTES_PER_TOKEN + MARGIN
+    many = None if limit is None else FILE_DOCUMENTS * limit
+    fits = f"more than fits when the model's context is {context} tokens (at most {BYTES_PER_TOKEN} bytes a token)"
+    bound = f"the most read from one file ({FILE_DOCUMENTS} documents' worth of the model's context); split it"
     if args.input is None:
-        doc = read_text(args.doc, "--doc")
+        doc = read_text(args.doc, "--doc", limit, fits)
         if not doc.strip():
             raise BadInput(f"--doc {args.doc}: the document is empty")
-        questions = [q.strip() for q in lines(read_text(args.questions, "--questions")) if q.strip()]
+        questions = [q.strip() for q in lines(read_text(args.questions, "--questions", many, bound)) if q.strip()]
         if not questions:
             raise BadInput(f"--questions {args.questions}: no questions (one per line)")
         return [(doc, questions)]
     jobs = []
-    for where, obj in json_objects(read_text(args.input, "--input"), lambda n: f"--input {args.input}, line {n}",
-                                   BadInput, 'an object {"doc": ..., "questions": [...]}'):
+    text = read_text(args.input, "--input", many, bound)
+    for where, obj in json_objects(text, lambda n: f"--input {args.input}, line {n}", BadInput,
+                                   'an object {"doc": ..., "questions": [...]}'):
         extra = sorted(set(obj) - {"doc", "questions"})
         if extra:
             raise BadInput(f"{where}: unknown key {extra[0]!r} (expected doc and questions)")

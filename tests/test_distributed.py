@@ -419,3 +419,161 @@ def test_a_rank_probes_its_own_gpu(local_rank, monkeypatch):
     monkeypatch.setattr(torch, "zeros", record)
     check_device("cuda")
     assert probed == [torch.device("cuda") if local_rank is None else torch.device("cuda", 3)]
+
+
+# --- data parallel on ordinary input: idle ranks, split questions, refusals, closed pipes, bounds ------------
+
+
+def test_questions_are_split_so_that_one_long_document_gains():
+    """One document with 1,000 questions over two groups: half the questions each (each group prefills the
+    document once); seqbatch keeps documents whole; a group past the last question has nothing to do."""
+    from minillama.distributed.dp import share_questions
+
+    halves = share_questions([2000], [[30] * 1000], 2)
+    assert halves == [[(0, 0, 500)], [(0, 500, 1000)]]
+    assert share_questions([50, 50], [[10] * 3, [10] * 3], 2, whole_documents=True) == [[(0, 0, 3)], [(1, 0, 3)]]
+    assert share_questions([50], [[10]], 3) == [[(0, 0, 1)], [], []]
+    # every question in exactly one piece, in input order
+    pieces = [p for share in share_questions([5, 900, 7], [[3] * 4, [50] * 9, [1] * 30], 3) for p in share]
+    assert [(d, q) for d, lo, hi in pieces for q in range(lo, hi)] == \
+        [(d, q) for d, n in enumerate((4, 9, 30)) for q in range(n)]
+
+
+def _write_jobs(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps({"doc": d, "questions": q}) + "\n" for d, q in rows))
+    return path
+
+
+@pytest.mark.parametrize("rows", [[(DOC, QUESTIONS[:1])], [(DOC, QUESTIONS * 3)], [(DOCS[1], QUESTIONS[:1])] * 2])
+def test_idle_ranks_and_a_split_document_write_one_process_bytes(ckpt, tmp_path, rows):
+    """One document and one question over two ranks (rank 1 has nothing to do: it used to fail on an empty
+    share), one document's 12 sampled questions split between two ranks, and two one-question documents:
+    the bytes of one process."""
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", rows)
+    one = generate(*common(ckpt, jobs))
+    two = generate(*common(ckpt, jobs), procs=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.count("\n") == sum(len(q) for _, q in rows)
+    if len(rows[0][1]) > 1:  # both groups answered: each prefilled the document once
+        s1, s2 = (json.loads(p.stderr.strip().splitlines()[-1]) for p in (one, two))
+        assert s2["prompt_tokens"] > s1["prompt_tokens"]
+
+
+def test_a_rank_on_another_node_that_refuses_its_input_says_so_and_all_stop_at_once(ckpt, jobs, tmp_path):
+    """Two torchrun nodes over loopback; node 1's rank cannot read its input. Its node says why in one line,
+    rank 0's node says which rank and why, and both end in seconds, not at --dist-timeout."""
+    import time
+
+    from minillama.distributed.launch import free_port
+
+    port = free_port()
+    missing = tmp_path / "missing.jsonl"
+    cmd = lambda node, path: [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                              "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                              "--rdzv-id=minillama-refuse", "-m", "minillama", "generate",
+                              *map(str, common(ckpt, path, "--dist-timeout", "120"))]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    nodes = [subprocess.Popen(cmd(n, path), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for n, path in ((0, jobs), (1, missing))]
+    try:
+        outs = [n.communicate(timeout=300) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    elapsed = time.monotonic() - t0
+    said = f"rank 1: --input {missing}: no such file"
+    for (out, err), node in zip(outs, nodes):
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert node.returncode != 0 and out == "", err[-2000:]
+        assert errors == [f"error: {said}"], err[-3000:]  # once per machine, naming the rank
+        assert "/minillama/" not in err, err[-3000:]  # no traceback of ours (torchrun prints its own report)
+    assert elapsed < 90, f"the ranks waited {elapsed:.0f} s"
+
+
+def test_a_template_every_rank_refuses_is_one_line(ckpt, jobs, tmp_path):
+    """Every rank (--procs 2) meets the same refusal (a Mistral-style template refusing --system): one line,
+    once, exit 2, nothing written (each rank used to end in a TemplateError traceback)."""
+    from test_faults import MISTRAL_V01
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": MISTRAL_V01}))
+    p = generate("--model", d, "--input", jobs, "--system", "Be brief.", procs=2)
+    assert p.returncode == 2 and p.stdout == "", p.stderr[-3000:]
+    assert len(p.stderr.strip().splitlines()) == 1 and "Conversation roles must alternate" in p.stderr, p.stderr
+
+
+def _two_rank_workload(tmp_path: Path) -> Path:
+    """Answers enough for well over a pipe's 64 KiB of buffer (with -n 40 --logprobs), from both ranks."""
+    return _write_jobs(tmp_path / "jobs.jsonl", [(DOC, QUESTIONS[:1]), (DOCS[1] * 3, QUESTIONS * 16)])
+
+
+def test_a_reader_that_goes_away_ends_the_ranks_quietly(ckpt, tmp_path):
+    """`--procs 2 ... | head -1`: the answers rank 0 writes for rank 1 (its receiving thread) meet the closed
+    pipe; the run ends quietly through the one error runner, no traceback from any thread or rank."""
+    args = ["--model", ckpt, "--input", _two_rank_workload(tmp_path), "--json", "--logprobs", "-n", "40",
+            "--ignore-eos"]
+    proc = subprocess.Popen([sys.executable, "-m", "minillama", "generate", *map(str, args), "--procs", "2"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=0)
+    try:
+        first = proc.stdout.readline()
+        proc.stdout.close()  # as `head -1` does
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    assert first and proc.returncode == 141, err[-3000:]
+    assert err == "", err[-3000:]
+
+
+def test_answers_to_a_full_disk_from_two_ranks_are_one_line_and_no_summary(ckpt, tmp_path):
+    from _faults import run_tool
+
+    with open(tmp_path / "out.jsonl", "w") as out:
+        p = run_tool("generate", "--model", ckpt, "--input", _two_rank_workload(tmp_path), "--json", "-n", "12",
+                     "--ignore-eos", "--procs", "2", limit_file_bytes=600, stdout=out, stderr=subprocess.PIPE)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "File too large" in lines[0], p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("procs", ["99999999999999999999", "1000"])
+def test_more_ranks_than_the_machine_can_run_are_one_line(ckpt, jobs, procs):
+    p = generate("--model", ckpt, "--input", jobs, "--procs", procs)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and f"--procs {procs}: more than 2 ranks for each" \
+        in p.stderr or "MiB are available" in p.stderr, p.stderr
+
+
+def test_the_bound_on_ranks_is_the_cpus_this_process_may_use_and_the_memory(monkeypatch):
+    from argparse import Namespace
+
+    from minillama.distributed import launch
+    from minillama.errors import BadInput
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(launch, "available_memory", lambda: 10 * launch.RANK_MEMORY)
+    for procs in (2, 3, 4):
+        launch.check_procs(Namespace(procs=procs, tp=1, device="cpu"))
+    with pytest.raises(BadInput, match=r"--procs 5: more than 2 ranks for each of the 2 CPUs .*\(at most --procs 4\)"):
+        launch.check_procs(Namespace(procs=5, tp=1, device="cpu"))
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 64)
+    with pytest.raises(BadInput, match=r"--procs 11: each rank needs at least 256 MiB .*\(at most --procs 10\)"):
+        launch.check_procs(Namespace(procs=11, tp=1, device="cpu"))
+
+
+@pytest.mark.parametrize("fault", ["pipe", "full"])
+def test_the_answer_writing_thread_ends_through_the_one_error_runner(fault):
+    """Rank 0's receiving thread writes rank 1's answer into a closed pipe or a full disk: the process ends
+    with the one runner's status (141 quietly; 2 with one line), no thread traceback, no summary after it."""
+    p = torchrun(2, "tests/_dist_writer_fault.py", fault, timeout=200)
+    ours = [line for line in p.stderr.splitlines() if "torch.distributed.elastic" not in line]
+    assert "Exception in thread" not in p.stderr and "summary" not in p.stderr, p.stderr[-3000:]
+    assert "exitcode  : " + ("141" if fault == "pipe" else "2") in p.stderr, p.stderr[-3000:]
+    errors = [line for line in ours if line.startswith("error: ")]
+    assert errors == ([] if fault == "pipe" else ["error: cannot write the output (No space left on device)"]), \
+        p.stderr[-3000:]

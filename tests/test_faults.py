@@ -212,6 +212,8 @@ class CountingTokenizer:
 def test_refusing_a_long_document_costs_at_most_one_pass(size):
     small = tiny_loaded(max_pos=256)
     counting = CountingTokenizer(small.tokenizer)
+    checks.dropped(counting)  # the tokenizer's one probe of which characters it keeps (short strings), cached
+    counting.chars = 0
     doc = ("The bridge was built in 1932. " * (size // 30 + 1))[:size]
     with pytest.raises(api.PromptTooLong, match="context is 256"):
         api.ask(api.LoadedModel(small.llama, counting), doc, QUESTIONS * 3, max_new_tokens=2)
@@ -322,3 +324,109 @@ def test_generate_on_token_ids_refuses_sizes_that_would_answer_nothing(model, ba
 
     with pytest.raises(ValueError, match=next(iter(bad))):
         generate(model.llama, [[5, 6, 7], [5, 6, 8]], **bad)
+
+
+# --- top_p so small that float32 rounds it to 0: refused by its option row, everywhere alike -----------------
+
+TINY_TOP_P = [1e-300, 1e-46, 7e-46]
+
+
+@pytest.mark.parametrize("top_p", TINY_TOP_P)
+def test_a_top_p_that_float32_rounds_to_0_is_refused_alike(ckpt, inputs, model, capsys, top_p):
+    """The API and the command line refuse it with the same words (the row of the option table; serve builds
+    the same SamplingParams); before, the row of logits became all -inf and sampling failed on NaN."""
+    with pytest.raises(ValueError, match="top_p must be in") as e:
+        api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=2, temperature=1.0, top_p=top_p)
+    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                                      "--temperature", "1", "--top-p", repr(top_p)]])
+    assert one_line_error((code, capsys.readouterr().err)) == "error: --top-p" + str(e.value).removeprefix("top_p")
+
+
+def test_every_accepted_top_p_samples_a_token():
+    """The least top_p accepted (the smallest float32 above 0) and others, at every temperature, on rows with
+    -inf entries and ties: a token always comes out (the likeliest survives the cut), never a NaN."""
+    from minillama.generate import SamplingParams, sample
+
+    g = torch.Generator().manual_seed(0)
+    for top_p in (2.0**-149, 1e-45, 1e-30, 1e-7, 0.5, 1.0):
+        for temperature in (1e-30, 1.0, 1e30):
+            for row in (torch.randn(64), torch.zeros(64), torch.tensor([0.0, float("-inf")] * 32)):
+                params = SamplingParams(temperature=temperature, top_p=top_p, top_k=3)
+                tok = sample(row, params, g)
+                assert 0 <= tok < 64 and row[tok] > float("-inf")
+
+
+# --- chat templates and tokenizer files are the user's files: one line naming the file and the field --------
+
+MISTRAL_V01 = (  # Mistral-7B-Instruct-v0.1's template: a system turn is refused by the template itself
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+
+def _added_token(t: dict, i: int) -> None:
+    t["added_tokens"].append({"id": i, "content": "<past>", "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True})
+
+
+# case -> (file, change, words the line must hold); the template cases render with --system
+TOKENIZER_FILES = {
+    "mistral system": ("tokenizer_config.json", {"chat_template": MISTRAL_V01},
+                       ["tokenizer_config.json, field chat_template", "Conversation roles must alternate"]),
+    "syntax error": ("tokenizer_config.json", {"chat_template": "{% for m in messages %}{{ m.content }"},
+                     ["tokenizer_config.json, field chat_template", "not a valid Jinja template (line 1"]),
+    "nested range": ("tokenizer_config.json",
+                     {"chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}"
+                                       "{% endfor %}"},
+                     ["tokenizer_config.json, field chat_template", "more than 100,000 items"]),
+    "enormous range": ("tokenizer_config.json", {"chat_template": "{% for i in range(10**12) %}x{% endfor %}"},
+                       ["field chat_template", "range"]),
+    "repetition": ("tokenizer_config.json", {"chat_template": "{{ 'x' * 10**10 }}"},
+                   ["field chat_template", "repetition past the sandbox's bound"]),
+    "recursion": ("tokenizer_config.json", {"chat_template": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"},
+                  ["field chat_template", "the template failed"]),
+    "eos_token 5": ("tokenizer_config.json", {"eos_token": 5}, ['tokenizer_config.json: "eos_token" must be']),
+    "add_bos_token text": ("tokenizer_config.json", {"add_bos_token": "yes"},
+                           ['tokenizer_config.json: "add_bos_token" must be']),
+    "eos_token_ids text": ("tokenizer_config.json", {"eos_token_ids": ["</s>"]},
+                           ['tokenizer_config.json: "eos_token_ids" must be']),
+    "chat_template number": ("tokenizer_config.json", {"chat_template": 7},
+                             ['tokenizer_config.json: "chat_template" must be']),
+    "eos_token_id text": ("generation_config.json", {"eos_token_id": "</s>"},
+                          ['generation_config.json: "eos_token_id" must be']),
+    "id past the vocabulary": ("tokenizer.json", lambda t: _added_token(t, 300),
+                               ["tokenizer.json, added_tokens: token id 300 ('<past>') is past the model's vocabulary"]),
+}
+
+
+def _changed_checkpoint(ckpt: Path, tmp_path: Path, case: str) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    name, change, _ = TOKENIZER_FILES[case]
+    data = json.loads((d / name).read_text()) if (d / name).exists() else {}
+    change(data) if callable(change) else data.update(change)
+    (d / name).write_text(json.dumps(data))
+    return d
+
+
+@pytest.mark.parametrize("case", list(TOKENIZER_FILES))
+def test_a_wrong_tokenizer_file_is_one_line_naming_the_file_and_field(ckpt, inputs, tmp_path, capsys, case):
+    """The command line: one line naming the file and the field, exit 2, nothing answered; the API: the same
+    words, from `api.load` (a WeightsError: the checkpoint's tokenizer) or from the first prompt (a
+    TokenizerError), both one-line errors."""
+    from minillama.errors import OneLineError
+
+    d = _changed_checkpoint(ckpt, tmp_path, case)
+    *_, words = TOKENIZER_FILES[case]
+    code = cli.main([str(a) for a in ["--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                                      "--system", "Be brief.", "-n", "2"]])
+    out, err = capsys.readouterr()
+    line = one_line_error((code, err))
+    assert out == "" and all(w in line for w in words), line
+    with pytest.raises(OneLineError) as e:
+        api.ask(api.load(d), DOC, QUESTIONS[:1], system="Be brief.", max_new_tokens=2)
+    assert all(w in str(e.value) for w in words), e.value

@@ -235,3 +235,83 @@ def test_json_text_is_valid_json_for_non_finite_numbers():
 def test_check_options_spells_names_the_callers_way():
     with pytest.raises(errors.BadInput, match="^--max-new-tokens must be >= 0, got -1$"):
         checks.check_options(max_new_tokens=-1, spell=lambda n: "--" + n.replace("_", "-"))
+
+
+# --- input size: bounded where it is read (inputs.read_text), counted as the tokenizer keeps it -------------
+
+
+class EndlessStream:
+    """A stream that never ends (as /dev/zero or `yes` do), counting the bytes it hands out; past `most` it
+    raises, so that a reader that does not stop fails the test instead of taking the machine's memory."""
+
+    def __init__(self, chunk: bytes, most: int):
+        self.chunk, self.most, self.given = chunk, most, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or self.given > self.most:
+            raise AssertionError(f"read past {self.most:,} bytes (asked for {n})")
+        self.given += n
+        return (self.chunk * (n // len(self.chunk) + 1))[:n]
+
+
+@pytest.mark.parametrize("chunk,word", [(b"y\n", "longer than"), (b"\0", "binary"),
+                                        (bytes(range(256)), "binary"), (b"\xff\xfe", "not UTF-8")])
+def test_an_endless_input_is_read_up_to_the_limit_or_its_first_bad_block(ckpt, inputs, capsys, monkeypatch,
+                                                                          chunk, word):
+    """`yes`, /dev/zero, /dev/urandom on standard input: refused at the limit (for the tiny model's 512-token
+    context, under 2 MiB: what the context could hold, plus a margin) or at the first 64 KiB block holding a
+    NUL or a byte that is not UTF-8, never read to the end."""
+    stream = EndlessStream(chunk, 2 << 20)
+    monkeypatch.setattr(sys, "stdin", type("Stdin", (), {"buffer": stream})())
+    code = cli.main(["--model", str(ckpt), "--doc", "-", "--questions", str(inputs["questions"])])
+    assert word in one_line_error((code, capsys.readouterr().err))
+    assert stream.given <= (2 << 20 if word == "longer than" else 1 << 16)
+
+
+def _memory_bound():
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # the old reader met MemoryError here
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "/dev/urandom", "yes"])
+def test_an_endless_document_is_one_line_from_the_cli(ckpt, inputs, source):
+    """The command line on /dev/zero, /dev/urandom and `yes | ... --doc -`, under a 3 GiB address-space
+    bound: one line, exit 2, in seconds (the whole file was read before, until memory ran out)."""
+    if source == "yes":
+        yes = subprocess.Popen(["yes"], stdout=subprocess.PIPE)
+        try:
+            p = run_tool("generate", "--model", ckpt, "--doc", "-", "--questions", inputs["questions"],
+                         stdin=yes.stdout, preexec=_memory_bound)
+        finally:
+            yes.kill()
+            yes.wait()
+    else:
+        p = run_tool("generate", "--model", ckpt, "--doc", source, "--questions", inputs["questions"],
+                     preexec=_memory_bound)
+    line = one_line_error(p)
+    assert ("longer than" in line and "context is 512" in line) if source == "yes" else "binary" in line, line
+
+
+def test_ten_megabytes_of_zero_width_spaces_are_refused_without_tokenizing_them():
+    """A byte-level BPE keeps every zero-width space (three bytes each): the length check counts them as the
+    tokenizer does, so 10 MB of them are refused in one pass over the text, not after tokenizing it."""
+    from test_api import tiny_loaded
+    from test_faults import CountingTokenizer
+
+    small = tiny_loaded(max_pos=512)
+    counting = CountingTokenizer(small.tokenizer)
+    checks.too_long(counting, [("x", ["q"])], 512)  # the tokenizer's one probe of which characters it keeps
+    counting.chars = 0
+    from minillama import api
+
+    with pytest.raises(api.PromptTooLong, match="at least .* tokens"):
+        api.ask(api.LoadedModel(small.llama, counting), "\u200b" * 10_000_000, QUESTIONS[:1], max_new_tokens=2)
+    assert counting.chars == 0
+
+
+def test_zero_width_spaces_in_a_file_are_refused_from_their_length(ckpt, inputs, capsys):
+    """The command line: a document of zero-width spaces under the read limit but past the context is
+    refused from the characters the tokenizer keeps ("at least N tokens"), before any prompt is tokenized."""
+    f = inputs["dir"] / "zwsp.txt"
+    f.write_text("\u200b" * 300_000)
+    code = cli.main(["--model", str(ckpt), "--doc", str(f), "--questions", str(inputs["questions"])])
+    assert re.search(r"the prompt has at least \d+ tokens", one_line_error((code, capsys.readouterr().err)))

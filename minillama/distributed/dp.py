@@ -17,46 +17,77 @@ import json
 import os
 import sys
 import threading
+import traceback
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..api import Reply
+from ..errors import OneLineError, RankRefused, SaidElsewhere, one_line, report
 from .world import World
 
 ANSWER, DONE, ERROR = 1, 2, 3
 HEADER, PAYLOAD, HEARD = 1, 2, 3  # message tags
 
 
-def share_documents(costs: Sequence[int], groups: int) -> list[list[int]]:
-    """Document indices per group: the costliest first, each to the group with the least so far (ties to the
-    lower group), each group's share in input order."""
-    load = [0] * groups
-    shares: list[list[int]] = [[] for _ in range(groups)]
-    for d in sorted(range(len(costs)), key=lambda d: (-costs[d], d)):
-        g = min(range(groups), key=lambda g: (load[g], g))
-        shares[g].append(d)
-        load[g] += costs[d]
-    return [sorted(s) for s in shares]
+Piece = tuple[int, int, int]  # (document, first question, past its last question): a run of one document's questions
+
+
+def share_questions(doc_costs: Sequence[int], question_costs: Sequence[Sequence[int]], groups: int,
+                    whole_documents: bool = False) -> list[list[Piece]]:
+    """Each group's pieces: the input's questions, in input order, cut into at most `groups` runs so that the
+    costliest run costs least. A run pays for each of its questions and, once, for each document it touches
+    (a document split between two groups is prefilled by both). `whole_documents` cuts only between
+    documents (seqbatch: an answer there sees the earlier questions of its document). A group past the last
+    run gets nothing to do."""
+    if whole_documents:
+        items = [(d, 0, len(qs), sum(qs)) for d, qs in enumerate(question_costs)]
+    else:
+        items = [(d, k, k + 1, c) for d, qs in enumerate(question_costs) for k, c in enumerate(qs)]
+
+    def cut(most: int) -> list[list[Piece]] | None:
+        """The fewest runs none of which costs more than `most`, filled greedily; None if more than `groups`."""
+        runs: list[list[Piece]] = []
+        load = most + 1
+        for d, lo, hi, c in items:
+            if runs and runs[-1][-1][0] == d and load + c <= most:
+                runs[-1][-1] = (d, runs[-1][-1][1], hi)
+                load += c
+            elif runs and load + doc_costs[d] + c <= most:
+                runs[-1].append((d, lo, hi))
+                load += doc_costs[d] + c
+            else:
+                runs.append([(d, lo, hi)])
+                load = doc_costs[d] + c
+        return runs if len(runs) <= groups else None
+
+    lo = max((doc_costs[d] + c for d, _, _, c in items), default=0)
+    hi = sum(doc_costs) + sum(c for *_, c in items)
+    while lo < hi:  # the least cost of the costliest run
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cut(mid) is not None else (mid + 1, hi)
+    runs = cut(hi) or []
+    return runs + [[] for _ in range(groups - len(runs))]
 
 
 class Channel:
     """One rank's end of the answers' way to rank 0; `on_reply` is `api.ask_many`'s callback.
 
-    jobs: every document's (doc, questions); share: the documents of this rank's group. On rank 0, `write`
-    (called under a lock, from this thread or the receiving one) gets every answer with its index over all
-    questions; on a group's first rank, answers go to rank 0; other ranks only compute."""
+    jobs: every document's (doc, questions); share: the pieces of this rank's group (`share_questions`), which
+    it answers as documents of their own. On rank 0, `write` (called under a lock, from this thread or the
+    receiving one) gets every answer with its index over all questions; on a group's first rank, answers go to
+    rank 0; other ranks only compute."""
 
-    def __init__(self, world: World, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[int],
+    def __init__(self, world: World, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[Piece],
                  write: Callable[[int, Reply], None] | None):
         self.world, self.share, self.write = world, list(share), write
         starts, n = [], 0
         for _, questions in jobs:
             starts.append(n)
             n += len(questions)
-        self.first_question = [starts[d] for d in self.share]  # each of this share's documents, in the whole
+        self.first_question = [starts[d] + lo for d, lo, _ in self.share]  # each piece's, in the whole input
         self.lock = threading.Lock()
         self.remote_stats: list[dict[str, Any]] = []
         self._receiver: threading.Thread | None = None
@@ -67,10 +98,11 @@ class Channel:
     # --- every rank ---------------------------------------------------------------------------------
 
     def on_reply(self, i: int, reply: Reply) -> None:
-        """i counts the questions of this share; the reply's document index is the share's."""
-        d = reply.doc_index
-        reply.doc_index = self.share[d]
-        g = self.first_question[d] + reply.question_index
+        """i counts the questions of this share; the reply's document index is the piece's, its question
+        index the piece's own."""
+        d, lo, _ = self.share[reply.doc_index]
+        g = self.first_question[reply.doc_index] + reply.question_index
+        reply.doc_index, reply.question_index = d, lo + reply.question_index
         if self.world.writes:
             with self.lock:
                 self.write(g, reply)
@@ -109,10 +141,13 @@ class Channel:
 
     def _send(self, kind: int, index: int, payload: bytes) -> None:
         header = torch.tensor([kind, index, len(payload)], dtype=torch.int64)
-        dist.send(header, dst=0, group=self.world.answers, tag=HEADER)
-        if payload:
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=self.world.answers,
-                      tag=PAYLOAD)
+        try:
+            dist.send(header, dst=0, group=self.world.answers, tag=HEADER)
+            if payload:
+                dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=self.world.answers,
+                          tag=PAYLOAD)
+        except RuntimeError as e:  # rank 0 has ended (a closed pipe, a full disk): it says why, this rank stops
+            raise SaidElsewhere(f"rank 0 has stopped ({(str(e).splitlines() or [''])[0]})") from None
 
     def _receive(self) -> None:
         """Rank 0's receiving thread: answers from every other group until each has said it is done."""
@@ -127,8 +162,7 @@ class Channel:
                     dist.recv(data, src=src, group=self.world.answers, tag=PAYLOAD)
                 text = bytes(data.numpy()).decode()
                 if kind == ANSWER:
-                    with self.lock:
-                        self.write(index, Reply(**json.loads(text)))
+                    self._write(index, Reply(**json.loads(text)))
                 elif kind == DONE:
                     self.remote_stats.append(json.loads(text))
                     waiting -= 1
@@ -137,3 +171,56 @@ class Channel:
         except RuntimeError as e:  # a peer closed its end or the group's timeout passed
             first = (str(e).splitlines() or ["no reason given"])[0]
             self.fail(f"lost contact with another rank ({first}); the answers written so far are complete", 1)
+
+    def _write(self, index: int, reply: Reply) -> None:
+        """Write an answer from this thread; when writing fails (the reader of stdout went away, a full disk)
+        the one error runner says so and this thread ends the process (`end`)."""
+        try:
+            with self.lock:
+                self.write(index, reply)
+        except BaseException as e:
+            end(e)
+
+
+def end(error: BaseException) -> NoReturn:
+    """End this rank now, with the line and status of the one error runner (`errors.report`; a bug's
+    traceback, status 1). A rank of a running world cannot return from its main function: its peers may be
+    blocked on it, and the process group's threads would abort the interpreter's exit."""
+    code = report(error)
+    if code is None:
+        traceback.print_exception(error)
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def agree(world: World, prepare: Callable[[], Any]) -> Any:
+    """Run `prepare` (read the input, load the model, check the prompts' length) on every rank, then learn in
+    one exchange whether any rank refused: before any work is shared, so that a refusal stops every rank at
+    once rather than at the process group's timeout. Rank 0 says every refusal (one line; a message that
+    every rank gave, once, as one process would); a refusing rank on another machine says its own there;
+    every other rank stops quietly. Returns what `prepare` returned."""
+    if world.size == 1:
+        return prepare()
+    try:
+        done, mine = prepare(), None
+    except OneLineError as e:
+        done, mine = None, one_line(str(e)) or type(e).__name__
+    machine = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank; --procs runs on one machine
+    said: list[Any] = [None] * world.size
+    dist.all_gather_object(said, (machine, mine), group=world.answers)
+    refusals = {}  # message -> the ranks that gave it
+    for rank, (_, message) in enumerate(said):
+        if message is not None:
+            refusals.setdefault(message, []).append(rank)
+    if not refusals:
+        return done
+    dist.destroy_process_group()  # every rank is here: leave together, before saying why
+    if world.rank == 0:
+        if len(refusals) == 1 and len(next(iter(refusals.values()))) == world.size:
+            raise RankRefused(next(iter(refusals)))
+        raise RankRefused("; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {m}"
+                                    for m, r in refusals.items()))
+    if mine is not None and machine != said[0][0]:
+        raise RankRefused(f"rank {world.rank}: {mine}")
+    raise SaidElsewhere("another rank refused its input")

@@ -2,9 +2,9 @@
 
 The command line was read and checked once, here; each rank gets the parsed options and the documents (so
 standard input works too), the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and its share of the CPU's threads. The ranks join a
+MASTER_ADDR=127.0.0.1, a free MASTER_PORT) and its share of the CPUs this process may use. The ranks join a
 torch.distributed process group as under torchrun. When one fails, `torch.multiprocessing` ends the others
-and this process says which rank and why, in one line.
+and this process says which rank and why, in one line. `check_procs` bounds N by what the machine has.
 """
 
 from __future__ import annotations
@@ -23,12 +23,61 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+RANKS_PER_CPU = 2  # ranks past the cores take turns on them; twice lets a small machine run a bigger layout
+RANK_MEMORY = 256 << 20  # a rank before its model: Python, torch and a process group (about 220 MiB resident)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available for new processes (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_procs(args: argparse.Namespace) -> None:
+    """--procs N within what this machine can run, or BadInput. Each rank is a process of its own that
+    computes on at least one thread and holds at least RANK_MEMORY before any model: at most RANKS_PER_CPU
+    ranks per CPU this process may use (past the cores they only take turns, and no answer changes: the bytes
+    do not depend on the number of ranks; twice the cores still lets a small machine check the layout of a
+    bigger one, such as --procs 3 --tp 3), and no more than the available memory holds. With --device cuda
+    every rank takes a GPU of its own."""
+    from ..errors import BadInput
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if args.procs > gpus:
+            raise BadInput(f"--procs {args.procs}: every rank takes a GPU of its own, and {gpus} are visible")
+        return
+    cpus, memory = usable_cpus(), available_memory()
+    if args.procs > RANKS_PER_CPU * cpus:
+        raise BadInput(f"--procs {args.procs}: more than {RANKS_PER_CPU} ranks for each of the {cpus} CPUs this "
+                       f"process may use (at most --procs {RANKS_PER_CPU * cpus})")
+    if memory is not None and args.procs * RANK_MEMORY > memory:
+        raise BadInput(f"--procs {args.procs}: each rank needs at least {RANK_MEMORY >> 20} MiB before its model, "
+                       f"and {memory >> 20} MiB are available (at most --procs {memory // RANK_MEMORY})")
+
+
 def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
     """Start args.procs ranks of `entry(args, jobs)` (cli.answer); returns the exit status."""
     import torch.multiprocessing as mp
 
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # this function says what ended
-    threads = max(1, (os.cpu_count() or 1) // args.procs)
+    threads = max(1, usable_cpus() // args.procs)
     env = {"WORLD_SIZE": str(args.procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     ctx = mp.start_processes(_rank, args=(entry, args, jobs, env), nprocs=args.procs, join=False,

@@ -2,8 +2,9 @@
 
     here = join(args)                 # this process's place in the world (one process: a world of one)
     shard = sharding(args, here)      # a tensor-parallel rank's: the loader reads only its parts
+    jobs, model = here.agree(prepare) # every rank's input read and checked, and any refusal heard by all
     place(model, args, here)          # the product units; the model on args.device
-    share(jobs, here, tokenizer)      # the documents this rank's data-parallel group answers
+    share(jobs, here, tokenizer)      # the questions this rank's data-parallel group answers
     channel = here.channel(...)       # each finished answer: written (rank 0) or sent there
     totals = here.finish(channel, stats)
 """
@@ -18,12 +19,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import BadInput
+from ..errors import BadInput, OneLineError, SaidElsewhere
 from ..generate import Stats
 from ..model import Llama
 from . import check_degrees, launched
 from . import tp as tensor_parallel
-from .dp import Channel, share_documents
+from .dp import Channel, Piece, agree, end, share_questions
 from .world import World, finish, init, single
 
 
@@ -34,15 +35,24 @@ class Here:
     kv_heads: int = 1
     _channel: Channel | None = field(default=None, repr=False)
 
-    def channel(self, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[int], write) -> Channel:
+    def agree(self, prepare):
+        """`prepare()` on every rank, and every rank stops at once when one refuses (`dp.agree`)."""
+        return agree(self.world, prepare)
+
+    def channel(self, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[Piece], write) -> Channel:
         self._channel = Channel(self.world, jobs, share, write)
         return self._channel
 
     def failed(self, error: BaseException) -> None:
-        """This rank hit an error: rank 0 hears of it (it is rank 0's own to report otherwise)."""
-        if self._channel is not None and self.world.size > 1 and not self.world.writes:
+        """This rank hit an error while answering. Alone: nothing to do here (the caller raises it). In a
+        distributed run another rank's error goes to rank 0, which says it; then this rank ends at once with
+        the one error runner's status (`dp.end`), its peers and the process group being past waiting for."""
+        if self.world.size == 1 or self._channel is None:
+            return
+        if not self.world.writes and not isinstance(error, SaidElsewhere):
             message = " ".join(str(error).split()) or type(error).__name__
-            self._channel.error(message, 2 if isinstance(error, BadInput) else 1)
+            self._channel.error(message, 2 if isinstance(error, OneLineError) else 1)
+        end(error)
 
     def finish(self, channel: Channel, stats: Stats) -> Stats:
         """Wait (rank 0) for every group; the totals over the groups."""
@@ -120,13 +130,15 @@ def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
         tensor_parallel.tie_head_(model)
 
 
-def share(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0) -> list[int]:
-    """The documents of this rank's data-parallel group, balanced by token count (document, questions and
-    the answers' most tokens)."""
+def share(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0,
+          mode: str = "parallel") -> list[Piece]:
+    """The pieces (document, first question, past the last) of this rank's data-parallel group: the questions
+    cut into runs of balanced token count (`dp.share_questions`: each question and its answer's most tokens,
+    each document once per group that holds some of its questions). seqbatch keeps documents whole."""
     if here.world.dp == 1:
-        return list(range(len(jobs)))
-    costs = [len(tokenizer.encode(doc, parse_special=False))
-             + sum(len(tokenizer.encode(q, parse_special=False)) + max_new_tokens for q in questions)
-             for doc, questions in jobs]
-    shares = share_documents(costs, here.world.dp)
+        return [(d, 0, len(questions)) for d, (_, questions) in enumerate(jobs)]
+    doc_costs = [len(tokenizer.encode(doc, parse_special=False)) for doc, _ in jobs]
+    question_costs = [[len(tokenizer.encode(q, parse_special=False)) + max_new_tokens for q in questions]
+                      for _, questions in jobs]
+    shares = share_questions(doc_costs, question_costs, here.world.dp, whole_documents=mode == "seqbatch")
     return shares[here.world.dp_rank]

@@ -4,10 +4,16 @@ Chat templates are the checkpoint's own Jinja source, rendered in a sandboxed en
 `raise_exception`, `strftime_now` and `tojson` (`apply_chat_template`). `encode_chat` tokenizes a rendered
 chat so that only the template's own markers are control tokens: "<|im_end|>" written in a document is
 text, it cannot close a turn.
+
+A template is the user's file, so whatever it does wrong is a `TokenizerError` naming the file and the field
+(`template_source`), one line: a syntax error when the tokenizer is loaded (`check_template`), and, when it
+is rendered, its own `raise_exception` (a Mistral template refusing a system turn), an undefined name, or work
+past the sandbox's bounds (`RANGE_BUDGET` items over all its `range` calls, `MAX_REPEAT` for `*` and `**`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -35,6 +41,8 @@ class Tokenizer:
     eos_token: str | None
     add_bos: bool | None  # what encode(text, add_special=True) adds
     add_eos: bool | None
+    source: str = "the tokenizer"  # the file it was read from, for messages
+    template_source: str = "the chat template"  # the file and field the chat template was read from
 
     @property
     def vocab_size(self) -> int:
@@ -59,6 +67,19 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         raise NotImplementedError
 
+    def largest_ids(self) -> list[tuple[str, int, str]]:
+        """(field of the tokenizer file, its largest token id, that token) for each field that holds ids."""
+        raise NotImplementedError
+
+    def check_fits(self, vocab_size: int) -> None:
+        """TokenizerError naming the file and the field when a token id (or BOS) is past the model's
+        vocabulary: the embedding would be indexed out of range on the first prompt that holds it."""
+        for field, i, token in self.largest_ids() + ([("bos_token", self.bos_id, self.bos_token or "")]
+                                                     if self.bos_id is not None else []):
+            if i >= vocab_size:
+                raise TokenizerError(f"{self.source}, {field}: token id {i} ({token!r}) is past the model's "
+                                     f"vocabulary (vocab_size {vocab_size}: ids 0 to {vocab_size - 1})")
+
     def save(self, out_dir: str | Path) -> None:
         """Write the tokenizer files of an HF directory (tokenizer.json or tokenizer.model, and
         tokenizer_config.json with the chat template and special tokens)."""
@@ -70,9 +91,14 @@ class Tokenizer:
         `encode(text)`: templates write BOS themselves where the model wants it."""
         if self.chat_template is None:
             raise TokenizerError("this tokenizer has no chat template")
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
+        template = check_template(self.chat_template, self.template_source)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                   range=_bounded_range(), **variables)
+        except Exception as e:  # noqa: BLE001 - the template is the user's program: whatever it raises is its fault
+            raise TokenizerError(f"{self.template_source}: the template failed: "
+                                 f"{' '.join(str(e).split()) or type(e).__name__}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **variables: Any) -> list[int]:
@@ -145,10 +171,43 @@ class Tokenizer:
                 f"eos_ids={self.eos_ids}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
+RANGE_BUDGET = 100_000  # items over every `range` of one rendering: a prompt template loops over messages
+MAX_REPEAT = 1_000_000  # the longest `"x" * n` or list repetition, and the largest result of `**`
+
+
+def _bounded_range() -> Any:
+    """A `range` for one rendering that hands out at most RANGE_BUDGET items over all its calls (the sandbox's
+    own bounds each range alone, so nested ones could still run for hours)."""
+    left = [RANGE_BUDGET]
+
+    def bounded(*args: int) -> Any:
+        r = range(*args)
+        if len(r) > left[0]:
+            raise OverflowError(f"its ranges ask for more than {RANGE_BUDGET:,} items in all")
+        left[0] -= len(r)
+        return r
+    return bounded
+
+
+def check_template(source: str, where: str = "the chat template") -> Any:
+    """The compiled template, or TokenizerError naming `where` (the file and field it came from)."""
+    import jinja2
+
+    if not isinstance(source, str):
+        raise TokenizerError(f"{where} must be a string, got {type(source).__name__}")
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"{where}: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"{where}: not a valid Jinja template ({' '.join(str(e).split())})") from None
+
+
+@functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> Any:
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -161,7 +220,21 @@ def _compile_template(source: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The sandbox, with `*` and `**` bounded: `"x" * 10**10` would take the memory, `9**9**9` the time."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "**" and isinstance(right, int) and abs(right) > 64 and abs(left) > 1:
+                raise SecurityError(f"a power past the sandbox's bound ({left!r} ** {right!r})")
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                        raise SecurityError(f"a repetition past the sandbox's bound of {MAX_REPEAT:,} items")
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -36,7 +36,9 @@ class HFTokenizer(Tokenizer):
             tok = _Tok.from_file(str(path))
         except Exception as e:
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
-        return cls(tok, **kwargs)
+        out = cls(tok, **kwargs)
+        out.source = str(path)
+        return out
 
     @property
     def vocab_size(self) -> int:
@@ -57,6 +59,12 @@ class HFTokenizer(Tokenizer):
             if self.add_eos and self.eos_ids:
                 ids.append(self.eos_ids[0])
         return ids
+
+    def largest_ids(self) -> list[tuple[str, int, str]]:
+        added = self._tok.get_added_tokens_decoder()
+        vocab = {i: t for t, i in self._tok.get_vocab(with_added_tokens=False).items()}
+        return [(field, max(ids), ids[max(ids)] if field == "model.vocab" else ids[max(ids)].content)
+                for field, ids in (("model.vocab", vocab), ("added_tokens", added)) if ids]
 
     def special_tokens(self) -> list[str]:
         return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .base import NORMAL, Tokenizer, TokenizerError
+from .base import NORMAL, Tokenizer, TokenizerError, check_template
 from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
@@ -24,6 +24,15 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF file"
     eos_ids = _unique([int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                                 "tokenizer.ggml.eom_token_id") if meta.get(k) is not None])
     template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        check_template(template, f"{source}, field tokenizer.chat_template")
+    tok = _gguf_tokenizer(meta, source, kind, tokens, types, bos_id, eos_ids, template)
+    tok.source, tok.template_source = source, f"{source}, field tokenizer.chat_template"
+    return tok
+
+
+def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, types: list, bos_id: Any,
+                    eos_ids: list[int], template: str | None) -> Tokenizer:
     if kind == "llama":
         proto = sentencepiece_proto(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
                                     add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
@@ -58,24 +67,30 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return SentencePieceTokenizer.from_file(p)
     if not p.is_dir():
         raise TokenizerError(f"{p}: no such file or directory")
-    cfg = _read_json(p / "tokenizer_config.json") if (p / "tokenizer_config.json").exists() else {}
-    template = _chat_template(p, cfg)
+    cfg_path = p / "tokenizer_config.json"
+    cfg = _read_json(cfg_path) if cfg_path.exists() else {}
+    _check_config(cfg, cfg_path)
+    template, template_source = _chat_template(p, cfg)
     eos_ids = _eos_ids_from_configs(p)
     bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
     if (p / "tokenizer.json").exists():
-        return HFTokenizer.from_file(
+        tok = HFTokenizer.from_file(
             p / "tokenizer.json", bos_token=bos, eos_tokens=[eos] if eos else [],
             extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
             add_bos=cfg.get("add_bos_token"), add_eos=cfg.get("add_eos_token"))
-    if (p / "tokenizer.model").exists():
+    elif (p / "tokenizer.model").exists():
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
                                                add_eos=cfg.get("add_eos_token", False), chat_template=template)
         if bos is not None and tok.token_to_id(bos) is not None:
             tok.bos_id, tok.bos_token = tok.token_to_id(bos), bos
         extra = [tok.token_to_id(eos)] if eos is not None and tok.token_to_id(eos) is not None else []
         tok.eos_ids = _unique(extra + tok.eos_ids + list(cfg.get("eos_token_ids") or []) + eos_ids)
-        return tok
-    raise TokenizerError(f"{p}: no tokenizer (looked for tokenizer.json and tokenizer.model)")
+    else:
+        raise TokenizerError(f"{p}: no tokenizer (looked for tokenizer.json and tokenizer.model)")
+    if template is not None:
+        tok.template_source = template_source
+        check_template(template, template_source)  # a syntax error is found now, before any work
+    return tok
 
 
 def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
@@ -103,15 +118,46 @@ def _token_text(tok: Any) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
-def _chat_template(d: Path, cfg: dict[str, Any]) -> str | None:
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_config(cfg: dict[str, Any], path: Path) -> None:
+    """The fields of tokenizer_config.json minillama reads, each of the type HF transformers writes, or
+    TokenizerError naming the file and the field."""
+    def bad(field: str, what: str) -> TokenizerError:
+        return TokenizerError(f'{path}: "{field}" must be {what}, got {json.dumps(cfg[field])[:80]}')
+
+    for field in ("bos_token", "eos_token"):
+        v = cfg.get(field)
+        if not (v is None or isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))):
+            raise bad(field, 'a string, an AddedToken object {"content": "..."} or null')
+    for field in ("add_bos_token", "add_eos_token"):
+        if not (cfg.get(field) is None or isinstance(cfg[field], bool)):
+            raise bad(field, "true, false or null")
+    ids = cfg.get("eos_token_ids")
+    if not (ids is None or (isinstance(ids, list) and all(map(_is_id, ids)))):
+        raise bad("eos_token_ids", "a list of token ids (integers >= 0)")
     t = cfg.get("chat_template")
+    if not (t is None or isinstance(t, str) or (isinstance(t, list) and all(
+            isinstance(x, dict) and isinstance(x.get("template"), str) for x in t))):
+        raise bad("chat_template", 'a string, a list of {"name": ..., "template": "..."} or null')
+
+
+def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
+    """The chat template and where it was read from (the file and the field)."""
+    t, where = cfg.get("chat_template"), f"{d / 'tokenizer_config.json'}, field chat_template"
     if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         t = {x.get("name"): x.get("template") for x in t}.get("default")
+        where += "[default]"
     if t is None and (d / "chat_template.jinja").exists():
-        t = (d / "chat_template.jinja").read_text()
+        t, where = (d / "chat_template.jinja").read_text(), str(d / "chat_template.jinja")
     if t is None and (d / "chat_template.json").exists():
+        where = f"{d / 'chat_template.json'}, field chat_template"
         t = _read_json(d / "chat_template.json").get("chat_template")
-    return t
+        if not (t is None or isinstance(t, str)):
+            raise TokenizerError(f"{where} must be a string, got {json.dumps(t)[:80]}")
+    return t, where
 
 
 def _eos_ids_from_configs(d: Path) -> list[int]:
@@ -119,5 +165,9 @@ def _eos_ids_from_configs(d: Path) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         if (d / name).exists():
             e = _read_json(d / name).get("eos_token_id")
-            ids += [] if e is None else list(e) if isinstance(e, list) else [e]
+            e = [] if e is None else e if isinstance(e, list) else [e]
+            if not all(map(_is_id, e)):
+                raise TokenizerError(f'{d / name}: "eos_token_id" must be a token id or a list of them (integers '
+                                     f">= 0), got {json.dumps(_read_json(d / name)['eos_token_id'])[:80]}")
+            ids += e
     return _unique(ids)

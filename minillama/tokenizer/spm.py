@@ -50,9 +50,11 @@ class SentencePieceTokenizer(Tokenizer):
             raise TokenizerError(f"{path}: a tiktoken BPE file (Llama 3 style), not a sentencepiece model; "
                                  "convert the checkpoint to an HF directory with a tokenizer.json")
         try:
-            return cls(data, **kwargs)
+            tok = cls(data, **kwargs)
         except TokenizerError as e:
             raise TokenizerError(f"{path}: {e}") from None
+        tok.source = str(path)
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -89,6 +91,10 @@ class SentencePieceTokenizer(Tokenizer):
 
     def special_tokens(self) -> list[str]:
         return list(self._special)
+
+    def largest_ids(self) -> list[tuple[str, int, str]]:
+        n = self._sp.get_piece_size()
+        return [("pieces", n - 1, self._sp.id_to_piece(n - 1))] if n else []
 
     def token_to_id(self, token: str) -> int | None:
         i = self._sp.piece_to_id(token)
