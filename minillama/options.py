@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import re
-import struct
 from typing import Any, Callable, Sequence
 
 from .errors import BadInput
@@ -86,11 +85,6 @@ def need(ok: Callable[[Any], bool], what: str, kind: type = BadInput, optional: 
         if not (optional and value is None) and not ok(value):
             raise kind(f"{name} must be {what}, got {value!r}")
     return rule
-
-
-def float32(x: float) -> float:
-    """`x` rounded to float32, as torch rounds a number it compares with a float32 tensor."""
-    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 INTEGER = need(is_int, "an integer", BadType)

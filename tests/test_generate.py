@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minillama.generate import SamplingParams, Stats, generate, sample, sample_rows, shared_prefix_length, uniforms
+from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
+from minillama.sampling import sample_rows, uniforms
 from tiny import tiny_config, tiny_model
 
 

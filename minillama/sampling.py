@@ -1,0 +1,81 @@
+"""Sampling on the device: every row's token at once, from each question's own counter-based random stream.
+
+`generate._take` picks every question's next token in one step: an argmax for greedy rows, `sample_rows` for
+sampled ones. A question's stream is a key (`stream_key`: seed and question index) and a draw number (the
+tokens its answer holds), and its uniforms are a pure function of (key, draw, token id), so there is no
+generator state to carry, nothing sampled depends on what else is in the batch, and no row of logits has to
+leave the device: only the chosen tokens do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def stream_key(seed: int, index: int) -> int:
+    """The random stream of question `index`: the same in every mode (a 63-bit key)."""
+    return (seed * 1_000_003 + index) % (2**63)
+
+
+_MASK64 = (1 << 64) - 1
+# SplitMix64's constants, as the signed 64-bit integers torch multiplies with (wrapping, on every device).
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) if c >= 1 << 63 else c
+                         for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift(z: torch.Tensor, k: int) -> torch.Tensor:
+    """z >>> k, the logical right shift of 64-bit words held in int64."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: every bit of z spread over every bit of the result (int64, wrapping)."""
+    z = (z ^ _shift(z, 30)) * _MIX1
+    z = (z ^ _shift(z, 27)) * _MIX2
+    return z ^ _shift(z, 31)
+
+
+def uniforms(keys: torch.Tensor, steps: torch.Tensor, width: int) -> torch.Tensor:
+    """(Q, width) float64 in (0, 1): draw v of step t of stream `keys[q]`, a pure function of (key, t, v).
+
+    Counter-based: no generator state to carry, the same numbers on every device and in every batch (integer arithmetic, element by element), so a question's draws never depend on
+    what else is sampled beside it."""
+    row = _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]  # (Q, 1)
+    z = _mix(row + (torch.arange(width, device=keys.device, dtype=torch.int64) + 1) * _GOLDEN)  # (Q, width)
+    return (_shift(z, 11).double() + 0.5) * 2.0**-53
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                keys: torch.Tensor, steps: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+    """The sampled token of every row of raw logits (Q, vocab), on the logits' device: (Q,) int64.
+
+    Per row: y = (x - max x) / temperature in float64 (a tiny temperature cannot overflow it); top-k keeps the
+    K likeliest (ties at the K-th kept), top-p then the smallest set reaching P; the token is the Gumbel-max
+    argmax(y + g) with g = -log(-log(u)) and u the row's own `uniforms`, which picks token i with probability
+    softmax(y)_i. Everything is row-wise and nothing comes back to the host. Rows are padded to whole tiles
+    of 8 and columns to a multiple of 64 (-inf, never picked): an element-wise kernel then finishes no row
+    with scalar code, and top-p's cumulative sum is issued on fixed (8, width) shapes, so a row's bits do not
+    depend on how many rows are sampled together. `filtered=False` (no row asks for top-k or top-p) skips the
+    sort, which hides nothing then: the same tokens.
+    """
+    q, vocab = logits.shape
+    rows, width = -(-max(q, 1) // 8) * 8, -(-vocab // 64) * 64
+    x = torch.full((rows, width), float("-inf"), dtype=torch.float64, device=logits.device)
+    x[:q, :vocab] = logits
+    x[q:] = 0.0  # padding rows: finite, discarded
+    pad = rows - q
+    t = F.pad(temperature.double(), (0, pad), value=1.0)[:, None]
+    y = (x - x.amax(dim=-1, keepdim=True)) / t  # (rows, width)
+    g = -torch.log(-torch.log(uniforms(F.pad(keys, (0, pad)), F.pad(steps, (0, pad)), width)))
+    if not filtered:
+        return torch.argmax(y + g, dim=-1)[:q]
+    sorted_y, order = torch.sort(y, dim=-1, descending=True, stable=True)
+    k = F.pad(top_k, (0, pad))[:, None]
+    kth = sorted_y.gather(1, (k.clamp(1, vocab) - 1))
+    cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th
+    p = torch.softmax(sorted_y.masked_fill(cut, float("-inf")), dim=-1)
+    cum = torch.cat([torch.cumsum(p[i:i + 8], dim=-1) for i in range(0, rows, 8)])  # fixed (8, width) scans
+    cut |= cum - p >= F.pad(top_p.double(), (0, pad), value=1.0)[:, None]  # the smallest set reaching top_p
+    hidden = torch.zeros_like(cut).scatter_(1, order, cut)
+    return torch.argmax(y.masked_fill(hidden, float("-inf")) + g, dim=-1)[:q]
