@@ -18,7 +18,6 @@ def stream_key(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63)
 
 
-_MASK64 = (1 << 64) - 1
 # SplitMix64's constants, as the signed 64-bit integers torch multiplies with (wrapping, on every device).
 _GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) if c >= 1 << 63 else c
                          for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -39,8 +38,8 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 def uniforms(keys: torch.Tensor, steps: torch.Tensor, width: int) -> torch.Tensor:
     """(Q, width) float64 in (0, 1): draw v of step t of stream `keys[q]`, a pure function of (key, t, v).
 
-    Counter-based: no generator state to carry, the same numbers on every device and in every batch (integer arithmetic, element by element), so a question's draws never depend on
-    what else is sampled beside it."""
+    Counter-based: no generator state to carry, the same numbers on every device and in every batch (integer
+    arithmetic, element by element), so a question's draws never depend on what else is sampled beside it."""
     row = _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]  # (Q, 1)
     z = _mix(row + (torch.arange(width, device=keys.device, dtype=torch.int64) + 1) * _GOLDEN)  # (Q, width)
     return (_shift(z, 11).double() + 0.5) * 2.0**-53
@@ -76,6 +75,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th
     p = torch.softmax(sorted_y.masked_fill(cut, float("-inf")), dim=-1)
     cum = torch.cat([torch.cumsum(p[i:i + 8], dim=-1) for i in range(0, rows, 8)])  # fixed (8, width) scans
-    cut |= cum - p >= F.pad(top_p.double(), (0, pad), value=1.0)[:, None]  # the smallest set reaching top_p
+    p_max = F.pad(top_p.double(), (0, pad), value=1.0)[:, None]
+    cut |= (p_max < 1) & (cum - p >= p_max)  # the smallest set reaching top_p (1: off, whatever cum rounds to)
     hidden = torch.zeros_like(cut).scatter_(1, order, cut)
     return torch.argmax(y.masked_fill(hidden, float("-inf")) + g, dim=-1)[:q]

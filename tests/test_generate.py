@@ -177,3 +177,12 @@ def test_sampling_ships_tokens_not_vocabulary_rows(model, monkeypatch):
     copies.clear()  # negative control: keeping every step's logits does ship vocabulary rows, and is seen
     generate(model, prompts, SamplingParams(**{**params.__dict__, "keep_logits": True}))
     assert any(vocab in shape for shape in copies)
+
+
+def test_a_row_that_filters_nothing_draws_alike_beside_rows_that_do():
+    """top_k 0 and top_p 1 are off whatever a running sum rounds to: such a row draws the same token whether
+    its neighbours filter (the sorted path) or not (the path that skips the sort)."""
+    logits, (t, k, p, keys, steps) = _rows(16, 1000, 1)
+    off_k, off_p = torch.zeros_like(k), torch.ones_like(p)
+    assert torch.equal(sample_rows(logits, t, off_k, off_p, keys, steps, filtered=True),
+                       sample_rows(logits, t, off_k, off_p, keys, steps, filtered=False))
