@@ -21,7 +21,8 @@ import torch
 
 Slices = dict[str, tuple[int, int, int]]
 
-BLOCK_BYTES = 8 << 20  # rows of a column slice read per block before they are laid out column-major
+BLOCK_BYTES = 2 << 20  # rows of a column slice read per block before they are laid out column-major (a
+# transient buffer every rank holds beside its part: small, so the part dominates the peak)
 
 
 def sliced_shape(shape: tuple[int, ...], cut: tuple[int, int, int] | None) -> tuple[int, ...]:
