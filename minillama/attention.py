@@ -34,10 +34,9 @@ cut into blocks at positions 0, B, 2B, ...:
 
 1. every (row, block) pair is one row of a fixed-shape product: a tile of T query rows against the B keys
    of one block. A block the row sees whole is a *whole* item; a block it sees in part is a *partial*,
-   masked item: the block holding the row's own position (cut on the right) and, with a window, the
-   block holding its first visible position (cut on the left; one block may be cut on both sides). Each
-   kind has its own tile and batch sizes (`item_sizes`). Which kind a pair is depends on the row's
-   position only; blocks wholly before the window are not visited.
+   masked item (blocks.py: the two kinds, `visible_blocks`, and each kind's sizes, `AttentionTiles`).
+   Which kind a pair is depends on the row's position only; blocks wholly before the window are not
+   visited.
 2. the row's maximum score over all its keys is exact (a maximum does not depend on order);
 3. each block gives exp(score - max), its sum and its weighted values; the blocks are added onto zero one
    after another: the whole blocks in block order, then the partial blocks in block order.
@@ -53,23 +52,13 @@ document's keys are read once per tile, not once per question.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from .blocks import KEY_BLOCK, AttentionTiles, first_visible, visible_blocks
 from .cache import PAD_SLOT
-from .invariant import Tiles
-
-if TYPE_CHECKING:
-    from .plan import AttentionPlan, Items
-
-KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
-
-
-def first_visible(position: int, window: int | None) -> int:
-    """The first position of its chain a query at `position` sees (0 without a sliding window)."""
-    return 0 if window is None else max(0, position - window + 1)
+from .plan import AttentionPlan, Items
 
 
 # --- 1. the rule: a plain softmax over the keys a token sees --------------------------------------------
@@ -93,26 +82,6 @@ def segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 # --- 2. the blocked reference: the same rule in the order that makes it bit-exact, one row at a time --------
-
-def visible_blocks(position: int, window: int | None) -> tuple[range, list[int]]:
-    """The blocks a query at `position` visits: (whole blocks, partial blocks), each in block order."""
-    first = first_visible(position, window)
-    whole = range(-(-first // KEY_BLOCK), (position + 1) // KEY_BLOCK)
-    return whole, [block for block in sorted({first // KEY_BLOCK, position // KEY_BLOCK}) if block not in whole]
-
-
-class ItemSizes(NamedTuple):
-    rows: int  # T: query rows per tile
-    batch: int  # items per batched call
-    chunk: int  # most items whose scores are held at once
-
-
-def item_sizes(tiles: Tiles, whole: bool) -> ItemSizes:
-    """The sizes of whole or partial items (`Tiles` calls the two kinds full and part)."""
-    if whole:
-        return ItemSizes(tiles.full, tiles.full_batch, tiles.full_chunk)
-    return ItemSizes(tiles.part, tiles.part_batch, tiles.part_chunk)
-
 
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
     """out[i] = a[i] @ b[i] for I items, issued as `bmm` calls of exactly `batch` items each.
@@ -151,7 +120,7 @@ def _finite(row_max: torch.Tensor) -> torch.Tensor:
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
-                        key_slots: list[list[int]], tiles: Tiles, window: int | None = None) -> torch.Tensor:
+                        key_slots: list[list[int]], tiles: AttentionTiles, window: int | None = None) -> torch.Tensor:
     """The blocked rule written for a reader: each query row alone, its logical blocks in order.
 
     q: (Hkv, N * G, D) query rows (row n * G + g is query head g of token n); k_cache, v_cache: (Hkv, S, D);
@@ -172,7 +141,8 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             scores, values = [], []
             for block in [*whole_blocks, *partial_blocks]:  # the order the blocks are added in
                 whole = block in whole_blocks  # the row sees every key of the block
-                tile, batch, _ = item_sizes(tiles, whole)
+                kind = tiles.whole if whole else tiles.partial
+                tile, batch = kind.rows, kind.batch
                 padding = [PAD_SLOT] * max(0, block * B + B - len(slots))
                 block_slots = torch.tensor(slots[block * B:block * B + B] + padding)  # (B,)
                 q_tile = q.new_zeros(batch, tile, d, dtype=acc)  # (batch, T, D): the row at [0, 0]
@@ -204,7 +174,7 @@ def _add_rows(out: torch.Tensor, rows: torch.Tensor, terms: torch.Tensor, index_
     """out[rows[i]] += terms[i], each real row at most once per call (the spare row takes the rest).
 
     Either way it is one IEEE addition per element, so the bits do not depend on which way: `index_add_`
-    is one launch (a GPU's choice, `Tiles.index_add`), but a CPU's runs orders of magnitude slower with
+    is one launch (a GPU's choice, `AttentionTiles.index_add`), but a CPU's runs orders of magnitude slower with
     few threads than a gather, an add and a plain `index_put_` (docs/design.md has the measurement).
     """
     if index_add:
@@ -219,7 +189,7 @@ def _gather(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan,
-                      tiles: Tiles) -> torch.Tensor:
+                      tiles: AttentionTiles) -> torch.Tensor:
     """q: (Hkv, R, D) query rows; k_cache, v_cache: (Hkv, S, D). Returns (Hkv, R, D), at least float32.
 
     Pass 1 finds each row's exact maximum over all its items; pass 2 takes exp(score - max), its sum and its
@@ -255,13 +225,13 @@ def _terms(scores: torch.Tensor, row_max: torch.Tensor, rows: torch.Tensor, valu
 
 
 def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
-                      tiles: Tiles) -> torch.Tensor:
+                      tiles: AttentionTiles) -> torch.Tensor:
     """Every item at once; each row's terms then gathered by `plan.order` and added in J fixed steps.
 
     Nothing here depends on a value of the pass, only on its plan's shapes: the step a GPU captures.
     """
     d = queries.shape[1]
-    kinds = [(items, item_sizes(tiles, whole).batch) for items, whole in ((plan.whole, True), (plan.partial, False))]
+    kinds = [(plan.whole, tiles.whole.batch), (plan.partial, tiles.partial.batch)]
     scores = [_scores(queries, keys, items, 0, items.count, batch) for items, batch in kinds]
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     for (items, _), item_scores in zip(kinds, scores):
@@ -278,16 +248,14 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
-                  tiles: Tiles) -> torch.Tensor:
-    """Items in chunks of at most `ItemSizes.chunk` (all at once when a kind has at most `Tiles.keep`); each
+                  tiles: AttentionTiles) -> torch.Tensor:
+    """Items in chunks of at most `ItemTiles.chunk` (all at once when a kind has at most `keep`); each
     block's terms added onto its rows in block order (`_add_rows`: a row meets each block once, so every
     call adds one term to it). With more than one chunk, pass 2 computes the scores again (the same
     products, the same bits) rather than hold them all."""
     d = queries.shape[1]
-    kinds = []  # (items, batch, chunk) of the whole, then the partial items
-    for items, whole in ((plan.whole, True), (plan.partial, False)):
-        sizes = item_sizes(tiles, whole)
-        kinds.append((items, sizes.batch, items.count if 0 < items.count <= tiles.keep else sizes.chunk))
+    kinds = [(items, kind.batch, items.count if 0 < items.count <= tiles.keep else kind.chunk)  # whole, then partial
+             for items, kind in ((plan.whole, tiles.whole), (plan.partial, tiles.partial))]
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     kept = []

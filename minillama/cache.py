@@ -97,8 +97,12 @@ class KVCache:
 
     def used_bytes(self) -> int:
         """Bytes of keys and values held for live tokens (each stored once)."""
-        per_slot = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.element_size() * 2
-        return self.used_slots * per_slot
+        return self.used_slots * self.bytes_per_token
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's keys and values here (this process's KV heads: a rank holds its own)."""
+        return self.config.kv_bytes_per_token(self.k.element_size(), kv_heads=self.k.shape[1])
 
     def reserve(self, slots: int) -> None:
         """Make room for `slots` more tokens at once: one reallocation sized to the need, where appending

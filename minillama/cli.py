@@ -342,7 +342,7 @@ def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question
     user left open. What a pass holds: each document's KV once, and per question its own tokens' KV
     (prompt suffix and answer) and a few rows of activations (its logits row over the vocabulary, the
     MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice."""
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    kv_per_token = config.kv_bytes_per_token(dtype_bytes)
     per_row = 4 * (2 * config.vocab_size + 3 * config.intermediate_size + 4 * config.hidden_size)
     per_question = [2 * kv_per_token * (max(q, default=0) + max_new_tokens) + per_row for q in question_tokens]
     per_doc = [2 * kv_per_token * d for d in doc_tokens]

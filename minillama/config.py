@@ -1,8 +1,9 @@
 """Model configuration, with Hugging Face's field names.
 
-`LlamaConfig` holds what a checkpoint says about its architecture. Readers for HF `config.json` and
-Meta `params.json` live here; the GGUF reader lives in `weights/gguf.py` (it needs the `gguf` package).
-Nothing here is guessed from a model's name: config is data read from the checkpoint.
+`LlamaConfig` holds what a checkpoint says about its architecture. `from_dict` reads HF's field names (the
+HF `config.json` reader, which also maps each family's fields, is `weights/hf.hf_config`), `from_meta_params`
+Meta's `params.json`; the GGUF reader lives in `weights/gguf.py` (it needs the `gguf` package). Nothing here
+is guessed from a model's name: config is data read from the checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .family import MODEL_TYPES, check_rope_scaling, hf_extra, hf_fields
+from .family import MODEL_TYPES, check_rope_scaling, hf_extra
 
 
 @dataclass
@@ -63,6 +64,12 @@ class LlamaConfig:
                                                 or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
 
+    def kv_bytes_per_token(self, element_size: int, kv_heads: int | None = None) -> int:
+        """Bytes one token's keys and values take in a cache: K and V, every layer, every KV head (or a
+        tensor-parallel rank's `kv_heads`), head_dim values of `element_size` bytes each."""
+        heads = self.num_key_value_heads if kv_heads is None else kv_heads
+        return 2 * self.num_hidden_layers * heads * self.head_dim * element_size
+
     @property
     def qkv_bias(self) -> bool:
         """q, k and v projections carry biases (Qwen2 always; others with attention_bias)."""
@@ -99,15 +106,6 @@ class LlamaConfig:
             if rope.get("rope_type", "default") != "default":
                 out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(**out)
-
-    @classmethod
-    def from_hf_json(cls, path: str | Path) -> "LlamaConfig":
-        d = json.loads(Path(path).read_text())
-        try:
-            d = hf_fields(d)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        return cls.from_dict(d)
 
     @classmethod
     def from_meta_params(cls, path: str | Path, vocab_size: int | None = None) -> "LlamaConfig":

@@ -153,8 +153,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, key: int, step: int) ->
                            one(params.top_p, torch.float64), one(key, torch.int64), one(step, torch.int64))[0])
 
 
-class _Question:
-    """One question in flight: its segment, the answer so far, and its random stream."""
+class Question:
+    """One question in flight: its segment, the answer so far, and its random stream (public: minillama
+    serve's engine schedules its own passes and picks tokens with these, exactly as generate does)."""
 
     def __init__(self, index: int, params: SamplingParams, eos: set[int],
                  on_answer: Callable[[int, Answer], None] | None = None, stream: int | None = None):
@@ -183,7 +184,7 @@ class _Question:
             self.on_answer(self.index, a)
 
 
-def _take(questions: list[_Question], logits: torch.Tensor, max_positions: int,
+def take_tokens(questions: list[Question], logits: torch.Tensor, max_positions: int,
           agree: Callable[[list[int]], None] | None = None) -> None:
     """Pick every question's next token from its row of this step's logits (Q, vocab), all at once.
 
@@ -224,12 +225,6 @@ def _agreement(model: Llama) -> Callable[[list[int]], None] | None:
     return getattr(model.kernels.comm, "agree", None)
 
 
-# Public names for schedulers outside this module that run their own forward passes and pick tokens
-# exactly as generate does (minillama serve's engine).
-Question = _Question
-take_tokens = _take
-
-
 def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int]]], chunk: int,
          stats: Stats) -> torch.Tensor:
     """Run pieces (segment, first position, token ids) through the model, `chunk` tokens per pass at most.
@@ -258,7 +253,7 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
+def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
             on_token: Callable[[int], None] | None) -> None:
     """Advance every unfinished question by one token per forward pass until all are done."""
     max_pos = model.config.max_position_embeddings
@@ -271,7 +266,7 @@ def _decode(model: Llama, cache: KVCache, active: list[_Question], stats: Stats,
                       len(live), stats)
         for q in live:
             q.next_pos += 1
-        _take(live, logits, max_pos, _agreement(model))
+        take_tokens(live, logits, max_pos, _agreement(model))
         for q in live:
             if q.done:
                 cache.release(q.segment)
@@ -323,7 +318,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
             raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_pos}")
     docs = list(docs) if docs is not None else [0] * len(prompts)
     eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
-    questions = [_Question(i, params, eos, on_answer, None if streams is None else streams[i])
+    questions = [Question(i, params, eos, on_answer, None if streams is None else streams[i])
                  for i in range(len(prompts))]
     if on_answer is not None:
         for q in questions:
@@ -346,12 +341,12 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     return [q.answer for q in questions]
 
 
-def _slots(work: list[tuple[_Question, Sequence[int], int | None]]) -> int:
+def _slots(work: list[tuple[Question, Sequence[int], int | None]]) -> int:
     """Cache slots to reserve for prefilling `work` and its first answer tokens (KVCache.reserve)."""
     return sum(len(ids) + min(q.params.max_new_tokens, RESERVED_ANSWER_TOKENS) for q, ids, _ in work)
 
 
-def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int], int]], cache: KVCache | None,
+def _prefill_and_decode(model: Llama, work: list[tuple[Question, Sequence[int], int]], cache: KVCache | None,
                         chunk: int, stats: Stats, on_token) -> None:
     """Prefill each (question, its own token ids, parent segment or None), then decode them together."""
     if cache is None:
@@ -366,7 +361,7 @@ def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int],
     t0 = time.perf_counter()
     live = [(q, piece) for q, piece in zip((w[0] for w in work), pieces) if not q.done]
     if live:
-        _take([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats),
+        take_tokens([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats),
               model.config.max_position_embeddings, _agreement(model))
     stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
     stats.generated_tokens += len(live)
@@ -382,7 +377,7 @@ def _prefill_and_decode(model: Llama, work: list[tuple[_Question, Sequence[int],
 def _parallel(model, prompts, questions, docs, batch, parallel_size, chunk, stats, on_token) -> None:
     cache = model.new_cache()
     t0 = time.perf_counter()
-    waves: list[list[tuple[_Question, Sequence[int], int]]] = []
+    waves: list[list[tuple[Question, Sequence[int], int]]] = []
     doc_pieces = []
     for d in batch:
         idx = [i for i, dd in enumerate(docs) if dd == d]
@@ -424,7 +419,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
         stats.prompt_tokens += len(pending)
         stats.prefill_s += time.perf_counter() - t0
         q.next_pos = cache.length(seg)
-        _take([q], logits, max_pos, _agreement(model))
+        take_tokens([q], logits, max_pos, _agreement(model))
         stats.generated_tokens += 1
         if on_token:
             on_token(1)
@@ -433,7 +428,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
             t0 = time.perf_counter()
             logits = _run(model, cache, [(seg, q.next_pos, [q.answer.token_ids[-1]])], 1, stats)
             q.next_pos += 1
-            _take([q], logits, max_pos, _agreement(model))
+            take_tokens([q], logits, max_pos, _agreement(model))
             stats.decode_s += time.perf_counter() - t0
             stats.generated_tokens += 1
             if on_token:

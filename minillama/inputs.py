@@ -86,7 +86,9 @@ def model_context(path: str | None) -> int:
             path = str(default_model_dir())
         p = Path(path)
         if p.is_dir() and (p / "config.json").exists():
-            return min(LlamaConfig.from_hf_json(p / "config.json").max_position_embeddings, MAX_CONTEXT)
+            from .weights.hf import hf_config
+
+            return min(hf_config(p / "config.json").max_position_embeddings, MAX_CONTEXT)
         if p.is_dir() and (p / "params.json").exists():
             return min(LlamaConfig.from_meta_params(p / "params.json", 1).max_position_embeddings, MAX_CONTEXT)
         if p.is_file():

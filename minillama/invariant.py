@@ -30,13 +30,14 @@ without it) and for measuring what invariance costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
 
 
@@ -46,47 +47,39 @@ class Tiles:
 
     Changing them changes the bits (another kernel), never the parity. The defaults per device trade
     padding against the number of calls: a CPU multiplies a 64-row tile about as fast per row as a big
-    matrix; a GPU wants fewer, bigger calls.
+    matrix; a GPU wants fewer, bigger calls. The linear tile is this module's; attention's sizes are
+    attention's own (blocks.AttentionTiles), carried here so that one object names every size a model uses.
     """
 
     rows: int = 64  # rows per linear-layer product
-    full: int = 64  # query rows per tile against a whole key block
-    part: int = 8  # query rows per tile against a query's own, partly visible block
-    full_batch: int = 32  # (tile, block) items per bmm, whole blocks
-    part_batch: int = 256  # (tile, block) items per bmm, partial blocks
-    # Most items whose scores are held at once (a multiple of the batch): a longer pass computes its
-    # scores twice (once for the row maxima, once for the values) rather than hold them all. On a CPU,
-    # small chunks win: a chunk's gathered tiles, keys and scores stay in cache, where fresh multi-megabyte
-    # temporaries cost page faults and memory traffic (docs/bench/README.md has the measurements).
-    full_chunk: int = 128
-    part_chunk: int = 512
-    # A kind with at most this many items in a pass keeps its scores (one chunk, nothing recomputed),
-    # whatever the chunk size: a decode step over a long document (576 whole items at 4,096 tokens) gains
-    # from one chunk, while a prefill's tens of thousands of items still go in small chunks.
-    keep: int = 0
-    # How a block's terms are added to its rows (attention._add_rows): one `index_add_` (one launch), or a
-    # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is far slower with few threads).
-    # The same IEEE additions either way: the bits do not depend on it.
-    index_add: bool = False
-
-    def __post_init__(self) -> None:
-        if self.full_chunk % self.full_batch or self.part_chunk % self.part_batch:
-            raise ValueError("chunks must hold whole batches")
+    attention: AttentionTiles = field(default_factory=AttentionTiles)
 
 
-# A CPU: whole-block tiles of 32 rows, which multiply about as fast per row as 64 and waste half as much on
-# the blocks a single question owns (a decode step brings G rows to each: 3 of 32, not 3 of 64), so decoding
-# long answers costs less; the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles'
-# scores and keys stay in cache through each call). Chunks and `keep` hold as many rows as with 64-row tiles.
-# docs/bench/README.md has the measurements.
-CPU_TILES = Tiles(full=32, full_batch=64, full_chunk=256, part_batch=64, keep=1280)
-# Untuned on a GPU so far: bigger row tiles (a 256-row product still reads each weight once per tile),
-# batches and chunks big enough that a pass issues few launches (tests/test_signatures.py counts them).
-CUDA_TILES = Tiles(rows=256, full_batch=256, part_batch=1024, full_chunk=8192, part_chunk=16384, index_add=True)
+CPU_TILES = Tiles(rows=64, attention=CPU_ATTENTION)
+# A GPU: bigger row tiles (a 256-row product still reads each weight once per tile).
+CUDA_TILES = Tiles(rows=256, attention=CUDA_ATTENTION)
 
 
 def default_tiles(device: torch.device) -> Tiles:
     return CUDA_TILES if device.type == "cuda" else CPU_TILES
+
+
+class NoComm:
+    """One process's collectives: every unit is here, so there is nothing to send. `TiledLinear` calls the
+    same three methods on it as on a tensor-parallel rank's (distributed/tp.py), so one rule reads straight
+    for one process and many."""
+
+    size = 1
+    bytes_moved = 0
+
+    def all_reduce(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def tree_sum(self, partials: list[torch.Tensor]) -> torch.Tensor:
+        return tree_sum(partials)
+
+    def gather_columns(self, out: torch.Tensor, total: int) -> torch.Tensor:
+        return out
 
 
 @dataclass
@@ -101,11 +94,21 @@ class Kernels:
     # Products issued per `units` fixed shards of whole KV-head groups (TiledLinear): 1 is one product per
     # tile; any tensor-parallel degree that divides `units` gives the bits of one process with these units.
     units: int = 1
-    local: range | None = None  # the units this process holds (None: all of them)
-    comm: Any = None  # a tensor-parallel rank's collectives (distributed/tp.py); None in one process
+    # The collectives: `NoComm` in one process, a tensor-parallel rank's (distributed/tp.py) in many.
+    comm: Any = field(default_factory=NoComm)
 
     def tiles_for(self, device: torch.device) -> Tiles:
         return self.tiles or default_tiles(device)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this process is one rank of a tensor-parallel group (its collectives are real)."""
+        return not isinstance(self.comm, NoComm)
+
+    @property
+    def local(self) -> range:
+        """The units this process holds: all of them in one process, a rank's own run in a group."""
+        return self.comm.local if self.sharded else range(self.units)
 
 
 def _whole_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
@@ -243,7 +246,8 @@ class TiledLinear(nn.Linear):
                         is one contiguous block.
 
     A tensor-parallel rank (distributed/tp.py) keeps the weights of its units (`kernels.local`) and its
-    `kernels.comm` finishes the tree across ranks and gathers the LM head's vocabulary shards.
+    `kernels.comm` finishes the tree across ranks and gathers the LM head's vocabulary shards; in one
+    process `NoComm` adds the whole tree here and gathers nothing.
     """
 
     def __init__(self, in_features: int, out_features: int, kernels: Kernels | None = None, bias: bool = False, *,
@@ -259,22 +263,20 @@ class TiledLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in_features) -> (..., out_features), or this process's units of them (q, k, v, gate, up)."""
         k = self.kernels
-        rows = self.split == "rows"
-        if not k.invariant:
+        if not k.invariant:  # the plain path: a row split's sum in the order the collective picks
             out = plain_linear(x, self.weight)
-            if rows and k.comm is not None:
-                out = k.comm.all_reduce(out)  # the plain path only: a sum whose order the collective picks
+            out = k.comm.all_reduce(out) if self.split == "rows" else out
         elif k.units == 1:
             out = tiled_linear(x, self.weight, k.tiles_for(x.device).rows)
-        elif rows:
+        elif self.split == "rows":
             tile = k.tiles_for(x.device).rows
-            partials = [tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], tile) for a, b in self.unit_bounds()]
-            out = tree_sum(partials) if k.comm is None else k.comm.tree_sum(partials)
+            out = k.comm.tree_sum([tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], tile)
+                                   for a, b in self.unit_bounds()])
         else:
             tile = k.tiles_for(x.device).rows
             out = torch.cat([tiled_linear(x, self.weight[a:b], tile) for a, b in self.unit_bounds()], dim=-1)
         out = self._add_bias(out)  # a row split's whole bias after the sum, a column split's own features' before
-        return k.comm.gather_columns(out, self.total) if self.gather and k.comm is not None else out
+        return k.comm.gather_columns(out, self.total) if self.gather else out
 
     def _add_bias(self, out: torch.Tensor) -> torch.Tensor:
         """out + bias, after the product: one IEEE addition per element of whole rows, so row-invariant
@@ -284,7 +286,7 @@ class TiledLinear(nn.Linear):
     def unit_bounds(self) -> list[tuple[int, int]]:
         """Where each of this process's units sits along the split dimension of its (local) weight."""
         bounds = unit_bounds(self.total, self.kernels.units)
-        local = self.kernels.local or range(self.kernels.units)
+        local = self.kernels.local
         first = bounds[local.start][0]
         return [(bounds[u][0] - first, bounds[u][1] - first) for u in local]
 

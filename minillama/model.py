@@ -110,7 +110,7 @@ class Attention(nn.Module):
         rows = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, R, D)
         if self.kernels.invariant:
             out = blocked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan,
-                                    self.kernels.tiles_for(x.device))  # (Hkv, R, D)
+                                    self.kernels.tiles_for(x.device).attention)  # (Hkv, R, D)
         else:
             out = masked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan)
         out = out.to(x.dtype).view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, self.n_heads * d)  # (N, H * D)
@@ -145,7 +145,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.kernels = Kernels(invariant, tiles)  # shared by every module: the one switch they read
-        self.steps = Steps()  # how steps run: eagerly, or captured per bucket on CUDA (step.py)
+        self.steps = Steps(self.kernels)  # how steps run: eagerly, or captured per bucket on CUDA (step.py)
         self.model = LlamaModel(config, self.kernels)
         self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, self.kernels, gather=True)
         if config.tie_word_embeddings:
@@ -184,7 +184,7 @@ class Llama(nn.Module):
     @units.setter
     def units(self, units: int) -> None:
         n_kv = self.config.num_key_value_heads
-        if self.kernels.comm is not None:
+        if self.kernels.sharded:
             raise ValueError("units are fixed once the model is sharded over processes")
         if not isinstance(units, int) or units < 1 or n_kv % units:
             raise ValueError(f"units must divide the model's {n_kv} KV heads, got {units}")
@@ -233,9 +233,14 @@ class Llama(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
 
-        step = lay_out(self, cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
-                       buckets=self.steps.capturing(self))
-        return self.steps.run(self, cache, step)
+        step = self.lay_out(cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
+                            buckets=self.steps.capturing(self.device))
+        return self.steps.run(self.run_step, cache, step)
+
+    def lay_out(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
+                logits_rows: torch.Tensor | None, buckets: bool) -> Step:
+        """The host half of a pass (step.lay_out): positions and segments on the host, a `Step` out."""
+        return lay_out(self.config, self.kernels, cache, tokens, positions, segments, logits_rows, buckets)
 
     @torch.no_grad()
     def run_step(self, cache: KVCache, step: Step) -> torch.Tensor:

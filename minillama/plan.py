@@ -1,7 +1,7 @@
 """The plan of one forward pass's blocked attention: which query rows meet which key blocks, in what tiles.
 
-attention.py states the rule and the blocked order a row's keys are added in; this module lays out the
-pass so that `attention.blocked_attention` can issue every (query tile, key block) product in a few
+attention.py states the rule and the blocked order a row's keys are added in, blocks.py how keys are cut
+into blocks and the two kinds of item (whole, partial); this module lays out the pass so that `attention.blocked_attention` can issue every (query tile, key block) product in a few
 fixed-shape batched calls. Shape letters are attention.py's (N, G, S, R, B, T, I); the plan is built on
 the host with whole-pass numpy operations and moved to the device once per tensor, so its cost does not
 grow with the number of groups (tests/test_signatures.py counts a decode step's launches).
@@ -34,9 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .attention import KEY_BLOCK, ItemSizes, item_sizes, visible_blocks
+from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
 from .cache import PAD_SLOT, KVCache
-from .invariant import Tiles
 
 NEVER = np.iinfo(np.int64).max  # the position of a padding key: never visible
 Groups = dict[tuple[int, int], list[int]]  # (segment, block) -> the pass's tokens in that group, in order
@@ -112,7 +111,7 @@ def bucket(count: int, unit: int = 1) -> int:
 
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
-                   n_rows: int, tiles: Tiles, dense: bool = False, window: int | None = None,
+                   n_rows: int, tiles: AttentionTiles, dense: bool = False, window: int | None = None,
                    buckets: bool = False) -> AttentionPlan:
     """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
 
@@ -123,12 +122,11 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     segment_list, position_list = segments.tolist(), positions.tolist()
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
     layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
-    whole_sizes, partial_sizes = item_sizes(tiles, whole=True), item_sizes(tiles, whole=False)
     (whole, whole_rows), (partial, partial_rows) = (
-        _lay_out(layout, groups, sizes, masked=not is_whole, buckets=buckets)
-        for groups, sizes, is_whole in ((whole_groups, whole_sizes, True), (partial_groups, partial_sizes, False)))
+        _lay_out(layout, groups, kind, masked=masked, buckets=buckets)
+        for groups, kind, masked in ((whole_groups, tiles.whole, False), (partial_groups, tiles.partial, True)))
     plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial)
-    if held_at_once(whole.count, whole_sizes, tiles) and held_at_once(partial.count, partial_sizes, tiles):
+    if tiles.held_at_once(whole.count, tiles.whole) and tiles.held_at_once(partial.count, tiles.partial):
         order = row_order([whole_rows, partial_rows], layout.kv_heads * layout.row_stride, layout.row_stride,
                           buckets)
         plan.order = torch.from_numpy(order).to(cache.k.device)
@@ -140,11 +138,6 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
             visible[len(segment_list):, PAD_SLOT] = True
         plan.visible = visible.to(cache.k.device)
     return plan
-
-
-def held_at_once(count: int, sizes: ItemSizes, tiles: Tiles) -> bool:
-    """Whether the kernel holds every item of a kind at once: one chunk, or at most `Tiles.keep` items."""
-    return count <= sizes.chunk or count <= tiles.keep
 
 
 class _Pass:
@@ -161,17 +154,17 @@ class _Pass:
         self.chains: dict[int, list[int]] = {}  # each segment's chain slots, fetched once
 
 
-def _lay_out(layout: _Pass, groups: Groups, sizes: ItemSizes, masked: bool,
+def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool,
              buckets: bool) -> tuple[Items, np.ndarray]:
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
     items' flat rows (I, T) on the host, for `row_order`."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
-    tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, sizes.rows,
+    tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, kind.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
     blocks = np.array([block for _, block in order], dtype=np.int64)  # (groups,)
     real = layout.kv_heads * int(tiles_per_group.sum())
-    padded = bucket(real, sizes.batch) if buckets else -(-real // sizes.batch) * sizes.batch
+    padded = bucket(real, kind.batch) if buckets else -(-real // kind.batch) * kind.batch
     rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
                                                                  padded)
     starts = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist()]  # each distinct block's first item
@@ -263,7 +256,24 @@ def items_of_every_head(tiles: np.ndarray, tiles_per_group: np.ndarray, block_ke
                         blocks: np.ndarray, layout: _Pass, count: int) -> tuple[np.ndarray, ...]:
     """(flat rows (I, T), flat keys (I, B), block (I,), group of each real item) of every item: per group,
     its tiles for KV head 0, then for head 1, ...; then dummy items (the spare row against the padding
-    slot) up to `count` items (whole batches)."""
+    slot) up to `count` items (whole batches).
+
+    A worked example: 3 tokens, G = 2 query rows per token (rows 0-5), tiles of T = 4 rows, 2 KV heads, the
+    pass padded to 4 tokens (R = 8, so a head's flat rows are h * 9 + r and row 8 is the spare), S = 100
+    cache slots per head (flat key h * 100 + s). Group 0: all three tokens see block 0 (slots 10-73);
+    group 1: token 2 alone sees block 1 (slots 20-83). `tile_rows` gave tiles [0 1 2 3], [4 5 8 8] for
+    group 0 (tiles_per_group 2) and [4 5 8 8] for group 1 (1). With count = 8 (batches of 4):
+
+        item  group  head  rows (T)       keys (B)          block
+        0     0      0     0  1  2  3     10 .. 73          0
+        1     0      0     4  5  8  8     10 .. 73          0
+        2     0      1     9 10 11 12     110 .. 173        0     head 1: rows + 9, keys + 100
+        3     0      1     13 14 17 17    110 .. 173        0     (17 is head 1's spare row: 9 + 8)
+        4     1      0     4  5  8  8     20 .. 83          1
+        5     1      1     13 14 17 17    120 .. 183        1
+        6, 7  dummy        8  8  8  8     0 (PAD_SLOT) x B  1     the last block: dummies join it
+
+    tests/test_attention.py reads items back (`Items.item`) and checks every row meets exactly its blocks."""
     items_per_group = layout.kv_heads * tiles_per_group
     group_of_item = np.repeat(np.arange(len(tiles_per_group)), items_per_group)
     in_group = np.arange(group_of_item.size) - (np.cumsum(items_per_group) - items_per_group)[group_of_item]

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .cache import SPILL_SLOT, KVCache
+from .config import LlamaConfig
+from .invariant import Kernels
 from .plan import AttentionPlan, Items, bucket, plan_attention
-
-if TYPE_CHECKING:
-    from .model import Llama
 
 
 @dataclass
@@ -83,22 +82,23 @@ class Step:
                     replace(plan, whole=whole, partial=partial, order=order, visible=visible), self.wanted)
 
 
-def lay_out(model: Llama, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
-            logits_rows: torch.Tensor | None, buckets: bool) -> Step:
-    """The host half of a pass: give the N new tokens cache slots and lay the step out (see the module's
-    docstring); positions and segments are on the host."""
+def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+            segments: torch.Tensor, logits_rows: torch.Tensor | None, buckets: bool) -> Step:
+    """The host half of a pass (`Llama.lay_out`): give the N new tokens cache slots and lay the step out (see
+    the module's docstring) for a model of `config` with `kernels`; positions and segments are on the host."""
     n = tokens.shape[0]
-    invariant, tiles = model.invariant, model.tiles
-    unit = tiles.rows if invariant else 1  # the kernels' own padding: whole tiles of rows
+    device = cache.k.device
+    tiles = kernels.tiles_for(device)
+    unit = tiles.rows if kernels.invariant else 1  # the kernels' own padding: whole tiles of rows
     rows = bucket(-(-max(n, 1) // unit), 1) * unit if buckets else -(-max(n, 1) // unit) * unit
-    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    g = config.num_attention_heads // config.num_key_value_heads
     slots = cache.append(segments, positions)  # (n,) a slot for each new token
-    plan = plan_attention(cache, segments, positions, g, rows, tiles, dense=not invariant,
-                          window=model.config.sliding_window, buckets=buckets)
+    plan = plan_attention(cache, segments, positions, g, rows, tiles.attention, dense=not kernels.invariant,
+                          window=config.sliding_window, buckets=buckets)
     wanted = torch.arange(n) if logits_rows is None else logits_rows.cpu()
     logits = wanted.shape[0]
     padded_logits = bucket(logits) if buckets else logits
-    device, pad = model.device, rows - n
+    pad = rows - n
     return Step(tokens=F.pad(tokens.cpu(), (0, pad)).to(device),
                 positions=F.pad(positions, (0, pad)).to(device),
                 slots=F.pad(slots.cpu(), (0, pad), value=SPILL_SLOT).to(device),
@@ -152,26 +152,27 @@ class Steps:
     on CUDA in one process; False never; True asks for it). `capture` is how (CUDA graphs; a test may give
     a stand-in that replays by running the step again, to check the buffers on a CPU)."""
 
-    def __init__(self):
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels  # the model's: a tensor-parallel rank's collectives run eagerly
         self.captured: bool | None = None
         self.capture: Callable = cuda_graph
         self._by_cache: weakref.WeakKeyDictionary[KVCache, CapturedSteps] = weakref.WeakKeyDictionary()
 
-    def capturing(self, model: Llama) -> bool:
-        """Whether this model's steps are captured (in buckets) now."""
-        if self.captured is False or model.kernels.comm is not None:  # a rank's collectives run eagerly
+    def capturing(self, device: torch.device) -> bool:
+        """Whether the model's steps on `device` are captured (in buckets) now."""
+        if self.captured is False or self.kernels.sharded:
             return False
-        if model.device.type == "cuda" or (self.captured and self.capture is not cuda_graph):
+        if device.type == "cuda" or (self.captured and self.capture is not cuda_graph):
             return True
         if self.captured:
-            raise ValueError(f"captured steps need a CUDA device; the model is on {model.device.type}")
+            raise ValueError(f"captured steps need a CUDA device; the model is on {device.type}")
         return False
 
-    def run(self, model: Llama, cache: KVCache, step: Step) -> torch.Tensor:
-        """The step's logits (step.wanted, vocab)."""
-        if not (self.capturing(model) and step.capturable):
-            return model.run_step(cache, step)[:step.wanted]
+    def run(self, run_step: Callable[[KVCache, Step], torch.Tensor], cache: KVCache, step: Step) -> torch.Tensor:
+        """The step's logits (step.wanted, vocab); `run_step` is the model's device half (`Llama.run_step`)."""
+        if not (self.capturing(cache.k.device) and step.capturable):
+            return run_step(cache, step)[:step.wanted]
         captured = self._by_cache.get(cache)
         if captured is None or captured.storage != cache.k.data_ptr():  # new cache, or it grew: new graphs
             captured = self._by_cache[cache] = CapturedSteps(cache, self.capture)
-        return captured.run(lambda s: model.run_step(cache, s), step)[:step.wanted].clone()
+        return captured.run(lambda s: run_step(cache, s), step)[:step.wanted].clone()

@@ -169,7 +169,7 @@ def main() -> None:
         model = build(dtype, group=world.tp_group, plain=args.plain)
         results[f"logits_{dtype}"] = answers_of(model)
         results[f"prefill_equals_decode_{dtype}"] = prefill_equals_decode(model)
-        results[f"bytes_{dtype}"] = model.kernels.comm.bytes_moved if model.kernels.comm else 0
+        results[f"bytes_{dtype}"] = model.kernels.comm.bytes_moved
         results[f"signatures_{dtype}"] = product_signatures(model)
         if not args.plain:
             parity_property(world.tp_group, dtype, args.examples)

@@ -10,18 +10,26 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import (KEY_BLOCK, blocked_attention, first_visible, masked_attention, reference_attention,
-                                 segment_attention, visible_blocks)
+from minillama.attention import blocked_attention, masked_attention, reference_attention, segment_attention
 from minillama.audit import Launches
+from minillama.blocks import CPU_ATTENTION, KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from minillama.cache import PAD_SLOT, KVCache
 from minillama.invariant import CPU_TILES, Tiles
 from minillama.plan import plan_attention
 from tiny import DEVICE, SMALL_TILES, tiny_config
 
-TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, full=8, part=8, full_batch=2, part_batch=2,
-                                                       full_chunk=2, part_chunk=4)])
-# CPU_TILES' products, one batch per chunk and nothing kept whole: every pass past one batch is chunked.
-CHUNKED = dataclasses.replace(CPU_TILES, full_chunk=CPU_TILES.full_batch, part_chunk=CPU_TILES.part_batch, keep=0)
+TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, attention=AttentionTiles(
+    whole=ItemTiles(rows=8, batch=2, chunk=2), partial=ItemTiles(rows=8, batch=2, chunk=4)))])
+
+
+def chunks(tiles, whole, partial, **kw):
+    """`tiles` with each kind's chunk changed (its rows and batch kept)."""
+    return dataclasses.replace(tiles, whole=dataclasses.replace(tiles.whole, chunk=whole),
+                               partial=dataclasses.replace(tiles.partial, chunk=partial), **kw)
+
+
+# CPU_ATTENTION's products, one batch per chunk and nothing kept whole: every pass past one batch is chunked.
+CHUNKED = chunks(CPU_ATTENTION, CPU_ATTENTION.whole.batch, CPU_ATTENTION.partial.batch, keep=0)
 # Sliding windows (Mistral's rule): none, inside one block, at and around a block's size, several blocks.
 WINDOWS = st.sampled_from([None, None, 1, 7, 63, 64, 65, 130])
 
@@ -67,9 +75,9 @@ def test_blocked_equals_dense_float64_reference(doc, qs, others, g, seed, tiles,
     config = tiny_config(heads=2 * g, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, doc, qs, others, torch.float64)
     n = len(segs)
-    plan = plan_attention(cache, segs, poss, g, n_rows=n, tiles=tiles, dense=True, window=window)
+    plan = plan_attention(cache, segs, poss, g, n_rows=n, tiles=tiles.attention, dense=True, window=window)
     q = fill(cache, n, g, seed, torch.float64)
-    got = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
+    got = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles.attention)
 
     # The rule: per token, one softmax over exactly the keys the segment rule (and window) allow, in float64.
     for t in range(n):
@@ -103,32 +111,32 @@ def test_fast_kernel_equals_the_one_row_reference_to_the_bit(doc, qs, others, g,
     cache, segs, poss = layout(config, doc, qs, others, dtype, decode)
     n = len(segs)
     rows = -(-n // tiles.rows) * tiles.rows  # padded as the model pads
-    plan = plan_attention(cache, segs, poss, g, n_rows=rows, tiles=tiles, window=window)
+    plan = plan_attention(cache, segs, poss, g, n_rows=rows, tiles=tiles.attention, window=window)
     q = fill(cache, rows, g, seed, dtype)
-    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)[:, :n * g]
+    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles.attention)[:, :n * g]
     slow = reference_attention(q[:, :n * g], cache.k[0], cache.v[0], poss.tolist(),
-                               [cache.chain_slots(int(s))[:int(p) + 1] for s, p in zip(segs, poss)], tiles, window)
+                               [cache.chain_slots(int(s))[:int(p) + 1] for s, p in zip(segs, poss)], tiles.attention, window)
     assert torch.equal(fast, slow)
 
 
 def test_a_chunked_pass_gives_the_same_bits_as_one_chunk():
-    """Past `Tiles.*_chunk` items, scores are computed twice instead of held: not a bit changes."""
+    """Past `ItemTiles.chunk` items, scores are computed twice instead of held: not a bit changes."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
-    # The same products (CPU_TILES' batch counts) in one chunk and in chunks of one batch.
-    big = dataclasses.replace(CHUNKED, full_chunk=1 << 20, part_chunk=1 << 20)
+    # The same products (CPU_ATTENTION's batch counts) in one chunk and in chunks of one batch.
+    big = chunks(CHUNKED, 1 << 20, 1 << 20)
     small = CHUNKED
     rows = -(-len(segs) // 64) * 64
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=big)
-    assert plan.whole.count > small.full_chunk and plan.partial.count > small.part_chunk  # really chunked
+    assert plan.whole.count > small.whole.chunk and plan.partial.count > small.partial.chunk  # really chunked
     q = fill(cache, rows, 3, 0)
     assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, big),
                        blocked_attention(q, cache.k[0], cache.v[0], plan, small))
 
 
 def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
-    """`Tiles.keep`: a kind with at most that many items runs as one chunk (no scores computed twice), bits
-    unchanged; past it, the chunks of `Tiles.*_chunk` come back."""
+    """`AttentionTiles.keep`: a kind with at most that many items runs as one chunk (no scores computed twice), bits
+    unchanged; past it, the chunks of `ItemTiles.chunk` come back."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
     small = CHUNKED
@@ -144,7 +152,7 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
             out = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
         counts[name] = seen.counts.get("aten.bmm.out", 0)
         assert torch.equal(out, chunked), name
-    items = (plan.whole.count // small.full_batch, plan.partial.count // small.part_batch)
+    items = (plan.whole.count // small.whole.batch, plan.partial.count // small.partial.batch)
     assert counts["kept"] == 2 * sum(items)  # scores once, values once
     assert counts["chunked"] == 3 * sum(items)  # scores twice: for the maxima, then again for the values
     assert counts["just past"] == counts["chunked"]
@@ -154,14 +162,14 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
     """Hydragen: in a decode step of 40 questions, each document block meets tiles of many questions."""
     config = tiny_config(heads=3, kv_heads=1, head_dim=8)
     cache, segs, poss = layout(config, 5 * KEY_BLOCK, [4] * 40, [], decode=True)
-    tiles = CPU_TILES
+    tiles = CPU_ATTENTION
     plan = plan_attention(cache, segs, poss, 3, n_rows=64, tiles=tiles)
     doc_slots = cache.segments[0].slots
     whole = plan.whole
     # 40 questions x 3 heads = 120 rows: the fewest tiles that hold them against each of the 5 blocks,
     # padded to a batch (the padding joins the last block).
-    n = -(-120 // tiles.full)
-    assert n < 40 and whole.count == -(-5 * n // tiles.full_batch) * tiles.full_batch
+    n = -(-120 // tiles.whole.rows)
+    assert n < 40 and whole.count == -(-5 * n // tiles.whole.batch) * tiles.whole.batch
     assert whole.bounds == [0, n, 2 * n, 3 * n, 4 * n, whole.count]
     for b in range(5):
         for i in range(n * b, n * b + n):
@@ -170,7 +178,7 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
         assert set(rows[rows < 120].tolist()) == set(range(120))
     # The block holding each question's own tokens is that question's alone, in a small tile.
     part = plan.partial
-    assert part.count == tiles.part_batch and part.bounds == [0, tiles.part_batch]  # 40 items, padded
+    assert part.count == tiles.partial.batch and part.bounds == [0, tiles.partial.batch]  # 40 items, padded
     for w in range(40):
         keys = part.keys[w].tolist()
         assert keys[:5] == cache.segments[w + 1].slots and set(keys[5:]) == {PAD_SLOT}
@@ -183,7 +191,7 @@ def test_the_rule_notices_a_kernel_that_lets_a_question_see_its_sibling():
     config = tiny_config(heads=2, kv_heads=1, head_dim=8)
     cache, segs, poss = layout(config, 70, [6, 5], [], torch.float64)
     n = len(segs)
-    plan = plan_attention(cache, segs, poss, 2, n_rows=n, tiles=SMALL_TILES, dense=True)
+    plan = plan_attention(cache, segs, poss, 2, n_rows=n, tiles=SMALL_TILES.attention, dense=True)
     q = fill(cache, n, 2, 0, torch.float64)
     last = n - 1  # the second question's last token
     chain, p = cache.chain_slots(int(segs[last])), int(poss[last])
@@ -202,7 +210,7 @@ def test_an_item_reads_back_as_heads_tokens_and_positions():
     positions, for a decode step of 5 questions on a 150-token document with two KV heads of 3 query heads."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, 150, [4, 1, 7, 2, 3], [], decode=True)
-    plan = plan_attention(cache, segs, poss, 3, n_rows=16, tiles=CPU_TILES)
+    plan = plan_attention(cache, segs, poss, 3, n_rows=16, tiles=CPU_ATTENTION)
     doc = cache.segments[0].slots
     every_row = [[t, g] for t in range(5) for g in range(3)]
     whole = [plan.whole.item(i) for i in range(plan.whole.count)]
@@ -234,7 +242,7 @@ def test_blocks_split_at_owners_and_keep_block_order():
     cache.append(torch.tensor([long_q] * 80), torch.arange(130, 210))  # reaches block 3 (192..255)
     segs, poss = torch.tensor([long_q, short_q]), torch.tensor([210, 133])
     cache.append(segs, poss)
-    plan = plan_attention(cache, segs, poss, 2, n_rows=2, tiles=CPU_TILES, dense=True)
+    plan = plan_attention(cache, segs, poss, 2, n_rows=2, tiles=CPU_ATTENTION, dense=True)
     doc_slots, long_slots = cache.segments[doc].slots, cache.segments[long_q].slots
     whole = plan.whole
     seen: dict[int, list[tuple[int, list[int]]]] = {}  # row -> (block, keys) in the order they are added
@@ -251,16 +259,16 @@ def test_blocks_split_at_owners_and_keep_block_order():
     q = torch.randn(1, 4, 8)
     cache.k.normal_(), cache.v.normal_()
     cache.k[:, :, PAD_SLOT] = cache.v[:, :, PAD_SLOT] = 0
-    torch.testing.assert_close(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_TILES),
+    torch.testing.assert_close(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_ATTENTION),
                                masked_attention(q, cache.k[0], cache.v[0], plan))
 
 
 def test_padding_rows_get_zeros_not_nan():
     config = tiny_config(heads=2, kv_heads=1, head_dim=8)
     cache, segs, poss = layout(config, 0, [5], [])
-    plan = plan_attention(cache, segs, poss, 2, n_rows=16, tiles=SMALL_TILES)
+    plan = plan_attention(cache, segs, poss, 2, n_rows=16, tiles=SMALL_TILES.attention)
     q = fill(cache, 16, 2, 0)
-    out = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)
+    out = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES.attention)
     assert torch.isfinite(out).all() and (out[:, 10:] == 0).all()
 
 
@@ -268,29 +276,29 @@ def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order():
     """Negative control for the bit-equality property: the same terms summed in another order are caught."""
     config = tiny_config(heads=2, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, 600, [30], [], decode=True)
-    plan = plan_attention(cache, segs, poss, 1, n_rows=16, tiles=SMALL_TILES)
+    plan = plan_attention(cache, segs, poss, 1, n_rows=16, tiles=SMALL_TILES.attention)
     q = fill(cache, 16, 1, 3)
     slow = reference_attention(q[:, :1], cache.k[0], cache.v[0], poss.tolist(),
-                               [cache.chain_slots(int(segs[0]))[:int(poss[0]) + 1]], SMALL_TILES)
-    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)[:, :1], slow)
+                               [cache.chain_slots(int(segs[0]))[:int(poss[0]) + 1]], SMALL_TILES.attention)
+    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES.attention)[:, :1], slow)
     w, n = plan.whole, plan.whole.count
     w.rows, w.keys = w.rows.flip(0), w.keys.flip(0)  # the last block first
     w.bounds = [n - b for b in reversed(w.bounds)]
-    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)[:, :1]
+    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES.attention)[:, :1]
     assert not torch.equal(fast, slow)
     torch.testing.assert_close(fast, slow)
 
 
 def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():
-    """`Tiles.index_add` (a GPU's one launch) or gather-add-put (a CPU's): one IEEE addition either way."""
+    """`AttentionTiles.index_add` (a GPU's one launch) or gather-add-put (a CPU's): one IEEE addition either way."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
     rows = -(-len(segs) // 64) * 64
-    plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=CPU_TILES)
+    plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=CPU_ATTENTION)
     q = fill(cache, rows, 3, 1)
-    gpu_way = dataclasses.replace(CPU_TILES, index_add=True)  # only the way of adding changes
-    assert gpu_way.index_add and not CPU_TILES.index_add
-    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_TILES),
+    gpu_way = dataclasses.replace(CPU_ATTENTION, index_add=True)  # only the way of adding changes
+    assert gpu_way.index_add and not CPU_ATTENTION.index_add
+    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, CPU_ATTENTION),
                        blocked_attention(q, cache.k[0], cache.v[0], plan, gpu_way))
 
 
@@ -311,10 +319,10 @@ def test_the_reference_without_the_window_differs():
     config = tiny_config(heads=2, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, 150, [20], [])
     n = len(segs)
-    plan = plan_attention(cache, segs, poss, 1, n_rows=n, tiles=SMALL_TILES, window=40)
+    plan = plan_attention(cache, segs, poss, 1, n_rows=n, tiles=SMALL_TILES.attention, window=40)
     q = fill(cache, n, 1, 0)
-    windowed = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES)
-    full = blocked_attention(q, cache.k[0], cache.v[0], plan_attention(cache, segs, poss, 1, n, SMALL_TILES),
-                             SMALL_TILES)
+    windowed = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES.attention)
+    full = blocked_attention(q, cache.k[0], cache.v[0], plan_attention(cache, segs, poss, 1, n, SMALL_TILES.attention),
+                             SMALL_TILES.attention)
     assert torch.equal(windowed[:, :40], full[:, :40])  # the first 40 positions see the same keys
     assert ((windowed[:, 40:] - full[:, 40:]).abs().amax(dim=-1) > 0).all()  # every later row differs

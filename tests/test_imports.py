@@ -2,11 +2,13 @@
 
 The graph is read from the source with `ast` (nothing is imported): an edge for every `import` and
 `from ... import` of a minillama module, those inside functions included (a lazy import hides a cycle, it
-does not remove it). `from P import name` is an edge to P.name where that is a module, else to P. Imports
-under `if __name__ == "__main__":` are left out: that block runs only when the file is the program, never
-when another module imports it; so are those under `if TYPE_CHECKING:`, which never run (type hints only). A parent package that Python initializes on the way to a submodule is not
-an edge (a package's `__init__` re-exporting its submodules is no cycle); naming the package itself is,
-except for a dunder (`from . import __doc__`): the import system sets those before the package's body runs.
+does not remove it), and those under `if TYPE_CHECKING:` too (they never run, but a reader of either
+module still has to hold the other). `from P import name` is an edge to P.name where that is a module,
+else to P. Imports under `if __name__ == "__main__":` are left out: that block runs only when the file is
+the program, never when another module imports it. A parent package that Python initializes on the way to
+a submodule is not an edge (a package's `__init__` re-exporting its submodules is no cycle); naming the
+package itself is, except for a dunder (`from . import __doc__`): the import system sets those before the
+package's body runs.
 """
 
 from __future__ import annotations
@@ -34,20 +36,10 @@ def _is_main_block(node: ast.AST) -> bool:
             and t.comparators[0].value == "__main__")
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for type hints, never run."""
-    t = node.test if isinstance(node, ast.If) else None
-    return ((isinstance(t, ast.Name) and t.id == "TYPE_CHECKING")
-            or (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"))
-
-
 def _imports(node: ast.AST):
-    """Every Import / ImportFrom below `node`, skipping `if __name__ == "__main__":` and `if TYPE_CHECKING:`
-    blocks."""
+    """Every Import / ImportFrom below `node` (`if TYPE_CHECKING:` blocks included), skipping
+    `if __name__ == "__main__":` blocks."""
     for child in ast.iter_child_nodes(node):
-        if _is_type_checking_block(child):
-            yield from (n for stmt in child.orelse for n in _imports_of(stmt))
-            continue
         if _is_main_block(child):
             yield from (n for stmt in child.orelse for n in _imports_of(stmt))
             continue
@@ -169,15 +161,16 @@ def test_a_main_block_is_not_an_edge_but_everything_else_is(tmp_path):
     assert find_cycle(graph) == ["minillama.weights", "minillama.weights.hf", "minillama.weights"]
 
 
-def test_a_type_checking_block_is_not_an_edge(tmp_path):
+def test_a_type_checking_block_is_an_edge(tmp_path):
     _write(tmp_path, {
         "minillama/__init__.py": "",
         "minillama/attention.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .plan import Items\n",
-        "minillama/plan.py": "from .attention import visible_blocks\n",
+        "minillama/plan.py": "from .blocks import visible_blocks\n",
+        "minillama/blocks.py": "",
     })
     graph = import_graph(tmp_path)
-    assert graph["minillama.attention"] == set() and find_cycle(graph) is None
-    _write(tmp_path, {"minillama/attention.py": "from .plan import Items\n"})  # imported for real: a cycle
+    assert graph["minillama.attention"] == {"minillama.plan"} and find_cycle(graph) is None
+    _write(tmp_path, {"minillama/plan.py": "from .attention import visible_blocks\n"})  # the arrow back: a cycle
     assert find_cycle(import_graph(tmp_path)) == ["minillama.attention", "minillama.plan", "minillama.attention"]
 
 

@@ -52,7 +52,7 @@ def test_a_lone_tile_equals_a_tile_among_many():
 
 
 def test_tiled_linear_module_reads_the_shared_switch():
-    kernels = Kernels(tiles=Tiles(rows=16, full_chunk=32, part_chunk=256))
+    kernels = Kernels(tiles=Tiles(rows=16))
     layer = TiledLinear(24, 40, kernels).to(DEVICE)
     x = torch.randn(37, 24).to(DEVICE)
     assert torch.equal(layer(x), tiled_linear(x, layer.weight, 16))

@@ -23,7 +23,7 @@ EXAMPLES = int(os.environ.get("MINILLAMA_EXAMPLES", "200"))
 # Tiles for the property: mostly the small test tiles (fast, and their tiny chunks take the chunked path),
 # sometimes the device's defaults, the ones users run; and on any device the GPU's choices too (its big
 # tiles and batches, blocks added with one `index_add_`), so a CPU checks the GPU configuration's layout.
-TILES = st.sampled_from([SMALL_TILES, SMALL_TILES, dataclasses.replace(SMALL_TILES, index_add=True), None,
+TILES = st.sampled_from([SMALL_TILES, SMALL_TILES, dataclasses.replace(SMALL_TILES, attention=dataclasses.replace(SMALL_TILES.attention, index_add=True)), None,
                          CUDA_TILES])
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                     derandomize=os.environ.get("CI") == "true")

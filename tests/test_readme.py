@@ -93,3 +93,17 @@ def test_performance_table_is_rendered_from_the_results():
     shown = README.split(README_START)[1].split(README_END)[0].strip()
     assert shown == readme_table(data), "regenerate: python -m minillama.bench --from-json " \
                                         "docs/bench/results.json --readme README.md"
+
+
+def test_the_quick_start_is_two_commands_and_ci_runs_the_second():
+    """A newcomer finds at the top two commands: one that installs and answers the example questions, one
+    that installs the test dependencies and passes the tests; CI runs exactly the second."""
+    section = README.split("## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^## (.*)$", README, re.M)[0] == "Quick start", "the first section"
+    commands = re.findall(r"^```bash\n(.*?)^```$", section, re.M | re.S)
+    assert len(commands) == 1, "one block"
+    lines = commands[0].strip().splitlines()
+    assert len(lines) == 2 and "minillama generate" in lines[0] and "pytest" in lines[1], lines
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.lstrip().startswith("#")]
+    assert ci[-1] == lines[1], (ci[-1], lines[1])

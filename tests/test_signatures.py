@@ -54,7 +54,7 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
         if isinstance(mod, RMSNorm):
             k = mod.weight.shape[0]
             out.add(("aten.mean.out", (((t, k), (k, 1), acc, 0), ((t, 1), (1, 1), acc, 0)), ("-1", "True")))
-    for rows, batch in ((tiles.full, tiles.full_batch), (tiles.part, tiles.part_batch)):
+    for rows, batch in ((kind.rows, kind.batch) for kind in (tiles.attention.whole, tiles.attention.partial)):
         out.add(("aten.sum.IntList_out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # the softmax's sums
                                           ((batch, rows, 1), (rows, 1, 1), acc, 0)), ("-1", "True")))
         out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T

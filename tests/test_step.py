@@ -27,7 +27,6 @@ from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES
 from minillama.model import RMSNorm
 from minillama.plan import plan_attention
-from minillama.step import lay_out
 from test_attention import WINDOWS, fill, layout
 from test_parity import assert_same_answers
 from tiny import DEVICE, SMALL_TILES, tiny_config, tiny_model
@@ -63,7 +62,7 @@ def _on_meta(model, cache, step):
 
 
 def _reads_of_step(model, cache, tokens, positions, segments, buckets=False):
-    step = lay_out(model, cache, tokens, positions, segments, None, buckets=buckets)
+    step = model.lay_out(cache, tokens, positions, segments, None, buckets=buckets)
     meta_model, meta_cache, meta_step = _on_meta(model, cache, step)
     return host_reads(lambda: meta_model.run_step(meta_cache, meta_step))
 
@@ -82,8 +81,8 @@ def test_a_chunked_prefill_reads_nothing_back_to_the_host():
     cache = model.new_cache()
     root = cache.new_segment()
     n = 200
-    step = lay_out(model, cache, torch.arange(n) % 50, torch.arange(n), torch.full((n,), root), None, buckets=False)
-    assert step.plan.order is None and step.plan.whole.count > SMALL_TILES.full_chunk  # chunks, block by block
+    step = model.lay_out(cache, torch.arange(n) % 50, torch.arange(n), torch.full((n,), root), None, buckets=False)
+    assert step.plan.order is None and step.plan.whole.count > SMALL_TILES.attention.whole.chunk  # chunks, block by block
     meta_model, meta_cache, meta_step = _on_meta(model, cache, step)
     assert host_reads(lambda: meta_model.run_step(meta_cache, meta_step)) == []
 
@@ -113,7 +112,7 @@ def test_row_order_adds_the_terms_of_block_order(qs, doc, decode, tiles, window,
     config = tiny_config(kv_heads=2, heads=4, head_dim=8)
     cache, segs, poss = layout(config, doc, qs, [], decode=decode)
     rows = -(-len(segs) // tiles.rows) * tiles.rows
-    big = dataclasses.replace(tiles, keep=1 << 20)  # every pass held at once: the row-order path
+    big = dataclasses.replace(tiles.attention, keep=1 << 20)  # every pass held at once: the row-order path
     plan = plan_attention(cache, segs, poss, 2, rows, big, window=window, buckets=buckets)
     q = fill(cache, rows, 2, seed)
     assert plan.order is not None
@@ -139,7 +138,7 @@ def _steps_in_lockstep(model, steps=3):
         got = []
         for i in range(steps + 1):
             inputs = passes[0] if i == 0 else _decode_inputs(cache, sids)
-            step = lay_out(model, cache, *inputs, None, buckets=buckets)
+            step = model.lay_out(cache, *inputs, None, buckets=buckets)
             got.append((step.key(), model.run_step(cache, step)[:step.wanted]))
         out.append(got)
     return out
@@ -253,10 +252,10 @@ def test_torch_compile_traces_a_step_whole():
     graph each, no break (docs/gpu.md: what compiling it gives on a CPU)."""
     model = tiny_model(tiny_config())
     cache, sids = _document_and_questions(model)
-    decode = lay_out(model, cache, *_decode_inputs(cache, sids), None, buckets=True)
+    decode = model.lay_out(cache, *_decode_inputs(cache, sids), None, buckets=True)
     assert _graph_breaks(model, cache, decode) == 0
     root = cache.new_segment()
-    prefill = lay_out(model, cache, torch.arange(200) % 50, torch.arange(200), torch.full((200,), root), None,
+    prefill = model.lay_out(cache, torch.arange(200) % 50, torch.arange(200), torch.full((200,), root), None,
                       buckets=False)
     assert prefill.plan.order is None and _graph_breaks(model, cache, prefill) == 0
 
@@ -264,7 +263,7 @@ def test_torch_compile_traces_a_step_whole():
 def test_negative_control_a_planted_read_breaks_the_graph(monkeypatch):
     model = tiny_model(tiny_config())
     cache, sids = _document_and_questions(model)
-    step = lay_out(model, cache, *_decode_inputs(cache, sids), None, buckets=False)
+    step = model.lay_out(cache, *_decode_inputs(cache, sids), None, buckets=False)
     forward = RMSNorm.forward
     monkeypatch.setattr(RMSNorm, "forward", lambda self, x: forward(self, x) if x.abs().max().item() >= 0 else x)
     assert _graph_breaks(model, cache, step) > 0

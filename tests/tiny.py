@@ -12,6 +12,7 @@ import torch
 from hypothesis import strategies as st
 
 from minillama.config import LlamaConfig
+from minillama.blocks import AttentionTiles, ItemTiles
 from minillama.invariant import Tiles
 from minillama.model import Llama
 
@@ -19,7 +20,8 @@ VOCAB = 61
 DEVICE = torch.device(os.environ.get("MINILLAMA_TEST_DEVICE", "cpu"))
 # Small tiles for tiny models: the same code paths as the default tiles with a fraction of the padding, and
 # chunks of a few items, so that a short document already takes the chunked path (scores computed twice).
-SMALL_TILES = Tiles(rows=16, full=16, part=4, full_batch=4, part_batch=16, full_chunk=8, part_chunk=32)
+SMALL_TILES = Tiles(rows=16, attention=AttentionTiles(whole=ItemTiles(rows=16, batch=4, chunk=8),
+                                                   partial=ItemTiles(rows=4, batch=16, chunk=32)))
 
 
 # RoPE scalings for the property: (name, rope_scaling).

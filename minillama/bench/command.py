@@ -15,7 +15,6 @@ import torch
 
 from ..errors import BadInput, OneLineParser, run_command
 from ..files import json_text, make_dir, write_file
-from . import __doc__ as _package_doc
 from .llamacpp import available as llamacpp_available
 from .methods import METHODS
 from .presets import MANY_QUESTIONS, preset
@@ -24,7 +23,7 @@ from .report import findings, headline_table, many_table, target_rows, update_re
 from .runner import run, setup
 from .shapes import SHAPES, TINY_SHAPE
 
-DESCRIPTION = (_package_doc or "").split("\n")[0]
+DESCRIPTION = "Benchmarks: parallel prompting against the ways people answer many questions about one document."
 SWEEPS = ("headline", "answer16", "docs", "doclen", "grid", "questions", "many")
 
 

@@ -308,7 +308,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}
         checked = parity(model, log=log, **sizes)
     methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ()) + \
-        (("parallel_eager",) if model.steps.capturing(model) else ())  # what capturing the steps gains
+        (("parallel_eager",) if model.steps.capturing(model.device) else ())  # what capturing the steps gains
     records = run_task(shrink(HEADLINE), model, hf, device, methods, repeats, sample, rates, log)
     if tables:
         for t in PAPER_TABLES:

@@ -89,8 +89,8 @@ def _tp_rank(local_rank: int, config: Any, tp: int, port: int, out: str) -> None
         tensor_parallel.shard_(model, world.tp_group)
     mine = _param_bytes(model)
     cache = model.new_cache(8)
-    kv_per_token = 2 * cache.k[:, :, 0].numel() * cache.k.element_size()
-    comm = model.kernels.comm or tensor_parallel.NoComm()
+    kv_per_token = cache.bytes_per_token
+    comm = model.kernels.comm
     prompts = [[5 + i % 50 for i in range(64)] + [7, 8, 9 + q] for q in range(16)]
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     generate(model, prompts, params)  # prefill only

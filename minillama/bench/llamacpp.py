@@ -222,6 +222,6 @@ def _one_context(ctx: Context, task: Task, idx: list[int]) -> Measured:
     finally:
         s.close()
     c = ctx.model.config
-    kv_bytes = cells * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V, F16
+    kv_bytes = cells * c.kv_bytes_per_token(2)  # F16 keys and values
     return Measured(dict(zip(idx, answers)), t1 - t0, t2 - t1, time.process_time() - cpu0, kv_bytes, mem.delta,
                     (1 if prefixes else 0) + g, g - 1, setup_s=setup_s)

@@ -164,7 +164,7 @@ def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, 
             rec["decode_flops_per_step"] = useful["decode"] / max(g - 1, 1) if g > 1 else 0.0
             # What `batched` would hold at its peak (every prompt and g - 1 answer tokens, each its own copy):
             # exact, as the cache stores one slot per token.
-            per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * ctx.model.dtype.itemsize
+            per_token = c.kv_bytes_per_token(ctx.model.dtype.itemsize)
             rec["kv_bytes_batched_equiv"] = per_token * sum(len(p) + g - 1 for p in task.prompts)
         records.append(rec)
     base = {r["method"]: r["wall_s"] for r in records}

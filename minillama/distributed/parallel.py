@@ -121,7 +121,7 @@ def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
     """Set the product units (a model `sharding` did not shard yet: at --tp > 1 keep this rank's shard of it),
     and put a tensor-parallel rank's model on args.device."""
     here.units, here.kv_heads = units_of(model, args, here), model.config.num_key_value_heads
-    if model.kernels.comm is None:
+    if not model.kernels.sharded:
         model.units = here.units
         if here.world.tp > 1:
             tensor_parallel.shard_(model, here.world.tp_group)

@@ -134,12 +134,6 @@ class RanksDisagree(OneLineError):
     """The ranks of a tensor-parallel group chose different tokens: one line, and every rank stops."""
 
 
-class NoComm:
-    """One process: nothing is sent (for code that reads `bytes_moved` at every degree)."""
-
-    bytes_moved = 0
-
-
 def slices(model: Llama, local: range) -> dict[str, tuple[int, int, int]]:
     """The part of each split tensor that the units `local` hold: HF name -> (dimension, start, stop).
 
@@ -185,8 +179,7 @@ def shard_(model: Llama, group: dist.ProcessGroup, plain_all_reduce: bool = Fals
     for layer in model.model.layers:
         layer.self_attn.n_heads //= size
         layer.self_attn.n_kv //= size
-    model.kernels.local = comm.local
-    model.kernels.comm = comm
+    model.kernels.comm = comm  # also what the model's units here are (`kernels.local`)
     return model
 
 
@@ -194,6 +187,6 @@ def tie_head_(model: Llama) -> None:
     """A tied LM head's vocabulary rows as a view of the embedding again, after `model.to(device)`: `.to`
     moves every parameter on its own, which leaves the head a copy of its rows (memory twice, and no longer
     the embedding's bits if either is changed)."""
-    if model.config.tie_word_embeddings and model.kernels.comm is not None:
+    if model.config.tie_word_embeddings and model.kernels.sharded:
         _, a, b = slices(model, model.kernels.local)["lm_head.weight"]
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight[a:b], requires_grad=False)

@@ -171,7 +171,7 @@ def run(tokenizer: Any, doc_prompts: Sequence[list[int]], questions: Sequence[st
     model = identity_model(tokenizer, max(len(p) for p in doc_prompts) + 128, seed)
     model.llama.invariant = invariant
     c = model.llama.config
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # float32 keys and values
+    kv_per_token = c.kv_bytes_per_token(4)  # float32 keys and values
     # Room for a few documents' worth of keys and values: cached blocks are evicted while the run goes on.
     engine = Engine(model.llama, eos_of(model), max_running=64, max_queue=4096, max_batch_tokens=256,
                     max_memory_bytes=3 * kv_per_token * max(len(p) for p in doc_prompts))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..attention import KEY_BLOCK
+from ..blocks import KEY_BLOCK
 from ..cache import KVCache
 
 

@@ -32,11 +32,6 @@ def hf_config(path: str | Path) -> LlamaConfig:
         d = hf_fields(d)
     except ValueError as e:
         raise WeightsError(f"{path}: {e}") from None
-    params = d.get("rope_parameters")  # transformers 5 writes RoPE settings here
-    if isinstance(params, dict):
-        d.setdefault("rope_theta", params.get("rope_theta", 10000.0))
-        if params.get("rope_type", "default") != "default":
-            d.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
     try:
         return LlamaConfig.from_dict(d)
     except (TypeError, ValueError) as e:

@@ -1,0 +1,87 @@
+"""Key blocks: how a query row's keys are cut into blocks, and the sizes attention's items are issued in.
+
+The planner (plan.py) and the kernel (attention.py) both read this module and it reads neither, so the
+arrow between them runs one way (attention uses the plan's types, the plan never imports attention).
+
+A query row's keys are taken in logical order (its chain, by position) and cut into blocks of `KEY_BLOCK`
+keys at positions 0, B, 2B, ... Every (row, block) pair is one row of a fixed-shape product, an *item*
+(a tile of T query rows against the B keys of one block), of one of two kinds:
+
+    whole     the row sees every key of the block;
+    partial   the row sees part of it (masked): the block holding the row's own position (cut on the
+              right) and, with a sliding window, the block holding its first visible position (cut on the
+              left; one block may be cut on both sides).
+
+Which kind a pair is depends on the row's position only (`visible_blocks`). Each kind has its own sizes
+(`ItemTiles`: rows per tile, items per batched call, items held at once), fixed per device
+(`CPU_ATTENTION`, `CUDA_ATTENTION`) and never by the pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KEY_BLOCK = 64  # B: keys per block, aligned to logical positions
+
+
+def first_visible(position: int, window: int | None) -> int:
+    """The first position of its chain a query at `position` sees (0 without a sliding window)."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def visible_blocks(position: int, window: int | None) -> tuple[range, list[int]]:
+    """The blocks a query at `position` visits: (whole blocks, partial blocks), each in block order."""
+    first = first_visible(position, window)
+    whole = range(-(-first // KEY_BLOCK), (position + 1) // KEY_BLOCK)
+    return whole, [block for block in sorted({first // KEY_BLOCK, position // KEY_BLOCK}) if block not in whole]
+
+
+@dataclass(frozen=True)
+class ItemTiles:
+    """The fixed sizes of one kind of (query tile, key block) item."""
+
+    rows: int  # T: query rows per tile
+    batch: int  # items per batched call (`attention.batched_products`)
+    # Most items whose scores are held at once (a multiple of the batch): a longer pass computes its scores
+    # twice (once for the row maxima, once for the values) rather than hold them all. On a CPU, small chunks
+    # win: a chunk's gathered tiles, keys and scores stay in cache, where fresh multi-megabyte temporaries
+    # cost page faults and memory traffic (docs/bench/README.md has the measurements).
+    chunk: int
+
+    def __post_init__(self) -> None:
+        if self.chunk % self.batch:
+            raise ValueError("chunks must hold whole batches")
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """The sizes every attention product is issued with. Changing them changes the bits (another kernel),
+    never the parity; both runs of a comparison must use the same ones."""
+
+    whole: ItemTiles = field(default_factory=lambda: ItemTiles(rows=64, batch=32, chunk=128))
+    partial: ItemTiles = field(default_factory=lambda: ItemTiles(rows=8, batch=256, chunk=512))
+    # A kind with at most this many items in a pass keeps its scores (one chunk, nothing recomputed),
+    # whatever the chunk size: a decode step over a long document (576 whole items at 4,096 tokens) gains
+    # from one chunk, while a prefill's tens of thousands of items still go in small chunks.
+    keep: int = 0
+    # How a block's terms are added to its rows (attention._add_rows): one `index_add_` (one launch), or a
+    # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is far slower with few threads).
+    # The same IEEE additions either way: the bits do not depend on it.
+    index_add: bool = False
+
+    def held_at_once(self, count: int, kind: ItemTiles) -> bool:
+        """Whether the kernel holds every one of `count` items of a kind at once: one chunk, or at most `keep`."""
+        return count <= kind.chunk or count <= self.keep
+
+
+# A CPU: whole-block tiles of 32 rows, which multiply about as fast per row as 64 and waste half as much on
+# the blocks a single question owns (a decode step brings G rows to each: 3 of 32, not 3 of 64), so decoding
+# long answers costs less; the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles'
+# scores and keys stay in cache through each call). Chunks and `keep` hold as many rows as with 64-row tiles.
+# docs/bench/README.md has the measurements.
+CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256),
+                               partial=ItemTiles(rows=8, batch=64, chunk=512), keep=1280)
+# Untuned on a GPU so far: batches and chunks big enough that a pass issues few launches
+# (tests/test_signatures.py counts them).
+CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=64, batch=256, chunk=8192),
+                                partial=ItemTiles(rows=8, batch=1024, chunk=16384), index_add=True)
