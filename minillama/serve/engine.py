@@ -2,7 +2,8 @@
 
 Each step packs, in one `model(tokens, positions, segments, cache)` call, the next token of every running
 sequence (decode) with the prompt tokens of sequences that arrived since (prefill, up to `max_batch_tokens`
-of them; a long prompt is fed over several steps), exactly as parallel mode packs a document's questions.
+of them, or to the end of the pass's last row tile; a long prompt is fed over several steps), exactly as
+parallel mode packs a document's questions.
 A prompt's whole leading blocks come from the prefix cache (prefix.py) when an earlier prompt computed
 them; its other tokens go into its own segment, where its answer grows. Tokens are picked by
 `generate.take_tokens`, with each sequence's own random stream `stream_key(seed, index)`, so a
@@ -170,24 +171,29 @@ class Engine:
     def _admit(self) -> None:
         """Move waiting sequences to running while there is room (called with the lock held)."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
-        while self.waiting and len(self.running) < self.max_running:
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
             need = self.kv_per_token * (len(s.prompt) + s.params.max_new_tokens)
-            if self.running and self.budget and self.cache.used_bytes() + need > self.budget:
+            if (self.running or admitted) and self.budget and self.cache.used_bytes() + need > self.budget:
                 if self.prefix is None or not self.prefix.evict(max(self.budget - need, 1)):
                     break
                 continue
-            self.waiting.pop(0)
-            self._place(s)
-            self.running.append(s)
+            admitted.append(self.waiting.pop(0))
+        self._place(admitted)
+        self.running.extend(admitted)
 
-    def _place(self, s: Sequence) -> None:
-        s.q = Question(s.index, s.params, self.eos)
-        s.blocks = self.prefix.acquire(s.prompt) if self.prefix is not None and not s.echo else []
-        cut = len(s.blocks) * (self.prefix.block if self.prefix else 0)
-        s.tail = s.prompt[cut:]
-        s.segment = self.cache.new_segment(s.blocks[-1].segment if s.blocks else None)
-        s.q.segment = s.segment
+    def _place(self, seqs: list[Sequence]) -> None:
+        """Give each admitted sequence its prefix blocks (those admitted together share a partial block for
+        the tokens they share past their whole blocks: prefix.acquire_all) and its own segment below them."""
+        shared = [s for s in seqs if self.prefix is not None and not s.echo]
+        chains = dict(zip(map(id, shared), self.prefix.acquire_all([s.prompt for s in shared]))) if shared else {}
+        for s in seqs:
+            s.q = Question(s.index, s.params, self.eos)
+            s.blocks = chains.get(id(s), [])
+            s.tail = s.prompt[s.blocks[-1].end if s.blocks else 0:]
+            s.segment = self.cache.new_segment(s.blocks[-1].segment if s.blocks else None)
+            s.q.segment = s.segment
 
     def _step(self) -> None:
         with self.lock:
@@ -214,7 +220,10 @@ class Engine:
                 put(s.segment, s.q.next_pos, [s.q.answer.token_ids[-1]])
                 rows.append(len(toks) - 1)
                 decode.append(s)
-        budget = self.max_batch_tokens
+        # Prompt tokens: `max_batch_tokens`, and as many more as fill the pass's last row tile: an invariant
+        # pass computes whole tiles of rows (invariant.Tiles.rows), so rows up to the tile's end cost nothing.
+        tile = self.model.tiles.rows if self.model.invariant else 1
+        budget = -(-(len(toks) + self.max_batch_tokens) // tile) * tile - len(toks)
         for s in self.running:  # prefill, in arrival order, parents before children
             if budget <= 0:
                 break

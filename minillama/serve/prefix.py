@@ -38,11 +38,16 @@ class Block:
 
     @property
     def position(self) -> int:
-        """The position of its first token."""
-        depth, b = 0, self.parent
+        """The position of its first token (its ancestors are whole blocks; it may be a partial one)."""
+        at, b = 0, self.parent
         while b is not None:
-            depth, b = depth + 1, b.parent
-        return depth * len(self.tokens)  # every block has the same size
+            at, b = at + len(b.tokens), b.parent
+        return at
+
+    @property
+    def end(self) -> int:
+        """One past the position of its last token."""
+        return self.position + len(self.tokens)
 
 
 class PrefixCache:
@@ -59,25 +64,59 @@ class PrefixCache:
 
     def acquire(self, prompt: Sequence[int]) -> list[Block]:
         """The blocks of `prompt`'s whole KEY_BLOCK-token chunks, leaving its last token (whose logits the
-        request needs) to the request's own segment. New blocks are empty: the engine fills them."""
+        request needs) to the request's own segment, then the longest cached partial block that the prompt
+        continues past, if any. New blocks are empty: the engine fills them."""
         self.tick += 1
         n = (len(prompt) - 1) // self.block
         chain: list[Block] = []
         level, parent = self.roots, None
         for i in range(n):
-            key = tuple(prompt[i * self.block:(i + 1) * self.block])
-            b = level.get(key)
-            if b is None:
-                b = Block(self.cache.new_segment(parent.segment if parent else None), parent, key)
-                level[key] = b
-                self.blocks[b.segment] = b
-            elif b.ready:
-                self.hits += self.block
-            b.refs += 1
-            b.used = self.tick
+            b = self._take(level, parent, tuple(prompt[i * self.block:(i + 1) * self.block]))
             chain.append(b)
             level, parent = b.children, b
+        rest = tuple(prompt[n * self.block:len(prompt) - 1])  # past the whole blocks, the last token left out
+        partial = [key for key in level if len(key) < self.block and rest[:len(key)] == key]
+        if partial:
+            chain.append(self._take(level, parent, max(partial, key=len)))
         return chain
+
+    def acquire_all(self, prompts: Sequence[Sequence[int]]) -> list[list[Block]]:
+        """`acquire` for prompts that arrive together; then those that found no partial block and share
+        leading tokens past the same last whole block get a new partial block for the tokens they share
+        (the longest common prefix of those that begin alike), computed once for all of them."""
+        chains = [self.acquire(p) for p in prompts]
+        groups: dict[tuple[int | None, int], list[int]] = {}  # (last whole block, first token past it) -> prompts
+        for i, (p, chain) in enumerate(zip(prompts, chains)):
+            at = chain[-1].end if chain else 0
+            if at + 1 < len(p) and (not chain or len(chain[-1].tokens) == self.block):  # no partial block found
+                groups.setdefault((chain[-1].segment if chain else None, p[at]), []).append(i)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            chain = chains[members[0]]
+            at = chain[-1].end if chain else 0
+            rests = sorted(tuple(prompts[i][at:len(prompts[i]) - 1]) for i in members)
+            first, last = rests[0], rests[-1]  # sorted: what the first and last share, every one shares
+            shared = next((k for k, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
+            level = chain[-1].children if chain else self.roots
+            b = self._take(level, chain[-1] if chain else None, first[:shared])
+            b.refs += len(members) - 1
+            for i in members:
+                chains[i].append(b)
+        return chains
+
+    def _take(self, level: dict[tuple[int, ...], Block], parent: Block | None, key: tuple[int, ...]) -> Block:
+        """The block `key` below `parent` (found, or new and empty), held once more."""
+        b = level.get(key)
+        if b is None:
+            b = Block(self.cache.new_segment(parent.segment if parent else None), parent, key)
+            level[key] = b
+            self.blocks[b.segment] = b
+        elif b.ready:
+            self.hits += len(key)
+        b.refs += 1
+        b.used = self.tick
+        return b
 
     def release(self, chain: Sequence[Block]) -> None:
         self.tick += 1

@@ -1,0 +1,68 @@
+"""The engine's packing, driven step by step (no HTTP, no engine thread): prompts admitted together share
+the tokens they have in common past their whole prefix blocks (one partial block, computed once), and a
+pass's prompt tokens run on to the end of its last row tile. Each answer stays its solo run's, bit for bit.
+
+Negative controls: with the engine before these changes, the shared tail is computed once per prompt (the
+prefill count is larger) and the long prompt needs a second pass for its last tokens."""
+
+from __future__ import annotations
+
+import random
+
+from minillama.generate import SamplingParams, generate
+from minillama.serve.engine import Engine, Event, Sequence
+from minillama.serve.identity import eos_of
+from _serve_harness import ckpt, model  # noqa: F401 (fixtures)
+
+PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+def _run(engine: Engine, prompts: list[list[int]], steps: int | None = None) -> list[list[Event]]:
+    """Submit `prompts`, then step the engine on this thread (all of it, or `steps` passes)."""
+    events: list[list[Event]] = [[] for _ in prompts]
+    engine.submit([Sequence(p, PARAMS, events[i].append) for i, p in enumerate(prompts)])
+    n = 0
+    while (engine.waiting or engine.running) and (steps is None or n < steps):
+        with engine.lock:
+            engine._admit()
+        engine._step()
+        n += 1
+    return events
+
+
+def _check_solo(model, prompts: list[list[int]], events: list[list[Event]]) -> None:
+    for p, evs in zip(prompts, events):
+        solo = generate(model.llama, [p], PARAMS, mode="independent", eos_ids=eos_of(model))[0]
+        assert [e.token for e in evs] == solo.token_ids and [e.logprob for e in evs] == solo.logprobs
+        assert evs[-1].finish_reason == "length"
+
+
+def test_prompts_admitted_together_share_their_partial_block(model):
+    rng = random.Random(0)
+    doc = [rng.randrange(3, 300) for _ in range(64 + 6)]  # one whole block, then 6 document tokens
+    prompts = [doc + [first] + [rng.randrange(3, 300) for _ in range(4)] for first in (10, 11, 12)]
+    engine = Engine(model.llama, eos_of(model))
+    events = _run(engine, prompts)
+    _check_solo(model, prompts, events)
+    # The block and the 6 document tokens once, then each question's own 5 tokens.
+    assert engine.prefill_tokens == 64 + 6 + 3 * 5, engine.stats()
+    later = [doc + [13, 20, 21, 22, 23]]  # finds the cached partial block
+    events = _run(engine, later)
+    _check_solo(model, later, events)
+    assert engine.prefill_tokens == 64 + 6 + 4 * 5 and engine.stats()["prefix_hit_tokens"] == 64 + 6, engine.stats()
+
+
+def test_a_prompt_runs_on_to_the_end_of_the_pass_last_row_tile(model):
+    tile = model.llama.tiles.rows
+    rng = random.Random(1)
+    engine = Engine(model.llama, eos_of(model), max_batch_tokens=tile, prefix_cache=False)
+    first = [[rng.randrange(3, 300) for _ in range(5)]]
+    running = _run(engine, first, steps=1)  # its prompt, then it decodes one row per pass
+    assert len(running[0]) == 1
+    long = [[rng.randrange(3, 300) for _ in range(2 * tile - 1)]]
+    events = _run(engine, long, steps=1)  # 1 decode row + 2 * tile - 1 prompt rows: two whole tiles
+    assert len(events[0]) == 1, "the long prompt needed a second pass"
+    while engine.running:  # both to the end (their events keep arriving in the same lists)
+        engine._step()
+    _check_solo(model, long, events)
+    _check_solo(model, first, running)
