@@ -3,15 +3,19 @@ the tokens they have in common past their whole prefix blocks (one partial block
 pass's prompt tokens run on to the end of its last row tile. Each answer stays its solo run's, bit for bit.
 
 Negative controls: with the engine before these changes, the shared tail is computed once per prompt (the
-prefill count is larger) and the long prompt needs a second pass for its last tokens."""
+prefill count is larger), the long prompt needs a second pass for its last tokens, and the prefix cache
+has no `acquire_all`."""
 
 from __future__ import annotations
 
 import random
 
+import torch
+
 from minillama.generate import SamplingParams, generate
 from minillama.serve.engine import Engine, Event, Sequence
 from minillama.serve.identity import eos_of
+from minillama.serve.prefix import PrefixCache
 from _serve_harness import ckpt, model  # noqa: F401 (fixtures)
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -66,3 +70,24 @@ def test_a_prompt_runs_on_to_the_end_of_the_pass_last_row_tile(model):
         engine._step()
     _check_solo(model, long, events)
     _check_solo(model, first, running)
+
+
+def test_partial_blocks_follow_what_the_prompts_share(model):
+    cache = model.llama.new_cache()
+    prefix = PrefixCache(cache, block=4)
+    a = [0, 1, 2, 3, 4, 5, 6, 7]  # block [0..3], then 4 5 shared with b, the rest its own
+    b = [0, 1, 2, 3, 4, 5, 9, 9]
+    c = [0, 1, 2, 3, 8, 8]  # the same block, then nothing it shares: no partial block
+    d, e = [20, 21, 22, 30], [20, 21, 23, 31]  # another document, no whole block: a partial block at the root
+    ca, cb, cc, cd, ce = prefix.acquire_all([a, b, c, d, e])
+    assert ca[0] is cb[0] is cc[0] and len(cc) == 1
+    assert ca[1] is cb[1] and ca[1].tokens == (4, 5) and ca[1].position == 4 and ca[1].refs == 2
+    assert cache.segments[ca[1].segment].parent == ca[0].segment
+    assert cd == ce and cd[0].tokens == (20, 21) and cd[0].position == 0 and cd[0].parent is None
+    for chain in (ca, cd):  # fill them, as the engine would
+        for blk in chain:
+            cache.append(torch.full((len(blk.tokens),), blk.segment), torch.arange(blk.position, blk.end))
+            blk.filled = len(blk.tokens)
+    later = prefix.acquire([0, 1, 2, 3, 4, 5, 1, 2])  # continues past the cached partial block
+    assert later == ca and prefix.hits == 4 + 2
+    assert prefix.acquire([0, 1, 2, 3, 4, 9]) == ca[:1]  # ends inside it: the whole block only

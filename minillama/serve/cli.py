@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="most sequences waiting; past it requests get HTTP 429 (default: 256)")
     p.add_argument("--max-batch-tokens", type=int, default=512, metavar="N",
-                   help="most prompt tokens per forward pass; longer prompts take several (default: 512)")
+                   help="prompt tokens per forward pass, and as many more as fill its last row tile; longer prompts "
+                        "take several (default: 512)")
     p.add_argument("--max-tokens", type=int, default=4096, metavar="N", help="most new tokens one choice may ask for (default: 4096)")
     p.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES", help="largest request body (default: 1 MiB)")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole (no shared prefixes)")
