@@ -34,6 +34,7 @@ from .cache import KVCache
 from .errors import BadInput
 from .model import Llama
 from .sampling import sample_rows, stream_key
+from .step import Pack
 
 MODES = ("parallel", "independent", "seqbatch")
 # Answer tokens per question a pass reserves cache slots for up front (KVCache.reserve, generate._slots).
@@ -231,19 +232,14 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
 
     Returns the logits rows of each piece's last token, (pieces, vocab).
     """
-    toks, segs, poss, last = [], [], [], []
-    for sid, start, ids in pieces:
-        toks.extend(ids)
-        segs.extend([sid] * len(ids))
-        poss.extend(range(start, start + len(ids)))
-        last.append(len(toks) - 1)
+    pack = Pack()
+    last = [pack.put(*piece) for piece in pieces]
     out = []  # the wanted rows of each pass, in order (the last tokens are in increasing order)
     chunk = max(chunk, 1)
-    for lo in range(0, len(toks), chunk):
-        hi = min(lo + chunk, len(toks))
+    for lo in range(0, len(pack), chunk):
+        hi = min(lo + chunk, len(pack))
         want = [i - lo for i in last if lo <= i < hi]
-        logits = model(torch.tensor(toks[lo:hi]), torch.tensor(poss[lo:hi]), torch.tensor(segs[lo:hi]),
-                       cache, logits_rows=torch.tensor(want, dtype=torch.long))
+        logits = model(*pack.tensors(lo, hi), cache, logits_rows=torch.tensor(want, dtype=torch.long))
         stats.forward_passes += 1
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.used_bytes())
         if want:

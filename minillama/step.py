@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,31 @@ from .cache import SPILL_SLOT, KVCache
 from .config import LlamaConfig
 from .invariant import Kernels
 from .plan import AttentionPlan, Items, bucket, plan_attention
+
+
+class Pack:
+    """A pass's new tokens as `Llama.forward` takes them: pieces (segment, first position, token ids) packed
+    one after another into tokens, positions and segments (generate's passes and the server's alike)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+        self.segments: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def put(self, segment: int, start: int, ids: Sequence[int]) -> int:
+        """Append a piece at positions start, start + 1, ...; returns the row of its last token."""
+        self.tokens.extend(ids)
+        self.segments.extend([segment] * len(ids))
+        self.positions.extend(range(start, start + len(ids)))
+        return len(self.tokens) - 1
+
+    def tensors(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, positions, segments) of rows lo .. hi - 1, each (N,)."""
+        return (torch.tensor(self.tokens[lo:hi]), torch.tensor(self.positions[lo:hi]),
+                torch.tensor(self.segments[lo:hi]))
 
 
 @dataclass

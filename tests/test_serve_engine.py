@@ -13,7 +13,7 @@ import random
 import torch
 
 from minillama.generate import SamplingParams, generate
-from minillama.serve.engine import Engine, Event, Sequence
+from minillama.serve.engine import Choice, Engine, Event
 from minillama.serve.identity import eos_of
 from minillama.serve.prefix import PrefixCache
 from _serve_harness import ckpt, model  # noqa: F401 (fixtures)
@@ -24,7 +24,7 @@ PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
 def _run(engine: Engine, prompts: list[list[int]], steps: int | None = None) -> list[list[Event]]:
     """Submit `prompts`, then step the engine on this thread (all of it, or `steps` passes)."""
     events: list[list[Event]] = [[] for _ in prompts]
-    engine.submit([Sequence(p, PARAMS, events[i].append) for i, p in enumerate(prompts)])
+    engine.submit([Choice(p, PARAMS, events[i].append) for i, p in enumerate(prompts)])
     n = 0
     while (engine.waiting or engine.running) and (steps is None or n < steps):
         with engine.lock:

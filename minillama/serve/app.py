@@ -6,7 +6,7 @@
     GET  /health                200 and the engine's counters while it serves, 503 otherwise
 
 Requests are checked (schema.py) before they reach the engine, so a bad one is a 400 that touches nothing
-the others use. Each choice is one engine Sequence; its events cross from the engine thread to the event
+the others use. Each choice is one engine `Choice`; its events cross from the engine thread to the event
 loop through an asyncio queue. A client that goes away (mid-stream or while waiting) has its sequences
 cancelled, which frees their slots at the engine's next step. Every error, an unknown route or method
 included, is an OpenAI `{"error": {...}}` body.
@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import LoadedModel
-from .engine import Engine, Event, QueueFull, Sequence, Stopped
+from .engine import Choice, Engine, Event, QueueFull, Stopped
 from .schema import (BadRequest, Job, Limits, Text, chat_logprobs, completion_logprobs, parse,
                      prompt_logprobs)
 
@@ -47,13 +47,13 @@ class _Choices:
         tok = app_state.model.tokenizer
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-        self.seqs: list[Sequence] = []
+        self.seqs: list[Choice] = []
         self.texts: list[Text] = []
         for p in job.prompts:
             for j in range(job.n):
                 i = len(self.seqs)
                 emit: Callable[[Event], None] = lambda ev, i=i: loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
-                self.seqs.append(Sequence(list(p), job.params, emit, index=j, top_k=job.top_k,
+                self.seqs.append(Choice(list(p), job.params, emit, index=j, top_k=job.top_k,
                                           echo=job.prompt_rows, prompt_top_k=_prompt_top_k(job),
                                           logits_filter=job.logits_filter))
                 self.texts.append(Text(tok, app_state.stop_ids(job), job.stop, job.include_stop, job.skip_special))

@@ -23,12 +23,13 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Sequence as Seq
+from typing import Callable, Sequence
 
 import torch
 
 from ..generate import Question, SamplingParams, take_tokens
 from ..model import Llama
+from ..step import Pack
 from .prefix import Block, PrefixCache
 
 
@@ -58,7 +59,7 @@ class Event:
 
 
 @dataclass(eq=False)
-class Sequence:
+class Choice:
     """One choice of one request: its prompt, sampling parameters and where its events go."""
 
     prompt: list[int]
@@ -86,7 +87,7 @@ class Engine:
     """The model's one owner. `start()` runs the loop in a thread; `stop()` ends it (running sequences
     finish with an error event)."""
 
-    def __init__(self, model: Llama, eos_ids: Seq[int], max_running: int = 64, max_queue: int = 256,
+    def __init__(self, model: Llama, eos_ids: Sequence[int], max_running: int = 64, max_queue: int = 256,
                  max_batch_tokens: int = 512, max_memory_bytes: int = 0, prefix_cache: bool = True):
         self.model = model
         self.eos = set(eos_ids)
@@ -95,18 +96,16 @@ class Engine:
         self.budget = max_memory_bytes
         self.cache = model.new_cache(256)
         self.prefix = PrefixCache(self.cache) if prefix_cache else None
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.waiting: list[Choice] = []
+        self.running: list[Choice] = []
         self.lock = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
         self.steps = self.prefill_tokens = self.decode_tokens = 0
-        c = model.config
-        self.kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * \
-            torch.finfo(model.dtype).bits // 8
+        self.kv_per_token = model.config.kv_bytes_per_token(model.dtype.itemsize)
 
     # --- the HTTP side's calls (any thread) -----------------------------------------------------------
-    def submit(self, seqs: list[Sequence]) -> None:
+    def submit(self, seqs: list[Choice]) -> None:
         """Queue a request's sequences (all or none). Raises QueueFull or Stopped."""
         with self.lock:
             if self.stopping:
@@ -117,7 +116,7 @@ class Engine:
             self.waiting.extend(seqs)
             self.lock.notify()
 
-    def cancel(self, seqs: list[Sequence]) -> None:
+    def cancel(self, seqs: list[Choice]) -> None:
         """The client went away: its sequences leave at the next step and free their slots."""
         with self.lock:
             for s in seqs:
@@ -172,7 +171,7 @@ class Engine:
     def _admit(self) -> None:
         """Move waiting sequences to running while there is room (called with the lock held)."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
-        admitted: list[Sequence] = []
+        admitted: list[Choice] = []
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
             need = self.kv_per_token * (len(s.prompt) + s.params.max_new_tokens)
@@ -184,7 +183,7 @@ class Engine:
         self._place(admitted)
         self.running.extend(admitted)
 
-    def _place(self, seqs: list[Sequence]) -> None:
+    def _place(self, seqs: list[Choice]) -> None:
         """Give each admitted sequence its prefix blocks (those admitted together share a partial block for
         the tokens they share past their whole blocks: prefix.acquire_all) and its own segment below them."""
         shared = [s for s in seqs if self.prefix is not None and not s.echo]
@@ -204,27 +203,18 @@ class Engine:
             self.running = [s for s in self.running if not s.finished]
         if not self.running:
             return
-        toks: list[int] = []
-        poss: list[int] = []
-        segs: list[int] = []
+        pack = Pack()
         rows: list[int] = []  # rows whose logits are wanted
-        decode: list[Sequence] = []
-        prefilled: list[tuple[Sequence, int, int]] = []  # (sequence, its first wanted row, row count)
-
-        def put(sid: int, start: int, ids: Seq[int]) -> None:
-            toks.extend(ids)
-            segs.extend([sid] * len(ids))
-            poss.extend(range(start, start + len(ids)))
-
+        decode: list[Choice] = []
+        prefilled: list[tuple[Choice, int, int]] = []  # (sequence, its first wanted row, row count)
         for s in self.running:  # decode: one token each
             if s.fed == len(s.tail) and not s.q.done:
-                put(s.segment, s.q.next_pos, [s.q.answer.token_ids[-1]])
-                rows.append(len(toks) - 1)
+                rows.append(pack.put(s.segment, s.q.next_pos, [s.q.answer.token_ids[-1]]))
                 decode.append(s)
         # Prompt tokens: `max_batch_tokens`, and as many more as fill the pass's last row tile: an invariant
         # pass computes whole tiles of rows (invariant.Tiles.rows), so rows up to the tile's end cost nothing.
         tile = self.model.tiles.rows if self.model.invariant else 1
-        budget = -(-(len(toks) + self.max_batch_tokens) // tile) * tile - len(toks)
+        budget = -(-(len(pack) + self.max_batch_tokens) // tile) * tile - len(pack)
         for s in self.running:  # prefill, in arrival order, parents before children
             if budget <= 0:
                 break
@@ -234,7 +224,7 @@ class Engine:
             for b in s.blocks:
                 if not b.ready:
                     take = min(budget, len(b.tokens) - b.filled)
-                    put(b.segment, b.position + b.filled, b.tokens[b.filled:b.filled + take])
+                    pack.put(b.segment, b.position + b.filled, b.tokens[b.filled:b.filled + take])
                     b.filled += take
                     budget -= take
                     if not b.ready:
@@ -244,33 +234,33 @@ class Engine:
                 continue
             take = min(budget, len(s.tail) - s.fed)
             start = len(s.prompt) - len(s.tail)
-            first = len(toks)
-            put(s.segment, start + s.fed, s.tail[s.fed:s.fed + take])
+            first = len(pack)
+            last = pack.put(s.segment, start + s.fed, s.tail[s.fed:s.fed + take])
             s.fed += take
             budget -= take
             if s.echo:
-                rows.extend(range(first, len(toks)))
+                rows.extend(range(first, last + 1))
                 prefilled.append((s, len(rows) - take, take))
             elif s.fed == len(s.tail):
-                rows.append(len(toks) - 1)
+                rows.append(last)
                 prefilled.append((s, len(rows) - 1, 1))
-        if not toks:
+        if not len(pack):
             return
-        logits = self.model(torch.tensor(toks), torch.tensor(poss), torch.tensor(segs), self.cache,
+        logits = self.model(*pack.tensors(), self.cache,
                             logits_rows=torch.tensor(rows, dtype=torch.long))  # (len(rows), vocab)
         self.steps += 1
         self.decode_tokens += len(decode)
-        self.prefill_tokens += len(toks) - len(decode)
+        self.prefill_tokens += len(pack) - len(decode)
         self._take(logits, decode, prefilled)
         with self.lock:
             self.running = [s for s in self.running if not s.finished]
             if self.prefix is not None and self.budget:
                 self.prefix.evict(self.budget)
 
-    def _take(self, logits: torch.Tensor, decode: list[Sequence], prefilled: list[tuple[Sequence, int, int]]) -> None:
+    def _take(self, logits: torch.Tensor, decode: list[Choice], prefilled: list[tuple[Choice, int, int]]) -> None:
         """Pick the next token of every sequence that has one this step, then report to each.
         logits: (rows, vocab); decode sequence i owns row i, prefilled ones (sequence, first row, count)."""
-        picks: list[tuple[Sequence, int]] = [(s, i) for i, s in enumerate(decode)]
+        picks: list[tuple[Choice, int]] = [(s, i) for i, s in enumerate(decode)]
         for s in decode:
             s.q.next_pos += 1
         for s, first, count in prefilled:
@@ -301,7 +291,7 @@ class Engine:
             if not s.finished:  # those that failed were finished with their error
                 self._guarded(s, lambda s=s, i=i: self._report(s, top.get(i)))
 
-    def _pick(self, seqs: list[Sequence], raw: torch.Tensor) -> list[Sequence]:
+    def _pick(self, seqs: list[Choice], raw: torch.Tensor) -> list[Choice]:
         """`take_tokens` over the rows of all `seqs` at once (raw: (Q, vocab), a sequence's `logits_filter`
         applied to its own row). If anything in it raises (a sampler, a stop check, a filter), every sequence
         is put back as it was and takes its token alone: each step of `take_tokens` is row-wise, so the bits
@@ -326,7 +316,7 @@ class Engine:
         return seqs
 
     @staticmethod
-    def _filtered(seqs: list[Sequence], raw: torch.Tensor) -> torch.Tensor:
+    def _filtered(seqs: list[Choice], raw: torch.Tensor) -> torch.Tensor:
         """The rows tokens are picked from: a sequence's `logits_filter` (a request's min_p or
         allowed_token_ids) applied to its own row, the other rows as they are."""
         if not any(s.logits_filter for s in seqs):
@@ -338,14 +328,14 @@ class Engine:
         return rows
 
     @staticmethod
-    def _raw_logprobs(seqs: list[Sequence], raw: torch.Tensor) -> None:
+    def _raw_logprobs(seqs: list[Choice], raw: torch.Tensor) -> None:
         """A filtered sequence's log-prob is the model's, of its raw row (as every other sequence's)."""
         for i, s in enumerate(seqs):
             if s.logits_filter is not None:
                 a = s.q.answer
                 a.logprobs[-1] = float(torch.log_softmax(raw[i].float(), dim=-1)[a.token_ids[-1]])
 
-    def _report(self, s: Sequence, top: list[tuple[int, float]] | None) -> None:
+    def _report(self, s: Choice, top: list[tuple[int, float]] | None) -> None:
         a = s.q.answer
         ev = Event(a.token_ids[-1], a.logprobs[-1], top)
         if len(a.token_ids) == 1 and s.echo:
@@ -356,7 +346,7 @@ class Engine:
         else:
             s.emit(ev)
 
-    def _guarded(self, s: Sequence, work: Callable[[], object]) -> None:
+    def _guarded(self, s: Choice, work: Callable[[], object]) -> None:
         """Run one sequence's own work; if it raises, that sequence alone ends with an error (HTTP 500 to its
         client) and the traceback goes to the server's log."""
         try:
@@ -366,7 +356,7 @@ class Engine:
             self._finish(s, Event(error=f"internal error in the engine for this request ({type(e).__name__}: "
                                         f"{e}); see the server's log"), quiet=True)
 
-    def _prompt_logprobs(self, s: Sequence) -> list[PromptLogprob] | None:
+    def _prompt_logprobs(self, s: Choice) -> list[PromptLogprob] | None:
         """Echo / prompt_logprobs: each prompt token's log-prob given the tokens before it and its rank
         there (1: the likeliest; None for the first token), with the top-k at its position."""
         if not s.echo:
@@ -386,7 +376,7 @@ class Engine:
         out.extend(zip(chosen, ranks, tops))
         return out
 
-    def _finish(self, s: Sequence, ev: Event | None, quiet: bool = False) -> None:
+    def _finish(self, s: Choice, ev: Event | None, quiet: bool = False) -> None:
         """Free the sequence's own segment and its hold on the prefix blocks; send its last event (`quiet`:
         an error event, whose own failure to send is only logged)."""
         if s.finished:
