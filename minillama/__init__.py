@@ -6,18 +6,13 @@
 
 The API lives in `minillama.api`; it is imported lazily so that `python -m minillama.generate` starts clean.
 
-One setting is made here, before anything loads torch: OpenMP threads that wait for each other sleep
-rather than spin (`OMP_WAIT_POLICY=PASSIVE`, unless the environment already names a policy). A forward pass
-opens thousands of small parallel regions (3,300 in a 128-row decode step of the default model), each ending
-in a barrier; with another process on the CPU, a spinning thread holds a core that its own descheduled
-partner needs to reach that barrier, and a 2-thread run on a 2-core machine slowed from 3-5 s to 14-180 s
-(docs/bench/README.md#a-cpu-shared-with-other-work). OpenMP reads the policy once, when torch loads it:
-a program that imported torch first keeps the runtime's own default.
+Importing the package chooses how torch's OpenMP threads wait, before anything loads torch (threads.py:
+they sleep at once where other work wants the cores, spin briefly otherwise).
 """
 
-import os
+from .threads import choose_wait_policy
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+choose_wait_policy()
 
 _API = ("api", "load", "ask", "ask_many", "prompt_ids", "Reply", "LoadedModel")
 
