@@ -5,7 +5,14 @@
     replies = minillama.ask(model, doc, ["Who built it?"])    # .text .token_ids .logprobs .finish_reason
 
 The API lives in `minillama.api`; it is imported lazily so that `python -m minillama.generate` starts clean.
+
+Importing the package chooses how torch's OpenMP threads wait, before anything loads torch (threads.py:
+they sleep at once where other work wants the cores, spin briefly otherwise).
 """
+
+from .threads import choose_wait_policy
+
+choose_wait_policy()
 
 _API = ("api", "load", "ask", "ask_many", "prompt_ids", "Reply", "LoadedModel")
 

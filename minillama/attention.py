@@ -119,6 +119,36 @@ def _finite(row_max: torch.Tensor) -> torch.Tensor:
     return row_max.nan_to_num(neginf=0.0)
 
 
+def fused_items(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
+                hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each item's softmax over its own block, by torch's fused CPU kernel in calls of exactly `batch` items.
+
+    q: (I, T, D) query tiles (already scaled), k, v: (I, B, D) key blocks, hidden: (I, T, B) or None. Returns
+    (o, lse): o (I, T, D) the row's softmax over the block's visible keys times their values, lse (I, T) the
+    log of its sum of exp(score). The kernel takes each item alone, its splits fixed by T and B; a row that
+    sees nothing gets lse -inf and o 0 (the kernel itself reports lse 0 there).
+    """
+    if q.device.type != "cpu":
+        raise ValueError(f"AttentionTiles.fused runs torch's CPU attention kernel; this pass is on {q.device}")
+    outs, lses = [q.new_empty(0, q.shape[1], v.shape[2])], [q.new_empty(0, q.shape[1])]  # a kind with no items
+    for start in range(0, q.shape[0], batch):
+        part = slice(start, start + batch)
+        mask = None if hidden is None else q.new_zeros(hidden[part].shape).masked_fill_(hidden[part], float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(  # (batch, 1, T, D), (batch, 1, T)
+            q[part, None], k[part, None], v[part, None], 0.0, False,
+            attn_mask=None if mask is None else mask[:, None], scale=1.0)
+        outs.append(o[:, 0])
+        lses.append(lse[:, 0])
+    o, lse = torch.cat(outs), torch.cat(lses)
+    return o, lse if hidden is None else lse.masked_fill_(hidden.all(dim=-1), float("-inf"))
+
+
+def _fused_terms(o: torch.Tensor, lse: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """(I, T, D + 1) an item's terms from its softmax: o and 1, each times exp(lse - the row's maximum lse)."""
+    weight = (lse - row_max).exp_().unsqueeze(-1)  # (I, T, 1): the block's share, exactly 0 where it saw nothing
+    return torch.cat([o * weight, weight], dim=-1)
+
+
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: list[int],
                         key_slots: list[list[int]], tiles: AttentionTiles, window: int | None = None) -> torch.Tensor:
     """The blocked rule written for a reader: each query row alone, its logical blocks in order.
@@ -154,8 +184,18 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 key_positions = torch.arange(block * B, block * B + B, device=q.device)
                 cut = (key_positions > position) | (key_positions < first)  # (B,) keys a partial block hides
                 hidden = None if whole else cut.expand(batch, tile, B)
-                scores.append(_block_scores(q_tile, k_block, batch, hidden))
+                if tiles.fused:  # the block's softmax and log-sum-exp: its own maximum stands in for scores
+                    scores.append(fused_items(q_tile, k_block, v_block, batch, hidden))
+                else:
+                    scores.append(_block_scores(q_tile, k_block, batch, hidden))
                 values.append(v_block)
+            if tiles.fused:  # each block weighted by exp(its log-sum-exp - the row's largest), in block order
+                row_max = _finite(torch.stack([lse[0, 0] for _, lse in scores]).max())
+                sums = q.new_zeros(d + 1, dtype=acc)  # weighted values, softmax sum
+                for o, lse in scores:
+                    sums = sums + _fused_terms(o, lse, row_max)[0, 0]
+                out[head, row] = sums[:d] / sums[d:]
+                continue
             row_max = _finite(torch.stack([s[0, 0].max() for s in scores]).max())  # the row's exact maximum
             weighted, total = q.new_zeros(d, dtype=acc), q.new_zeros((), dtype=acc)
             for block_scores, v_block in zip(scores, values):
@@ -210,18 +250,31 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(acc).tiny)
 
 
-def _scores(queries: torch.Tensor, keys: torch.Tensor, items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
-    """(hi - lo, T, B) the scores of items lo .. hi - 1, hidden keys at -inf."""
+def _scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: Items, lo: int, hi: int,
+            batch: int, fused: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Pass 1 of items lo .. hi - 1: their (I, T, B) scores, hidden keys at -inf; or, fused, their softmax
+    and log-sum-exp (`fused_items`)."""
     hidden = None if items.hidden is None else items.hidden[lo:hi]
-    return _block_scores(_gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(queries.dtype),
-                         batch, hidden)
+    q, k = _gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(queries.dtype)
+    if fused:
+        return fused_items(q, k, _gather(values, items.keys[lo:hi]).to(queries.dtype), batch, hidden)
+    return _block_scores(q, k, batch, hidden)
 
 
-def _terms(scores: torch.Tensor, row_max: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
-           batch: int) -> torch.Tensor:
+def _peaks(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(I, T) what the row maximum is taken over: each item's largest score, or its log-sum-exp."""
+    return scores[1] if isinstance(scores, tuple) else scores.amax(dim=-1)
+
+
+def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: torch.Tensor, rows: torch.Tensor,
+           values: torch.Tensor, items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
     """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten."""
-    e = scores.sub_(row_max.index_select(0, rows.reshape(-1)).view(*rows.shape, 1)).exp_()  # (I, T, B)
-    return torch.cat([batched_products(e, values.to(e.dtype), batch), batched_row_sums(e, batch)], dim=-1)
+    item_max = row_max.index_select(0, rows.reshape(-1)).view(rows.shape)  # (I, T)
+    if isinstance(scores, tuple):
+        return _fused_terms(*scores, item_max)
+    e = scores.sub_(item_max.unsqueeze(-1)).exp_()  # (I, T, B)
+    values = _gather(values, items.keys[lo:hi]).to(e.dtype)
+    return torch.cat([batched_products(e, values, batch), batched_row_sums(e, batch)], dim=-1)
 
 
 def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
@@ -232,12 +285,12 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     d = queries.shape[1]
     kinds = [(plan.whole, tiles.whole.batch), (plan.partial, tiles.partial.batch)]
-    scores = [_scores(queries, keys, items, 0, items.count, batch) for items, batch in kinds]
+    scores = [_scores(queries, keys, values, items, 0, items.count, batch, tiles.fused) for items, batch in kinds]
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     for (items, _), item_scores in zip(kinds, scores):
-        row_max.scatter_reduce_(0, items.rows.reshape(-1), item_scores.amax(dim=-1).reshape(-1), "amax")
+        row_max.scatter_reduce_(0, items.rows.reshape(-1), _peaks(item_scores).reshape(-1), "amax")
     row_max = _finite(row_max)
-    terms = [_terms(item_scores, row_max, items.rows, _gather(values, items.keys), batch).view(-1, d + 1)
+    terms = [_terms(item_scores, row_max, items.rows, values, items, 0, items.count, batch).view(-1, d + 1)
              for (items, batch), item_scores in zip(kinds, scores)]
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
     ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
@@ -262,9 +315,8 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     for items, batch, chunk in kinds:
         chunk_scores = None
         for lo in range(0, items.count, chunk):
-            chunk_scores = _scores(queries, keys, items, lo, min(lo + chunk, items.count), batch)
-            row_max.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), chunk_scores.amax(dim=-1).reshape(-1),
-                                    "amax")
+            chunk_scores = _scores(queries, keys, values, items, lo, min(lo + chunk, items.count), batch, tiles.fused)
+            row_max.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), _peaks(chunk_scores).reshape(-1), "amax")
         kept.append(chunk_scores if items.count <= chunk else None)
     row_max = _finite(row_max)
 
@@ -272,9 +324,10 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     for (items, batch, chunk), kept_scores in zip(kinds, kept):
         for lo in range(0, items.count, chunk):
             hi = min(lo + chunk, items.count)
-            chunk_scores = kept_scores if kept_scores is not None else _scores(queries, keys, items, lo, hi, batch)
+            chunk_scores = (kept_scores if kept_scores is not None
+                            else _scores(queries, keys, values, items, lo, hi, batch, tiles.fused))
             rows = items.rows[lo:hi]
-            terms = _terms(chunk_scores, row_max, rows, _gather(values, items.keys[lo:hi]), batch)  # (I, T, D + 1)
+            terms = _terms(chunk_scores, row_max, rows, values, items, lo, hi, batch)  # (I, T, D + 1)
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another
                 first, end = max(first, lo), min(end, hi)
                 if first < end:

@@ -68,6 +68,10 @@ class AttentionTiles:
     # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is far slower with few threads).
     # The same IEEE additions either way: the bits do not depend on it.
     index_add: bool = False
+    # How an item's softmax is taken: in separate passes over its scores (`bmm`, mask, exp, sums, `bmm`), or
+    # by torch's fused CPU attention kernel, which returns each row's softmax over the block and the block's
+    # log-sum-exp (attention.fused_items): another arithmetic, so other bits, each a function of its item.
+    fused: bool = False
 
     def held_at_once(self, count: int, kind: ItemTiles) -> bool:
         """Whether the kernel holds every one of `count` items of a kind at once: one chunk, or at most `keep`."""

@@ -6,6 +6,7 @@ slots (`KVCache.append`), plans the pass and fills the cache with random keys an
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,10 +17,10 @@ from minillama.blocks import CPU_ATTENTION, KEY_BLOCK, AttentionTiles, ItemTiles
 from minillama.cache import PAD_SLOT, KVCache
 from minillama.invariant import CPU_TILES, Tiles
 from minillama.plan import plan_attention
-from tiny import DEVICE, SMALL_TILES, tiny_config
+from tiny import DEVICE, ON_CPU, SMALL_TILES, tiny_config
 
 TILES = st.sampled_from([SMALL_TILES, CPU_TILES, Tiles(rows=8, attention=AttentionTiles(
-    whole=ItemTiles(rows=8, batch=2, chunk=2), partial=ItemTiles(rows=8, batch=2, chunk=4)))])
+    whole=ItemTiles(rows=8, batch=2, chunk=2), partial=ItemTiles(rows=8, batch=2, chunk=4))), *ON_CPU])
 
 
 def chunks(tiles, whole, partial, **kw):
@@ -132,6 +133,37 @@ def test_a_chunked_pass_gives_the_same_bits_as_one_chunk():
     q = fill(cache, rows, 3, 0)
     assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, big),
                        blocked_attention(q, cache.k[0], cache.v[0], plan, small))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="torch's fused attention kernel is a CPU's")
+def test_fused_items_run_torchs_cpu_kernel_and_keep_every_bit():
+    """`AttentionTiles.fused`: every item's softmax is one call of torch's fused CPU kernel and no `bmm`
+    remains; the pass equals its one-row reference, in chunks as in one, row order as block order. Its bits
+    are its own (another arithmetic than the `bmm` path's), close to them."""
+    config = tiny_config(heads=6, kv_heads=2, head_dim=16)
+    cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
+    fused = dataclasses.replace(CHUNKED, fused=True)
+    rows = -(-len(segs) // 64) * 64
+    plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=chunks(fused, 1 << 20, 1 << 20))
+    assert plan.order is not None and plan.whole.count > fused.whole.chunk  # held at once, or really chunked
+    q = fill(cache, rows, 3, 0)
+    outs = {}
+    for name, tiles in (("one chunk", chunks(fused, 1 << 20, 1 << 20)), ("chunked", fused)):
+        for order in (plan.order, None):  # row order (a decode step's), block order
+            plan.order = order
+            with Launches() as seen:
+                outs[name, order is None] = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
+            assert seen.counts["aten._scaled_dot_product_flash_attention_for_cpu.default"] > 0
+            assert "aten.bmm.out" not in seen.counts and "aten.sum.IntList_out" not in seen.counts
+    first = outs["one chunk", False]
+    assert all(torch.equal(out, first) for out in outs.values())
+    n = len(segs)
+    slow = reference_attention(q[:, :n * 3], cache.k[0], cache.v[0], poss.tolist(),
+                               [cache.chain_slots(int(s))[:int(p) + 1] for s, p in zip(segs, poss)], fused)
+    assert torch.equal(first[:, :n * 3], slow)
+    separate = blocked_attention(q, cache.k[0], cache.v[0], plan, CHUNKED)
+    assert not torch.equal(first, separate)
+    torch.testing.assert_close(first, separate)
 
 
 def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
@@ -272,19 +304,21 @@ def test_padding_rows_get_zeros_not_nan():
     assert torch.isfinite(out).all() and (out[:, 10:] == 0).all()
 
 
-def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order():
-    """Negative control for the bit-equality property: the same terms summed in another order are caught."""
+@pytest.mark.parametrize("tiles", [SMALL_TILES.attention, *(t.attention for t in ON_CPU)])
+def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order(tiles):
+    """Negative control for the bit-equality property: the same terms summed in another order are caught
+    (each block's scores in separate passes, or its softmax by the fused kernel)."""
     config = tiny_config(heads=2, kv_heads=2, head_dim=8)
     cache, segs, poss = layout(config, 600, [30], [], decode=True)
-    plan = plan_attention(cache, segs, poss, 1, n_rows=16, tiles=SMALL_TILES.attention)
+    plan = plan_attention(cache, segs, poss, 1, n_rows=16, tiles=tiles)
     q = fill(cache, 16, 1, 3)
     slow = reference_attention(q[:, :1], cache.k[0], cache.v[0], poss.tolist(),
-                               [cache.chain_slots(int(segs[0]))[:int(poss[0]) + 1]], SMALL_TILES.attention)
-    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES.attention)[:, :1], slow)
+                               [cache.chain_slots(int(segs[0]))[:int(poss[0]) + 1]], tiles)
+    assert torch.equal(blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)[:, :1], slow)
     w, n = plan.whole, plan.whole.count
     w.rows, w.keys = w.rows.flip(0), w.keys.flip(0)  # the last block first
     w.bounds = [n - b for b in reversed(w.bounds)]
-    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, SMALL_TILES.attention)[:, :1]
+    fast = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)[:, :1]
     assert not torch.equal(fast, slow)
     torch.testing.assert_close(fast, slow)
 

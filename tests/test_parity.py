@@ -17,14 +17,15 @@ from hypothesis import strategies as st
 
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CUDA_TILES
-from tiny import SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
+from tiny import ON_CPU, SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
 
 EXAMPLES = int(os.environ.get("MINILLAMA_EXAMPLES", "200"))
 # Tiles for the property: mostly the small test tiles (fast, and their tiny chunks take the chunked path),
 # sometimes the device's defaults, the ones users run; and on any device the GPU's choices too (its big
-# tiles and batches, blocks added with one `index_add_`), so a CPU checks the GPU configuration's layout.
+# tiles and batches, blocks added with one `index_add_`), so a CPU checks the GPU configuration's layout;
+# on a CPU, items by the fused kernel too.
 TILES = st.sampled_from([SMALL_TILES, SMALL_TILES, dataclasses.replace(SMALL_TILES, attention=dataclasses.replace(SMALL_TILES.attention, index_add=True)), None,
-                         CUDA_TILES])
+                         CUDA_TILES, *ON_CPU])
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                     derandomize=os.environ.get("CI") == "true")
 

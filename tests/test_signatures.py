@@ -24,7 +24,7 @@ from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES, Tiles
 from minillama.model import Llama, RMSNorm
 from minillama.precision import ENV, FLOAT32_COLUMNS, GEMM_ENV, compute_dtype, cpu_gemm, onednn_available
-from tiny import SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
+from tiny import ON_CPU, SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
 def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
@@ -63,6 +63,12 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
         out.add(("aten.bmm.out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # values = p v
                                   ((batch, b, d), (b * d, d, 1), acc, 0),
                                   ((batch, rows, d), (rows * d, d, 1), acc, 0))))
+        if tiles.attention.fused:  # q, k, v as (batch, 1, n, D), and the masked items' additive mask
+            item = (((batch, 1, rows, d), (rows * d, rows * d, d, 1), acc, 0),
+                    ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0), ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0))
+            mask = ((batch, 1, rows, b), (rows * b, rows * b, b, 1), acc, 0)
+            out.add(("aten._scaled_dot_product_flash_attention_for_cpu.default", item))
+            out.add(("aten._scaled_dot_product_flash_attention_for_cpu.default", (*item, mask)))
     return out
 
 
@@ -100,7 +106,9 @@ WIDE = tiny_config(layers=1, heads=6, kv_heads=2, head_dim=8, tied=True, vocab=1
 MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0),
           "window, default tiles": tiny_model(WINDOWED, 0, tiles=None), "window, small tiles": tiny_model(WINDOWED, 0),
           "qwen3 with biases": tiny_model(QWEN, 0), "bfloat16": tiny_model(CONFIG, 0, torch.bfloat16),
-          "float16, wide vocabulary": tiny_model(WIDE, 0, torch.float16, tiles=None)}
+          "float16, wide vocabulary": tiny_model(WIDE, 0, torch.float16, tiles=None),
+          **{f"fused, {dtype}": tiny_model(CONFIG, 0, dtype, tiles=tiles)
+             for tiles in ON_CPU for dtype in (torch.float32, torch.bfloat16)}}
 PATHS = ["auto", "auto", "auto", "native", "float32"]  # MINILLAMA_CPU_16BIT
 
 

@@ -29,7 +29,7 @@ from minillama.model import RMSNorm
 from minillama.plan import plan_attention
 from test_attention import WINDOWS, fill, layout
 from test_parity import assert_same_answers
-from tiny import DEVICE, SMALL_TILES, tiny_config, tiny_model
+from tiny import DEVICE, ON_CPU, SMALL_TILES, tiny_config, tiny_model
 
 DOC = 70
 
@@ -106,7 +106,7 @@ def test_negative_control_a_planted_read_is_caught(monkeypatch, plant):
 
 @settings(max_examples=25, deadline=None)
 @given(qs=st.lists(st.integers(1, 70), min_size=1, max_size=5), doc=st.integers(0, 150), decode=st.booleans(),
-       tiles=st.sampled_from([SMALL_TILES, CPU_TILES, CUDA_TILES]), window=WINDOWS, seed=st.integers(0, 99),
+       tiles=st.sampled_from([SMALL_TILES, CPU_TILES, CUDA_TILES, *ON_CPU]), window=WINDOWS, seed=st.integers(0, 99),
        buckets=st.booleans())
 def test_row_order_adds_the_terms_of_block_order(qs, doc, decode, tiles, window, seed, buckets):
     config = tiny_config(kv_heads=2, heads=4, head_dim=8)

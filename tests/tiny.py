@@ -6,6 +6,7 @@ factories here put models there, and the parity, attention and model tests run u
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -22,6 +23,10 @@ DEVICE = torch.device(os.environ.get("MINILLAMA_TEST_DEVICE", "cpu"))
 # chunks of a few items, so that a short document already takes the chunked path (scores computed twice).
 SMALL_TILES = Tiles(rows=16, attention=AttentionTiles(whole=ItemTiles(rows=16, batch=4, chunk=8),
                                                    partial=ItemTiles(rows=4, batch=16, chunk=32)))
+# The same with each item's softmax taken by torch's fused CPU attention kernel (AttentionTiles.fused): a CPU's
+# kernel, so only where the tests run on a CPU.
+FUSED_TILES = Tiles(rows=16, attention=dataclasses.replace(SMALL_TILES.attention, fused=True))
+ON_CPU = [FUSED_TILES] if DEVICE.type == "cpu" else []
 
 
 # RoPE scalings for the property: (name, rope_scaling).

@@ -1,0 +1,51 @@
+"""How torch's OpenMP threads wait at the end of a parallel region: chosen here, before torch loads.
+
+A forward pass on a CPU is thousands of small parallel regions (3,343 in a 128-row decode step of the
+default model, about 7,600 in a 512-token prefill pass), each ending in a barrier. GNU OpenMP's threads
+spin 300,000 times there before they sleep. On an idle machine spinning is the quickest way to wait; with
+another process wanting a core, a spinning thread holds the core that its own descheduled partner needs
+to reach the barrier, and every region waits on the scheduler. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`)
+gives the core back, but on an idle machine each region then pays for a wake-up. So, when minillama is
+imported and the environment names neither a policy nor a spin count:
+
+    threads running elsewhere now + the cores torch will use > the machine's cores   ->  PASSIVE
+    otherwise                                                                         ->  GOMP_SPINCOUNT=1000
+
+(docs/bench/README.md#a-cpu-shared-with-other-work has the measurements). How threads wait never changes
+what they compute: the bits are the same either way. OpenMP reads these settings once, when torch loads it,
+so a program that imported torch before minillama keeps the runtime's own default.
+"""
+
+from __future__ import annotations
+
+import os
+
+SHORT_SPIN = "1000"  # spins before sleeping on an idle machine: a few microseconds, not GNU OpenMP's 300,000
+
+
+def running_elsewhere() -> int | None:
+    """Threads running or ready to run on the machine now, this one left out (Linux's /proc/loadavg); None
+    where that cannot be read."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def wait_settings(elsewhere: int | None, ours: int, cpus: int) -> dict[str, str]:
+    """The OpenMP settings for a process whose torch will use `ours` of the machine's `cpus` cores while
+    `elsewhere` other threads want one (None: unknown, taken as none)."""
+    if elsewhere is not None and elsewhere + ours > cpus:
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    return {"GOMP_SPINCOUNT": SHORT_SPIN}
+
+
+def choose_wait_policy(environ: dict[str, str] | None = None) -> None:
+    """Put `wait_settings` for this process into the environment, unless it names a policy or a spin count."""
+    environ = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return
+    cpus = os.cpu_count() or 1
+    ours = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus  # torch's default threads
+    environ.update(wait_settings(running_elsewhere(), ours, cpus))
