@@ -41,6 +41,16 @@ def test_the_rule_sleeps_only_where_other_threads_want_the_cores():
     assert running_elsewhere() is None or running_elsewhere() >= 0
 
 
+def test_a_process_that_is_runnable_for_a_moment_is_not_work_beside_us():
+    """The fewest runnable threads over several readings: a neighbour starting up (runnable for one reading)
+    does not choose passive waiting, a busy one (runnable at every reading) does; this process is left out."""
+    readings = iter([3, 2, 1, 1, 2])  # this process, plus a pipeline's commands starting for a moment
+    assert running_elsewhere(lambda: next(readings), readings=5, interval_s=0) == 0
+    busy = iter([2, 3, 2, 2, 2])  # this process and one that never stops
+    assert running_elsewhere(lambda: next(busy), readings=5, interval_s=0) == 1
+    assert running_elsewhere(lambda: int("not a number"), readings=3, interval_s=0) is None
+
+
 def test_a_setting_in_the_environment_is_kept():
     for env in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "5"}):
         environ = dict(env)
