@@ -49,6 +49,8 @@ def test_a_process_that_is_runnable_for_a_moment_is_not_work_beside_us():
     busy = iter([2, 3, 2, 2, 2])  # this process and one that never stops
     assert running_elsewhere(lambda: next(busy), readings=5, interval_s=0) == 1
     assert running_elsewhere(lambda: int("not a number"), readings=3, interval_s=0) is None
+    alone = iter([1])  # this thread alone at the first reading: nothing more to read (a second would raise)
+    assert running_elsewhere(lambda: next(alone), readings=5, interval_s=0) == 0
 
 
 def test_a_setting_in_the_environment_is_kept():
