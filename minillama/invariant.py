@@ -100,6 +100,10 @@ class Kernels:
     def tiles_for(self, device: torch.device) -> Tiles:
         return self.tiles or default_tiles(device)
 
+    def row_unit(self, device: torch.device) -> int:
+        """A pass's rows are padded to a multiple of this: whole linear tiles, or 1 with the plain kernels."""
+        return self.tiles_for(device).rows if self.invariant else 1
+
     @property
     def sharded(self) -> bool:
         """Whether this process is one rank of a tensor-parallel group (its collectives are real)."""

@@ -113,13 +113,13 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
     the module's docstring) for a model of `config` with `kernels`; positions and segments are on the host."""
     n = tokens.shape[0]
     device = cache.k.device
-    tiles = kernels.tiles_for(device)
-    unit = tiles.rows if kernels.invariant else 1  # the kernels' own padding: whole tiles of rows
-    rows = bucket(-(-max(n, 1) // unit), 1) * unit if buckets else -(-max(n, 1) // unit) * unit
+    unit = kernels.row_unit(device)  # the kernels' own padding: whole tiles of rows
+    whole = -(-max(n, 1) // unit)  # whole units of rows the tokens take
+    rows = (bucket(whole) if buckets else whole) * unit
     g = config.num_attention_heads // config.num_key_value_heads
     slots = cache.append(segments, positions)  # (n,) a slot for each new token
-    plan = plan_attention(cache, segments, positions, g, rows, tiles.attention, dense=not kernels.invariant,
-                          window=config.sliding_window, buckets=buckets)
+    plan = plan_attention(cache, segments, positions, g, rows, kernels.tiles_for(device).attention,
+                          dense=not kernels.invariant, window=config.sliding_window, buckets=buckets)
     wanted = torch.arange(n) if logits_rows is None else logits_rows.cpu()
     logits = wanted.shape[0]
     padded_logits = bucket(logits) if buckets else logits

@@ -213,7 +213,7 @@ class Engine:
                 decode.append(s)
         # Prompt tokens: `max_batch_tokens`, and as many more as fill the pass's last row tile: an invariant
         # pass computes whole tiles of rows (invariant.Tiles.rows), so rows up to the tile's end cost nothing.
-        tile = self.model.tiles.rows if self.model.invariant else 1
+        tile = self.model.kernels.row_unit(self.model.device)
         budget = -(-(len(pack) + self.max_batch_tokens) // tile) * tile - len(pack)
         for s in self.running:  # prefill, in arrival order, parents before children
             if budget <= 0:
