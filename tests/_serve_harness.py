@@ -49,7 +49,7 @@ def serving(model: api.LoadedModel, name: str = "tiny", api_key: str | None = No
     app = build_app(model, eng, name, max_tokens=256, api_key=api_key, max_body_bytes=64 << 10)
     with serve_in_thread(app) as url:
         yield url
-    assert not eng.thread.is_alive(), "the server did not stop"
+    assert eng.ended.is_set() and not eng.thread.is_alive(), "the server did not stop"
 
 
 LONG_DOC = " ".join([DOC] * 3)  # about 150 tokens: two whole prefix blocks and a tail

@@ -201,3 +201,50 @@ def test_a_taken_port_is_a_one_line_error(ckpt):
     finally:
         p.terminate()
         assert p.wait(60) == 0
+
+
+def test_the_command_lines_engine_computes_on_the_thread_that_loaded_the_model(model):
+    """`minillama serve` runs the engine's passes on its main thread (where the model was loaded) and the HTTP
+    server in another: a CPU's OpenMP runtime keeps one team of workers per calling thread, and passes on a
+    second thread ran 1.7x slower (Engine.run). `cli.run` is what the command line calls; SIGTERM ends it."""
+    import uvicorn
+
+    from minillama.serve.app import build_app
+    from minillama.serve.cli import bind, run
+    from minillama.serve.engine import Engine
+    from minillama.serve.identity import eos_of
+
+    eng = Engine(model.llama, eos_of(model), max_batch_tokens=64)
+    stepped: set[str] = set()
+    step = eng._step
+
+    def recorded_step() -> None:
+        stepped.add(threading.current_thread().name)
+        step()
+
+    eng._step = recorded_step
+    app = build_app(model, eng, "tiny", max_tokens=64, start_engine=False)
+    sock = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    answers: list[dict] = []
+
+    def client() -> None:
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 60:
+                try:
+                    r = httpx.post(url + "/completions", json={"prompt": LONG_DOC, "max_tokens": 8,
+                                                               "temperature": 0}, timeout=60)
+                    answers.append(r.json())
+                    break
+                except httpx.ConnectError:
+                    time.sleep(0.02)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=client, daemon=True).start()
+    run(uvicorn.Config(app, log_level="warning", lifespan="on"), sock, eng)
+    sock.close()
+    assert answers and answers[0]["usage"]["completion_tokens"] == 8, answers
+    assert stepped == {threading.current_thread().name}, stepped  # every pass on the caller's thread
+    assert eng.ended.is_set() and not eng.alive

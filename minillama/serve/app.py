@@ -102,14 +102,17 @@ def _prompt_top_k(job: Job) -> int:
 
 
 def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4096, api_key: str | None = None,
-              max_body_bytes: int = 1 << 20) -> Starlette:
-    """The ASGI app. The engine is started and stopped with the app (its lifespan)."""
+              max_body_bytes: int = 1 << 20, start_engine: bool = True) -> Starlette:
+    """The ASGI app. The engine is stopped with the app (its lifespan), and started with it in a thread of its
+    own unless `start_engine` is False: then the caller runs `engine.run()` (the command line, on its main
+    thread)."""
     limits = Limits(model.context_length, model.llama.config.vocab_size, max_tokens)
     state = State(model, engine, name, limits, api_key)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        engine.start()
+        if start_engine:
+            engine.start()
         try:
             yield
         finally:
@@ -122,7 +125,7 @@ def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4
         return secrets.compare_digest(got.encode(), f"Bearer {state.api_key}".encode())
 
     async def health(request: Request) -> Response:
-        alive = engine.thread is not None and engine.thread.is_alive() and not engine.stopping
+        alive = engine.alive
         return JSONResponse({"status": "ok" if alive else "unavailable", **engine.stats()},
                             status_code=200 if alive else 503)
 

@@ -21,10 +21,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from ..cli import DEFAULT_MAX_MEMORY_MB, add_model_options, load_checkpoint
 from ..errors import BadInput, OneLineParser, check_device, run_command
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 API_KEY_ENV = "MINILLAMA_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -122,7 +125,8 @@ def _main(argv: Sequence[str] | None) -> int:
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
                     max_batch_tokens=args.max_batch_tokens, max_memory_bytes=int(args.max_memory * 2**20),
                     prefix_cache=not args.no_prefix_cache)
-    app = build_app(model, engine, name, max_tokens=args.max_tokens, api_key=api_key, max_body_bytes=args.max_body)
+    app = build_app(model, engine, name, max_tokens=args.max_tokens, api_key=api_key, max_body_bytes=args.max_body,
+                    start_engine=False)
     host, port = sock.getsockname()[:2]
     if api_key is None and args.host not in LOOPBACK:
         print(f"warning: --host {args.host} without --api-key (or ${API_KEY_ENV}): anyone who can reach this "
@@ -130,7 +134,7 @@ def _main(argv: Sequence[str] | None) -> int:
     kernels = " (plain kernels: an answer may depend on the batch)" if args.plain_kernels else ""
     print(f"minillama serve: model {name!r} on http://{host}:{port}/v1{kernels}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
-    run(config, sock)
+    run(config, sock, engine)
     print("minillama serve: stopped", file=sys.stderr)
     return 0
 
@@ -160,23 +164,33 @@ def serve_in_thread(app, start_s: float = 60.0) -> Iterator[str]:
             raise RuntimeError("the in-process server did not stop")
 
 
-def run(config, sock: socket.socket) -> None:
-    """uvicorn's server on `sock`, whose Ctrl-C/SIGTERM is a normal end: once the requests in flight are
-    drained it returns (exit 0) rather than raising the signal again, as uvicorn does. A second Ctrl-C
-    stops at once."""
+def run(config, sock: socket.socket, engine: Engine) -> None:
+    """uvicorn's server on `sock` in a thread, and the engine's loop in this one (the thread that loaded the
+    model, whose OpenMP team then runs every pass: `Engine.run`). Ctrl-C/SIGTERM is a normal end: once the
+    requests in flight are drained the app's lifespan stops the engine and this returns (exit 0) rather than
+    raising the signal again, as uvicorn does. A second Ctrl-C stops at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for s, handler in old.items():
-                    signal.signal(s, handler)
+        def capture_signals(self) -> Iterator[None]:  # this thread installs them (uvicorn's are main-only)
+            yield
 
-    Server(config).run(sockets=[sock])
+    server = Server(config)
+
+    def serve() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            engine.stop(timeout=0)  # a server that failed to start or has stopped ends the loop too
+
+    old = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=serve, name="minillama-http", daemon=True)
+    try:
+        thread.start()
+        engine.run()
+        server.should_exit = True  # the loop ended first (it does only when stopped): stop serving too
+        thread.join()
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)

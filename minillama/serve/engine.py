@@ -100,7 +100,9 @@ class Engine:
         self.running: list[Choice] = []
         self.lock = threading.Condition()
         self.stopping = False
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # the loop's own thread, when `start()` made one
+        self.owner: threading.Thread | None = None  # the thread running the loop (`run`), once it started
+        self.ended = threading.Event()  # the loop has ended
         self.steps = self.prefill_tokens = self.decode_tokens = 0
         self.kv_per_token = model.config.kv_bytes_per_token(model.dtype.itemsize)
 
@@ -124,16 +126,41 @@ class Engine:
             self.lock.notify()
 
     def start(self) -> "Engine":
-        self.thread = threading.Thread(target=self._loop, name="minillama-engine", daemon=True)
+        """Run the loop in a thread of its own (an engine inside another program: the tests, the bench)."""
+        self.thread = threading.Thread(target=self.run, name="minillama-engine", daemon=True)
         self.thread.start()
         return self
 
+    def run(self) -> None:
+        """Run the loop in the calling thread until `stop()`. `minillama serve` runs it on the thread that
+        loaded the model, its main thread: a CPU's OpenMP runtime keeps one team of worker threads per thread
+        that calls into it, and a second team beside the loader's made every pass 1.7x slower on a 2-core
+        machine (docs/serve.md, "One thread computes")."""
+        with self.lock:
+            if self.owner is not None:
+                raise RuntimeError("the engine's loop runs once")
+            self.owner = threading.current_thread()
+        try:
+            self._loop()
+        finally:
+            self.ended.set()
+
+    @property
+    def alive(self) -> bool:
+        """The loop is running and not asked to stop."""
+        return self.owner is not None and not self.ended.is_set() and not self.stopping
+
     def stop(self, timeout: float | None = None) -> None:
+        """Ask the loop to end (running sequences end with an error event) and wait up to `timeout` seconds
+        for it, unless it is the caller's own loop or never ran."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
-        if self.thread is not None:
-            self.thread.join(timeout)
+            owner = self.owner
+        if owner is not None and owner is not threading.current_thread():
+            self.ended.wait(timeout)
+            if owner is self.thread:
+                owner.join(timeout)
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.running), "waiting": len(self.waiting), "steps": self.steps,
