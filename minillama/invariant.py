@@ -14,7 +14,10 @@ Same signature in, same kernel out, so every row meets the same arithmetic in ev
 
 - Linear layers pad their rows to whole tiles of `Tiles.rows` and run one (rows, K) x (K, N) product per tile.
   (One `bmm` over all tiles is not enough: its batch count follows the number of tiles, and with 2 threads
-  MKL splits a lone tile's product differently from a batch of them.)
+  MKL splits a lone tile's product differently from a batch of them.) The one exception to "same signature":
+  a pass's last tile may run as a short tile of fewer rows (`Tiles.short`), and only where the process has
+  shown, product by product, that the short product gives each row exactly the whole tile's bits
+  (`proven_short`). So a short tile changes which kernel runs, never a bit: the answer is the whole tiles'.
 - Attention (attention.py) runs its (query tile, key block) products in `bmm` calls of a fixed batch count.
 - Order-dependent reductions are issued the same way: RMSNorm's mean of squares per tile of rows
   (`tiled_mean_square`), the softmax's sums per batch of items (attention.batched_row_sums). A GPU's
@@ -31,7 +34,7 @@ without it) and for measuring what invariance costs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -39,6 +42,9 @@ import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
+
+if TYPE_CHECKING:
+    from .config import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,35 @@ class Tiles:
     padding against the number of calls: a CPU multiplies a 64-row tile about as fast per row as a big
     matrix; a GPU wants fewer, bigger calls. The linear tile is this module's; attention's sizes are
     attention's own (blocks.AttentionTiles), carried here so that one object names every size a model uses.
+
+    `short`: smaller row counts that may stand in for a pass's last linear tile, so that a pass of a few
+    rows (one sequence decoding) does not pay for a whole tile. A short product is used for a weight only
+    where this process has shown that it gives every row the bits the whole tile gives it (`proven_short`:
+    on a CPU, oneDNN's and MKL's kernels add along K in the same order for any number of rows from 2 up), so
+    a short tile changes no bit: the answers are the whole tiles' wherever it is used or not.
     """
 
     rows: int = 64  # rows per linear-layer product
     attention: AttentionTiles = field(default_factory=AttentionTiles)
+    short: tuple[int, ...] = ()  # rows of the products that may stand in for a pass's last tile
+
+    def unit(self, widths: tuple[int, ...]) -> int:
+        """The rows a pass is padded to a multiple of, for elementwise tensors of these row widths: the
+        smallest tile whose rows make every such tensor a multiple of 128 elements, or the whole tile. (A CPU's
+        vector loops finish a tensor's last elements, and a thread's share, with scalar code of other bits;
+        model.py.)"""
+        return min([s for s in self.short if all(s * w % 128 == 0 for w in widths)] + [self.rows])
+
+    def tile_end(self, n: int) -> int:
+        """The rows a pass of n rows computes in its linear products: whole tiles, and the smallest short
+        tile (or a whole one) that holds the rest."""
+        whole, rest = divmod(n, self.rows)
+        return whole * self.rows + (min(s for s in (*self.short, self.rows) if s >= rest) if rest else 0)
 
 
-CPU_TILES = Tiles(rows=64, attention=CPU_ATTENTION)
-# A GPU: bigger row tiles (a 256-row product still reads each weight once per tile).
+CPU_TILES = Tiles(rows=64, attention=CPU_ATTENTION, short=(8, 16, 32))
+# A GPU: bigger row tiles (a 256-row product still reads each weight once per tile). No short tiles: cuBLAS
+# picks another kernel (and split of K) for fewer rows.
 CUDA_TILES = Tiles(rows=256, attention=CUDA_ATTENTION)
 
 
@@ -100,9 +127,19 @@ class Kernels:
     def tiles_for(self, device: torch.device) -> Tiles:
         return self.tiles or default_tiles(device)
 
-    def row_unit(self, device: torch.device) -> int:
-        """A pass's rows are padded to a multiple of this: whole linear tiles, or 1 with the plain kernels."""
-        return self.tiles_for(device).rows if self.invariant else 1
+    def row_unit(self, device: torch.device, config: LlamaConfig) -> int:
+        """A pass's rows are padded to a multiple of this, or 1 with the plain kernels: `Tiles.unit` for the
+        row widths of the model's elementwise tensors (hidden states, a RoPE half, an MLP unit's features)."""
+        if not self.invariant:
+            return 1
+        widths = (config.hidden_size, max(config.head_dim // 2, 1),
+                  *(b - a for a, b in unit_bounds(config.intermediate_size, self.units)))
+        return self.tiles_for(device).unit(widths)
+
+    def tile_end(self, n: int, device: torch.device) -> int:
+        """The rows a pass of n rows computes (`Tiles.tile_end`), n with the plain kernels: rows up to here
+        cost nothing more."""
+        return self.tiles_for(device).tile_end(n) if self.invariant else n
 
     @property
     def sharded(self) -> bool:
@@ -123,17 +160,19 @@ def _whole_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
     return (torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows), m
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[int, ...] = ()) -> torch.Tensor:
     """`x @ weight.T` for x (..., K) and weight (N, K), one fixed (tile, K) x (K, N) product per tile of rows.
 
     The product is a `torch.mm`, or on a CPU computing in float32 one oneDNN linear (`precision.cpu_gemm`:
     several times faster where oneDNN has AVX-512 kernels and the BLAS does not use them). A 16-bit model on a
     CPU without native 16-bit dot products computes in float32 (precision.py): each tile against each fixed
-    slice of `FLOAT32_COLUMNS` weight columns, cast once per call.
+    slice of `FLOAT32_COLUMNS` weight columns, cast once per call. The rows past the last whole tile run as
+    one product of the smallest `short` row count that holds them and that `proven_short` has shown gives
+    the whole tile's bits for this slice, else as a whole tile.
     """
     *lead, k = x.shape
     n = weight.shape[0]
-    rows, m = _whole_tiles(x, tile)  # (M_pad, K)
+    rows, m = _whole_tiles(x, tile)  # (M_pad, K): whole tiles (a short last tile reads fewer of its rows)
     w = weight.t()  # (K, N): row-major when the weight is stored column-major (Llama.column_major_)
     calc = compute_dtype(x.device, x.dtype)
     width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
@@ -146,19 +185,54 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
         parts = [part(a) for a in range(0, n, width)]
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
-    else:
-        onednn = uses_onednn(x.device, calc)
-        out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
-        for a in range(0, n, width):
-            # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
-            p = weight[a:a + width].to(calc) if onednn else part(a)
-            cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
-            for i in range(0, rows.shape[0], tile):
-                if onednn:
-                    out[i:i + tile, cols] = onednn_linear(rows[i:i + tile], p)
-                else:
-                    torch.mm(rows[i:i + tile], p, out=out[i:i + tile, cols])
+        return out[:m].to(x.dtype).reshape(*lead, n)
+    onednn = uses_onednn(x.device, calc)
+    whole, rest = divmod(m, tile)
+    out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
+    for a in range(0, n, width):
+        # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
+        p = weight[a:a + width].to(calc) if onednn else part(a)
+        cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
+        last = min([s for s in proven_short(p, tile, short, onednn) if s >= rest] + [tile]) if rest else 0
+        for i, size in [(i, tile) for i in range(0, whole * tile, tile)] + ([(whole * tile, last)] if last else []):
+            if onednn:
+                out[i:i + size, cols] = onednn_linear(rows[i:i + size], p)
+            else:
+                torch.mm(rows[i:i + size], p, out=out[i:i + size, cols])
     return out[:m].to(x.dtype).reshape(*lead, n)
+
+
+_PROVEN: dict[tuple, tuple[int, ...]] = {}
+
+
+def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: bool) -> tuple[int, ...]:
+    """The row counts in `short` whose products with this weight slice give each row exactly the bits a
+    (tile, K) product gives it, shown once per process, slice shape and thread count on a tile of random
+    rows (every output element is a sum of K terms in the kernel's order, so another order shows in its last
+    bits). Only on a CPU: a GPU's steps read nothing back (step.py), and cuBLAS changes kernels with the rows.
+    `p` is what the product takes: (N, K) for oneDNN's linear, (K, N) for `torch.mm`."""
+    if not short or p.device.type != "cpu" or torch.compiler.is_compiling():  # whole tiles: the same bits
+        return ()
+    key = (tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, short)
+    if key not in _PROVEN:
+        with _unwatched(), torch.no_grad():
+            k = p.shape[1] if onednn else p.shape[0]
+            x = torch.randn(tile, k, generator=torch.Generator().manual_seed(0)).to(p.dtype)
+
+            def product(r: torch.Tensor) -> torch.Tensor:
+                return onednn_linear(r, p) if onednn else torch.mm(r, p)
+
+            full = product(x)
+            _PROVEN[key] = tuple(s for s in short if s < tile and all(
+                torch.equal(product(x[i:i + s].clone()), full[i:i + s]) for i in range(0, tile - s + 1, s)))
+    return _PROVEN[key]
+
+
+def _unwatched():
+    """Run outside any dispatch mode (audit.py's watchers): the proof's products are not the model's."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def tiled_mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -271,14 +345,16 @@ class TiledLinear(nn.Linear):
             out = plain_linear(x, self.weight)
             out = k.comm.all_reduce(out) if self.split == "rows" else out
         elif k.units == 1:
-            out = tiled_linear(x, self.weight, k.tiles_for(x.device).rows)
+            t = k.tiles_for(x.device)
+            out = tiled_linear(x, self.weight, t.rows, t.short)
         elif self.split == "rows":
-            tile = k.tiles_for(x.device).rows
-            out = k.comm.tree_sum([tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], tile)
+            t = k.tiles_for(x.device)
+            out = k.comm.tree_sum([tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], t.rows, t.short)
                                    for a, b in self.unit_bounds()])
         else:
-            tile = k.tiles_for(x.device).rows
-            out = torch.cat([tiled_linear(x, self.weight[a:b], tile) for a, b in self.unit_bounds()], dim=-1)
+            t = k.tiles_for(x.device)
+            out = torch.cat([tiled_linear(x, self.weight[a:b], t.rows, t.short) for a, b in self.unit_bounds()],
+                            dim=-1)
         out = self._add_bias(out)  # a row split's whole bias after the sum, a column split's own features' before
         return k.comm.gather_columns(out, self.total) if self.gather else out
 
@@ -299,5 +375,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, invariant: bool = True, tile: 
     """A function form of `TiledLinear` for code that holds a bare weight (the tile: the device's default)."""
     if not invariant:
         return plain_linear(x, weight)
-    return tiled_linear(x, weight, tile or default_tiles(x.device).rows)
+    t = default_tiles(x.device)
+    return tiled_linear(x, weight, tile or t.rows, () if tile else t.short)
 

@@ -10,9 +10,10 @@ call can prefill a document and all its questions, or advance every unfinished q
 Every projection is a `TiledLinear` (invariant.py) and attention runs the blocked kernel, so every matrix
 product has a fixed signature and each token's logits are bit-identical to those of its stand-alone run.
 One more rule keeps elementwise ops honest: CPU kernels compute exp, silu, sin and cos with vector code but
-finish a tensor's last few elements with scalar code, whose results can differ in the last bit. So the N
-tokens run padded to a multiple of `Tiles.rows` rows (every elementwise tensor then has a multiple of 64
-elements and no scalar tail), and RoPE's cos and sin come from one table computed once per model.
+finish a tensor's last few elements (and each thread's share of a big one) with scalar code, whose results
+can differ in the last bit. So the N tokens run padded to a multiple of `Kernels.row_unit` rows: whole
+linear tiles, or a short tile's rows where those keep every elementwise tensor a multiple of 128 elements
+(no scalar tail), and RoPE's cos and sin come from one table computed once per model.
 
 `model.invariant = False` swaps in plain `F.linear` and a masked softmax: same mathematics, batch-dependent
 bits (the negative control). Every module reads that switch from the one `Kernels` object the model shares

@@ -113,7 +113,7 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
     the module's docstring) for a model of `config` with `kernels`; positions and segments are on the host."""
     n = tokens.shape[0]
     device = cache.k.device
-    unit = kernels.row_unit(device)  # the kernels' own padding: whole tiles of rows
+    unit = kernels.row_unit(device, config)  # the kernels' own padding: whole (or short) tiles of rows
     whole = -(-max(n, 1) // unit)  # whole units of rows the tokens take
     rows = (bucket(whole) if buckets else whole) * unit
     g = config.num_attention_heads // config.num_key_value_heads

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import precision
-from minillama.invariant import CPU_TILES, Kernels, TiledLinear, Tiles, linear, tiled_linear
+from minillama import invariant, precision
+from minillama.invariant import CPU_TILES, Kernels, TiledLinear, Tiles, linear, proven_short, tiled_linear
 from minillama.precision import onednn_linear
 from tiny import DEVICE, tiny_config, tiny_model
 
@@ -81,3 +81,64 @@ def test_forward_hooks_see_every_projection():
         x, out = seen[n]
         with torch.inference_mode():
             assert torch.equal(out, model.get_submodule(n)(x))  # what ran is what the module computes
+
+
+SMOL = [(576, 576), (192, 576), (1536, 576), (576, 1536), (8192, 576)]  # SmolLM2's (N, K), an LM head's slice
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="short tiles are a CPU's (invariant.CUDA_TILES has none)")
+@pytest.mark.parametrize("gemm", ["mm", "onednn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_last_tile_gives_every_row_the_whole_tiles_bits(gemm, dtype, monkeypatch):
+    """A pass's rows past its last whole tile run as a short tile (CPU_TILES.short) where proven: every row
+    equals the row of the whole-tile product, at every row count, and on this CPU the kernels prove every
+    short size in float32 (else one sequence would pay for a whole tile again)."""
+    if gemm == "onednn" and not precision.onednn_available():
+        pytest.skip("this torch has no working oneDNN linear")
+    monkeypatch.setenv(precision.GEMM_ENV, gemm)
+    g = torch.Generator().manual_seed(1)
+    tile, short = CPU_TILES.rows, CPU_TILES.short
+    for n, k in SMOL:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(2 * tile, k, generator=g).to(dtype)
+        for m in (1, 2, 7, 8, 9, 16, 31, 33, 63, 64, 65, 72, 100, 127):
+            assert torch.equal(tiled_linear(x[:m], w, tile, short), tiled_linear(x[:m], w, tile)), (n, k, m)
+        if dtype == torch.float32:
+            p = w if gemm == "onednn" else w.t()
+            assert proven_short(p, tile, short, gemm == "onednn") == short, (n, k)
+
+
+def test_a_short_tile_of_other_bits_is_refused(monkeypatch):
+    """Negative control: a library whose fewer-row products add in another order (here: `torch.mm` nudging
+    the last bit below 64 rows) proves no short tile, so the pass keeps the whole tile's bits; taken
+    unproven, the short tile would have changed them."""
+    monkeypatch.setenv(precision.GEMM_ENV, "mm")
+    real_mm = torch.mm
+
+    def nudged(r, p, out=None):
+        got = real_mm(r, p)
+        got = got.nextafter(torch.full_like(got, float("inf"))) if r.shape[0] < CPU_TILES.rows else got
+        return got if out is None else out.copy_(got)
+
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(576, 576, generator=g), torch.randn(5, 576, generator=g)
+    whole = tiled_linear(x, w, CPU_TILES.rows)
+    monkeypatch.setattr(invariant, "_PROVEN", {})
+    monkeypatch.setattr(torch, "mm", nudged)
+    assert torch.equal(tiled_linear(x, w, CPU_TILES.rows, CPU_TILES.short), whole)
+    assert list(invariant._PROVEN.values()) == [()]
+    monkeypatch.setattr(invariant, "proven_short", lambda p, tile, short, onednn: short)  # taken unproven
+    assert not torch.equal(tiled_linear(x, w, CPU_TILES.rows, CPU_TILES.short), whole)
+
+
+def test_a_pass_pads_its_rows_to_the_smallest_short_tile_its_widths_allow():
+    """Elementwise tensors stay whole multiples of 128 elements (no scalar tail; model.py): SmolLM2's widths
+    take 8-row units, a RoPE half of 2 the whole tile; the plain kernels pad nothing."""
+    smol = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    smol.hidden_size, smol.intermediate_size = 576, 1536
+    kernels = Kernels()
+    cpu = torch.device("cpu")
+    assert kernels.row_unit(cpu, smol) == 8 and kernels.row_unit(cpu, tiny_config(head_dim=4)) == 64
+    assert [CPU_TILES.tile_end(n) for n in (1, 8, 9, 17, 33, 64, 65, 100)] == [8, 8, 16, 32, 64, 64, 72, 128]
+    kernels.invariant = False
+    assert kernels.row_unit(cpu, smol) == 1 and kernels.tile_end(5, cpu) == 5

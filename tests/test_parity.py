@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CUDA_TILES
-from tiny import ON_CPU, SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
+from tiny import DEVICE, ON_CPU, SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
 
 EXAMPLES = int(os.environ.get("MINILLAMA_EXAMPLES", "200"))
 # Tiles for the property: mostly the small test tiles (fast, and their tiny chunks take the chunked path),
@@ -159,3 +159,23 @@ def test_lone_tile_rows_match_rows_of_a_longer_pass():
     prompts = [doc + torch.randint(3, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
     params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
     assert_same_answers(generate(model, prompts, params, mode="independent"), generate(model, prompts, params))
+
+
+def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
+    """The device's default tiles at SmolLM2's shapes: a question answered alone decodes one row a step, run
+    as a short tile on a CPU (invariant.Tiles.short); packed with others, and prefilled in whole tiles, its
+    bits are the same."""
+    from minillama.audit import ProductSignatures
+
+    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
+    config.intermediate_size = 1536
+    model = tiny_model(config, 2, tiles=None)
+    g = torch.Generator().manual_seed(4)
+    doc = torch.randint(3, VOCAB, (150,), generator=g).tolist()
+    prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 70)]
+    params = SamplingParams(max_new_tokens=4, keep_logits=True, ignore_eos=True)
+    with ProductSignatures() as seen:
+        alone = generate(model, prompts, params, mode="independent")
+    assert_same_answers(alone, generate(model, prompts, params))
+    rows = {sig[1][0][0][0] for sig in seen.signatures if sig[0] in ("mkldnn._linear_pointwise.default", "aten.mm.out")}
+    assert ({8, 64} <= rows) if DEVICE.type == "cpu" else rows == {model.tiles.rows}, rows

@@ -239,9 +239,8 @@ class Engine:
                 rows.append(pack.put(s.segment, s.q.next_pos, [s.q.answer.token_ids[-1]]))
                 decode.append(s)
         # Prompt tokens: `max_batch_tokens`, and as many more as fill the pass's last row tile: an invariant
-        # pass computes whole tiles of rows (invariant.Tiles.rows), so rows up to the tile's end cost nothing.
-        tile = self.model.kernels.row_unit(self.model.device)
-        budget = -(-(len(pack) + self.max_batch_tokens) // tile) * tile - len(pack)
+        # pass computes whole tiles of rows (invariant.Tiles.tile_end), so rows up to the tile's end cost nothing.
+        budget = self.model.kernels.tile_end(len(pack) + self.max_batch_tokens, self.model.device) - len(pack)
         for s in self.running:  # prefill, in arrival order, parents before children
             if budget <= 0:
                 break
