@@ -63,8 +63,10 @@ def test_a_prompt_runs_on_to_the_end_of_the_pass_last_row_tile(model):
     first = [[rng.randrange(3, 300) for _ in range(5)]]
     running = _run(engine, first, steps=1)  # its prompt, then it decodes one row per pass
     assert len(running[0]) == 1
-    long = [[rng.randrange(3, 300) for _ in range(2 * tile - 1)]]
-    events = _run(engine, long, steps=1)  # 1 decode row + 2 * tile - 1 prompt rows: two whole tiles
+    fits = model.llama.kernels.tile_end(1 + tile, model.llama.device) - 1  # past max_batch_tokens, to the tile's end
+    assert fits > tile
+    long = [[rng.randrange(3, 300) for _ in range(fits)]]
+    events = _run(engine, long, steps=1)  # 1 decode row + `fits` prompt rows: a whole tile and a short one
     assert len(events[0]) == 1, "the long prompt needed a second pass"
     while engine.running:  # both to the end (their events keep arriving in the same lists)
         engine._step()
