@@ -10,7 +10,10 @@ In order, each step bounded in time and recorded whatever the others do:
    independent, every step's logits, invariant and plain kernels, and captured steps against eager ones;
 3. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
    parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run;
-4. the targets the GPU work is measured by, as ratios from that one run.
+4. the targets the GPU work is measured by, as ratios from that one run;
+5. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`TILE_CANDIDATES`), side by
+   side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
+   host's time), to tune `invariant.CUDA_TILES` from one loan of the machine.
 
 The JSON (default docs/bench/gpu/<device>-check.json) holds the device's name, torch's version, the commit,
 and each step's results and seconds. docs/gpu.md says how to read it.
@@ -19,6 +22,8 @@ and each step's results and seconds. docs/gpu.md says how to read it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import statistics
 import os
 import re
 import subprocess
@@ -40,10 +45,12 @@ DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_m
 CASES = (("smollm2", "float32"), ("llama3-8b", "bfloat16"))
 
 
-def run_tests(device: str, timeout_s: float, files: Sequence[str] = DEVICE_TESTS) -> dict[str, Any]:
-    """The device tests in a subprocess; its summary line's counts."""
+def run_tests(device: str, timeout_s: float, files: Sequence[str] = DEVICE_TESTS, workers: int = 0) -> dict[str, Any]:
+    """The device tests in a subprocess; its summary line's counts. `workers` > 0: that many pytest-xdist
+    processes (where it is installed), each with the device to itself in turn."""
     env = {**os.environ, "MINILLAMA_TEST_DEVICE": device}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    spread = ["-n", str(workers)] if workers and importlib.util.find_spec("xdist") else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *spread, *files]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         out, code = done.stdout + done.stderr, done.returncode
@@ -88,14 +95,87 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, log=print)
         write_file(out, json_text(result, indent=1, default=str) + "\n")  # what is done so far survives
 
     files = ["tests/test_step.py"] if quick else DEVICE_TESTS
-    step("tests", lambda: run_tests(device, test_timeout_s, files))
+    step("tests", lambda: run_tests(device, test_timeout_s, files, workers=0 if quick else 4))
     for shape, dtype in CASES:
         if quick:
             shape = "tiny"
         step(f"bench {shape} {dtype}", lambda s=shape, d=dtype: _bench(s, d, device, quick, log))
         if quick:
             break
+    shape, dtype = ("tiny", "float32") if quick else CASES[-1]
+    step(f"tiles {shape} {dtype}", lambda: sweep_tiles(shape, dtype, device, quick, log))
     return result
+
+
+def _candidates() -> dict[str, Any]:
+    """Named sets of GPU tiles to time against the default (`invariant.CUDA_TILES`)."""
+    from dataclasses import replace
+
+    from ..blocks import ItemTiles
+    from ..invariant import CUDA_TILES as t
+
+    a = t.attention
+    return {"default": t,
+            "rows128": replace(t, rows=128),
+            "rows512": replace(t, rows=512),
+            "whole128": replace(t, attention=replace(a, whole=ItemTiles(rows=128, batch=128, chunk=8192))),
+            "partial16": replace(t, attention=replace(a, partial=ItemTiles(rows=16, batch=512, chunk=16384))),
+            "keep_all": replace(t, attention=replace(a, keep=1 << 20))}
+
+
+def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log) -> dict[str, Any]:
+    """`parallel` on the headline task with each candidate set of tiles (round-robin, medians), and a
+    profile of one run with the default tiles: the ops that take the most device and host time."""
+    from .device import HEADLINE, _run_minillama, _sync, random_model
+    from .shapes import SHAPES
+
+    device, dtype = torch.device(device_name), getattr(torch, dtype_name)
+    model, _ = random_model(SHAPES[shape], device, dtype)
+    task = HEADLINE if not quick else HEADLINE.__class__(32, 1, 4, 3, 3, "headline")
+    prompts, docs = task.build(model.config.vocab_size)
+    cands = _candidates()
+
+    def once(name: str) -> tuple[float, list[list[int]]]:
+        model.kernels.tiles = cands[name]
+        _sync(device)
+        t0 = time.perf_counter()
+        out = _run_minillama(model, prompts, docs, task.new_tokens, "parallel", invariant=True)
+        _sync(device)
+        return time.perf_counter() - t0, out
+
+    times: dict[str, list[float]] = {n: [] for n in cands}
+    tokens: dict[str, list[list[int]]] = {}
+    try:
+        for n in cands:
+            once(n)  # warm-up
+        for r in range(1 if quick else 3):
+            for n in cands:
+                t, tokens[n] = once(n)
+                times[n].append(t)
+        profile = _profile(lambda: once("default"), device)
+    finally:
+        model.kernels.tiles = None
+    base = statistics.median(times["default"])
+    rows = {n: {"wall_s": statistics.median(ts), "wall_s_all": ts, "x_default": statistics.median(ts) / base,
+                "same_tokens_as_default": sum(a == b for a, b in zip(tokens[n], tokens["default"]))}
+            for n, ts in times.items()}
+    for n, r in rows.items():
+        log(f"  tiles {n}: {r['wall_s']:.3f} s, x{r['x_default']:.2f} the default")
+    return {"task": task.describe(), "candidates": {n: repr(c) for n, c in cands.items()}, "runs": rows,
+            "profile": profile}
+
+
+def _profile(run, device: torch.device, top: int = 30) -> dict[str, str]:
+    """The top ops of one run by device time and by host time, as torch.profiler's tables."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        run()
+    ka = prof.key_averages()
+    by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return {"by_device_time": ka.table(sort_by=by, row_limit=top),
+            "by_host_time": ka.table(sort_by="self_cpu_time_total", row_limit=top)}
 
 
 def _bench(shape: str, dtype: str, device: str, quick: bool, log) -> dict[str, Any]:
