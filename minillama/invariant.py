@@ -75,10 +75,16 @@ class Tiles:
         return min([s for s in self.short if all(s * w % 128 == 0 for w in widths)] + [self.rows])
 
     def tile_end(self, n: int) -> int:
-        """The rows a pass of n rows computes in its linear products: whole tiles, and the smallest short
-        tile (or a whole one) that holds the rest."""
+        """The rows a pass of n rows computes in its linear products: whole tiles, and the last tile
+        (`last_tile`) of the rest, taking every short tile as proven."""
         whole, rest = divmod(n, self.rows)
-        return whole * self.rows + (min(s for s in (*self.short, self.rows) if s >= rest) if rest else 0)
+        return whole * self.rows + last_tile(rest, self.rows, self.short)
+
+
+def last_tile(rest: int, tile: int, short: tuple[int, ...]) -> int:
+    """The rows of the product that holds a pass's `rest` rows past its whole tiles: the smallest of the
+    `short` sizes that holds them, else a whole tile; 0 when no row is left."""
+    return min([s for s in short if s >= rest] + [tile]) if rest else 0
 
 
 CPU_TILES = Tiles(rows=64, attention=CPU_ATTENTION, short=(8, 16, 32))
@@ -193,7 +199,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
         # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
         p = weight[a:a + width].to(calc) if onednn else part(a)
         cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
-        last = min([s for s in proven_short(p, tile, short, onednn) if s >= rest] + [tile]) if rest else 0
+        last = last_tile(rest, tile, proven_short(p, tile, short, onednn)) if rest else 0  # proofs only when used
         for i, size in [(i, tile) for i in range(0, whole * tile, tile)] + ([(whole * tile, last)] if last else []):
             if onednn:
                 out[i:i + size, cols] = onednn_linear(rows[i:i + size], p)
@@ -347,17 +353,16 @@ class TiledLinear(nn.Linear):
         if not k.invariant:  # the plain path: a row split's sum in the order the collective picks
             out = plain_linear(x, self.weight)
             out = k.comm.all_reduce(out) if self.split == "rows" else out
-        elif k.units == 1:
-            t = k.tiles_for(x.device)
-            out = tiled_linear(x, self.weight, t.rows, t.short)
-        elif self.split == "rows":
-            t = k.tiles_for(x.device)
-            out = k.comm.tree_sum([tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], t.rows, t.short)
-                                   for a, b in self.unit_bounds()])
         else:
             t = k.tiles_for(x.device)
-            out = torch.cat([tiled_linear(x, self.weight[a:b], t.rows, t.short) for a, b in self.unit_bounds()],
-                            dim=-1)
+            if k.units == 1:
+                out = tiled_linear(x, self.weight, t.rows, t.short)
+            elif self.split == "rows":
+                out = k.comm.tree_sum([tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], t.rows, t.short)
+                                       for a, b in self.unit_bounds()])
+            else:
+                out = torch.cat([tiled_linear(x, self.weight[a:b], t.rows, t.short)
+                                 for a, b in self.unit_bounds()], dim=-1)
         out = self._add_bias(out)  # a row split's whole bias after the sum, a column split's own features' before
         return k.comm.gather_columns(out, self.total) if self.gather else out
 

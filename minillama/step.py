@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -131,15 +131,11 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
                 plan=plan, wanted=logits)
 
 
-_POOL: list = []  # one CUDA memory pool for every captured step of the process (graphs share it)
-
-
-def cuda_graph(run: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-    """Capture `run` as a CUDA graph: (replay, its output buffer). The capture itself runs nothing."""
-    if not _POOL:
-        _POOL.append(torch.cuda.graph_pool_handle())
+def cuda_graph(run: Callable[[], torch.Tensor], pool: Any = None) -> tuple[Callable[[], None], torch.Tensor]:
+    """Capture `run` as a CUDA graph in the memory pool `pool` (a `torch.cuda.graph_pool_handle()`; None: a
+    pool of its own): (replay, its output buffer). The capture itself runs nothing."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_POOL[0]):
+    with torch.cuda.graph(graph, pool=pool):
         out = run()
     return graph.replay, out
 
@@ -152,6 +148,10 @@ class CapturedSteps:
     def __init__(self, cache: KVCache, capture: Callable = cuda_graph):
         self.storage = cache.k.data_ptr()
         self.capture = capture
+        # One memory pool for this cache's graphs, which live and die together. Never one pool for the whole
+        # process: the caching allocator refuses to capture into a pool whose graphs have all died (its use
+        # count is 0) while a block of it is still held.
+        self.pool = torch.cuda.graph_pool_handle() if capture is cuda_graph else None
         self.seen: set[tuple] = set()
         self.graphs: dict[tuple, tuple[Callable[[], None], Step, torch.Tensor]] = {}  # key -> (replay, inputs, out)
 
@@ -166,7 +166,7 @@ class CapturedSteps:
             return run_step(step)
         else:
             static = step.with_tensors([t.clone() for t in step.tensors()])
-            replay, out = self.capture(lambda: run_step(static))
+            replay, out = self.capture(lambda: run_step(static), self.pool)
             self.graphs[key] = (replay, static, out)
         replay()
         return out

@@ -174,7 +174,7 @@ class Rerun:
     def __init__(self, frozen=False):
         self.frozen, self.captures, self.replays = frozen, 0, 0
 
-    def __call__(self, run):
+    def __call__(self, run, pool=None):
         self.captures += 1
         out = run()
 
@@ -201,6 +201,19 @@ def test_captured_steps_replay_the_eager_bits(mode):
     replayed = generate(_captured(tiny_model(tiny_config()), capture), PROMPTS, PARAMS, mode=mode)
     assert capture.captures >= 1 and capture.replays > capture.captures  # steps were replayed, not rerun
     assert_same_answers(eager, replayed)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs need a CUDA device (the CPU runs a stand-in)")
+def test_real_graphs_of_one_cache_after_another_replay_the_eager_bits():
+    """Each question alone, twice: many caches, each with graphs of its own that die with it. (Graphs of every
+    cache in one process-wide pool failed here: the allocator refused a pool whose graphs had all died.)"""
+    model = tiny_model(tiny_config())
+    assert model.steps.capturing(model.device)
+    model.steps.captured = False
+    eager = generate(model, PROMPTS, PARAMS, mode="independent")
+    model.steps.captured = None  # the default on CUDA: captured
+    for _ in range(2):
+        assert_same_answers(eager, generate(model, PROMPTS, PARAMS, mode="independent"))
 
 
 def test_a_chunked_prefill_is_never_captured():

@@ -3,17 +3,18 @@
     python -m minillama.bench.gpu_check                    # on the GPU machine, from a clone
     python -m minillama.bench.gpu_check --quick --device cpu   # the same steps, tiny, on a CPU (tests)
 
-In order, each step bounded in time and recorded whatever the others do:
+In order, each step recorded whatever the others do:
 
-1. the CUDA test run: the device tests (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts;
-2. `parity` (bench/parity.py) at SmolLM2's shape in float32 and Llama-3-8B's in bfloat16: parallel against
+1. `parity` (bench/parity.py) at SmolLM2's shape in float32 and Llama-3-8B's in bfloat16: parallel against
    independent, every step's logits, invariant and plain kernels, and captured steps against eager ones;
-3. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
+2. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
    parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run;
-4. the targets the GPU work is measured by, as ratios from that one run;
-5. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`TILE_CANDIDATES`), side by
+3. the targets the GPU work is measured by, as ratios from that one run;
+4. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`_candidates`), side by
    side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
-   host's time), to tune `invariant.CUDA_TILES` from one loan of the machine.
+   host's time), to tune `invariant.CUDA_TILES` from one loan of the machine;
+5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
+   (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
 The JSON (default docs/bench/gpu/<device>-check.json) holds the device's name, torch's version, the commit,
 and each step's results and seconds. docs/gpu.md says how to read it.
@@ -22,10 +23,12 @@ and each step's results and seconds. docs/gpu.md says how to read it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -46,20 +49,28 @@ CASES = (("smollm2", "float32"), ("llama3-8b", "bfloat16"))
 
 
 def run_tests(device: str, timeout_s: float, files: Sequence[str] = DEVICE_TESTS, workers: int = 0) -> dict[str, Any]:
-    """The device tests in a subprocess; its summary line's counts. `workers` > 0: that many pytest-xdist
-    processes (where it is installed), each with the device to itself in turn."""
+    """The device tests in a subprocess; its summary line's counts and failures. `workers` > 0: that many
+    pytest-xdist processes (where it is installed). At `timeout_s` the run is interrupted (SIGINT) so that
+    pytest still reports what failed so far."""
     env = {**os.environ, "MINILLAMA_TEST_DEVICE": device}
     spread = ["-n", str(workers)] if workers and importlib.util.find_spec("xdist") else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *spread, *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=line", "-p", "no:cacheprovider", *spread, *files]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        out, code = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        out, code = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+        out, _ = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        timed_out = True
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", out)}
     failed = [line for line in out.splitlines() if line.startswith("FAILED") or line.startswith("ERROR")]
-    return {"command": " ".join(cmd), "exit": code, "timed_out": code is None, **counts, "failures": failed[:50],
-            "tail": out[-3000:]}
+    return {"command": " ".join(cmd), "exit": proc.returncode, "timed_out": timed_out, **counts,
+            "failures": failed[:80], "tail": out[-6000:]}
 
 
 def targets(bench: dict[str, Any]) -> dict[str, Any]:
@@ -77,10 +88,12 @@ def targets(bench: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check(device: str, quick: bool, out: Path, test_timeout_s: float, log=print) -> dict[str, Any]:
+def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: float = 0.0,
+          log=print) -> dict[str, Any]:
     make_dir(out.parent)
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else device
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() \
+        or os.environ.get("MINILLAMA_COMMIT", "")  # a copy of the tree without its .git: the caller names it
     result: dict[str, Any] = {"device_name": name, "device": device, "torch": torch.__version__, "commit": commit,
                               "quick": quick, "steps": {}}
 
@@ -95,7 +108,7 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, log=print)
         write_file(out, json_text(result, indent=1, default=str) + "\n")  # what is done so far survives
 
     files = ["tests/test_step.py"] if quick else DEVICE_TESTS
-    step("tests", lambda: run_tests(device, test_timeout_s, files, workers=0 if quick else 4))
+    t_start = time.perf_counter()
     for shape, dtype in CASES:
         if quick:
             shape = "tiny"
@@ -104,6 +117,9 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, log=print)
             break
     shape, dtype = ("tiny", "float32") if quick else CASES[-1]
     step(f"tiles {shape} {dtype}", lambda: sweep_tiles(shape, dtype, device, quick, log))
+    # The tests last, in whatever the loan has left (at least a minute): the figures above come first.
+    left = max(60.0, budget_s - (time.perf_counter() - t_start)) if budget_s else test_timeout_s
+    step("tests", lambda: run_tests(device, min(test_timeout_s, left), files, workers=0 if quick else 8))
     return result
 
 
@@ -131,7 +147,7 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log)
 
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
     model, _ = random_model(SHAPES[shape], device, dtype)
-    task = HEADLINE if not quick else HEADLINE.__class__(32, 1, 4, 3, 3, "headline")
+    task = dataclasses.replace(HEADLINE, doc_tokens=32, questions=4, question_tokens=3, new_tokens=3) if quick else HEADLINE
     prompts, docs = task.build(model.config.vocab_size)
     cands = _candidates()
 
@@ -192,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.add_argument("--device", default="cuda", help="default: cuda")
         ap.add_argument("--quick", action="store_true", help="tiny sizes and one test file: seconds (tests)")
         ap.add_argument("--out", help="JSON to write (default: docs/bench/gpu/<device>-check.json)")
-        ap.add_argument("--test-timeout", type=float, default=240.0, help="seconds for the test run (default: 240)")
+        ap.add_argument("--test-timeout", type=float, default=300.0, help="seconds for the test run at most (default: 300)")
+        ap.add_argument("--budget", type=float, default=0.0,
+                        help="seconds for the whole check: the tests, run last, get what is left (default: no bound)")
         a = ap.parse_args(argv)
         if a.device.startswith("cuda") and not torch.cuda.is_available():
             from ..errors import BadInput
@@ -200,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else a.device
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         out = Path(a.out) if a.out else ROOT / "docs" / "bench" / "gpu" / f"{slug}-check.json"
-        check(a.device, a.quick, out, a.test_timeout)
+        check(a.device, a.quick, out, a.test_timeout, a.budget)
         print(f"gpu_check: wrote {out}")
         return 0
 
