@@ -21,6 +21,7 @@ cache and are dropped when it grows.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -135,8 +136,16 @@ def cuda_graph(run: Callable[[], torch.Tensor], pool: Any = None) -> tuple[Calla
     """Capture `run` as a CUDA graph in the memory pool `pool` (a `torch.cuda.graph_pool_handle()`; None: a
     pool of its own): (replay, its output buffer). The capture itself runs nothing."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
+    # No garbage collection while capturing: it may free a dead cache's graphs, and destroying a graph is an
+    # operation CUDA refuses while a stream captures, which invalidates this capture (seen on the H200).
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+    finally:
+        if collecting:
+            gc.enable()
     return graph.replay, out
 
 
