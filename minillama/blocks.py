@@ -47,6 +47,11 @@ class ItemTiles:
     # win: a chunk's gathered tiles, keys and scores stay in cache, where fresh multi-megabyte temporaries
     # cost page faults and memory traffic (docs/bench/README.md has the measurements).
     chunk: int
+    # Smaller item counts that may stand in for a pass's last batch of this kind, so that a pass of few items
+    # (one sequence decoding) does not pay for a whole batch: used only where the process has shown that a
+    # call of that many items gives every item the bits a whole batch's call gives it
+    # (`attention.proven_batches`, on a CPU in float32). The answers are the whole batches' either way.
+    short: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.chunk % self.batch:
@@ -83,8 +88,8 @@ class AttentionTiles:
 # long answers costs less; the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles'
 # scores and keys stay in cache through each call). Chunks and `keep` hold as many rows as with 64-row tiles.
 # docs/bench/README.md has the measurements.
-CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256),
-                               partial=ItemTiles(rows=8, batch=64, chunk=512), keep=1280)
+CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32)),
+                               partial=ItemTiles(rows=8, batch=64, chunk=512, short=(8, 16, 32)), keep=1280)
 # Untuned on a GPU so far: batches and chunks big enough that a pass issues few launches
 # (tests/test_signatures.py counts them).
 CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=64, batch=256, chunk=8192),

@@ -36,6 +36,7 @@ import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
 from .cache import PAD_SLOT, KVCache
+from .invariant import last_tile
 
 NEVER = np.iinfo(np.int64).max  # the position of a padding key: never visible
 Groups = dict[tuple[int, int], list[int]]  # (segment, block) -> the pass's tokens in that group, in order
@@ -123,7 +124,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
     layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
     (whole, whole_rows), (partial, partial_rows) = (
-        _lay_out(layout, groups, kind, masked=masked, buckets=buckets)
+        _lay_out(layout, groups, kind, masked=masked, buckets=buckets, short=not tiles.fused)
         for groups, kind, masked in ((whole_groups, tiles.whole, False), (partial_groups, tiles.partial, True)))
     plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial)
     if tiles.held_at_once(whole.count, tiles.whole) and tiles.held_at_once(partial.count, tiles.partial):
@@ -154,17 +155,23 @@ class _Pass:
         self.chains: dict[int, list[int]] = {}  # each segment's chain slots, fetched once
 
 
-def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool,
-             buckets: bool) -> tuple[Items, np.ndarray]:
+def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, buckets: bool,
+             short: bool) -> tuple[Items, np.ndarray]:
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
-    items' flat rows (I, T) on the host, for `row_order`."""
+    items' flat rows (I, T) on the host, for `row_order`. The items are padded to whole batches, the last
+    one short where `short` and a short batch is proven (attention.proven_batches)."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
     tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, kind.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
     blocks = np.array([block for _, block in order], dtype=np.int64)  # (groups,)
     real = layout.kv_heads * int(tiles_per_group.sum())
-    padded = bucket(real, kind.batch) if buckets else -(-real // kind.batch) * kind.batch
+    if buckets:
+        padded = bucket(real, kind.batch)
+    else:
+        whole, rest = divmod(real, kind.batch)
+        proven = _proven_batches(kind, layout.cache) if short and rest else ()
+        padded = whole * kind.batch + last_tile(rest, kind.batch, proven)
     rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
                                                                  padded)
     starts = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist()]  # each distinct block's first item
@@ -178,6 +185,14 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool,
                   bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
                   group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
     return items, rows
+
+
+def _proven_batches(kind: ItemTiles, cache: KVCache) -> tuple[int, ...]:
+    """The short batches proven for this kind in the attention arithmetic of the cache's model (at least
+    float32, attention.py)."""
+    from .attention import proven_batches  # attention.py reads the plans this module makes
+
+    return proven_batches(kind, cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
 
 
 # --- 1. group the tokens by the blocks they see ------------------------------------------------------

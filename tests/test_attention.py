@@ -11,11 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama.attention import blocked_attention, masked_attention, reference_attention, segment_attention
+import minillama.attention as attention
+from minillama.attention import (blocked_attention, masked_attention, proven_batches, reference_attention,
+                                 segment_attention)
 from minillama.audit import Launches
 from minillama.blocks import CPU_ATTENTION, KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from minillama.cache import PAD_SLOT, KVCache
-from minillama.invariant import CPU_TILES, Tiles
+from minillama.invariant import CPU_TILES, Tiles, last_tile
 from minillama.plan import plan_attention
 from tiny import DEVICE, ON_CPU, SMALL_TILES, tiny_config
 
@@ -184,7 +186,7 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
             out = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
         counts[name] = seen.counts.get("aten.bmm.out", 0)
         assert torch.equal(out, chunked), name
-    items = (plan.whole.count // small.whole.batch, plan.partial.count // small.partial.batch)
+    items = (-(-plan.whole.count // small.whole.batch), -(-plan.partial.count // small.partial.batch))  # calls
     assert counts["kept"] == 2 * sum(items)  # scores once, values once
     assert counts["chunked"] == 3 * sum(items)  # scores twice: for the maxima, then again for the values
     assert counts["just past"] == counts["chunked"]
@@ -199,9 +201,10 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
     doc_slots = cache.segments[0].slots
     whole = plan.whole
     # 40 questions x 3 heads = 120 rows: the fewest tiles that hold them against each of the 5 blocks,
-    # padded to a batch (the padding joins the last block).
+    # padded to a batch, short where proven (the padding joins the last block).
     n = -(-120 // tiles.whole.rows)
-    assert n < 40 and whole.count == -(-5 * n // tiles.whole.batch) * tiles.whole.batch
+    short = proven_batches(tiles.whole, 8, torch.float32, cache.k.device)
+    assert n < 40 and 5 * n < tiles.whole.batch and whole.count == last_tile(5 * n, tiles.whole.batch, short)
     assert whole.bounds == [0, n, 2 * n, 3 * n, 4 * n, whole.count]
     for b in range(5):
         for i in range(n * b, n * b + n):
@@ -321,6 +324,72 @@ def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order(tiles):
     fast = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)[:, :1]
     assert not torch.equal(fast, slow)
     torch.testing.assert_close(fast, slow)
+
+
+# CPU_ATTENTION without short batches: every kind's items in whole batches.
+WHOLE_BATCHES = dataclasses.replace(CPU_ATTENTION, whole=dataclasses.replace(CPU_ATTENTION.whole, short=()),
+                                    partial=dataclasses.replace(CPU_ATTENTION.partial, short=()))
+
+
+def _short_and_whole(config, doc, qs, decode, tiles=CPU_ATTENTION, seed=5):
+    """Attention over one pass planned with `tiles` (short last batches where proven) and with whole batches
+    only: (short plan, its output, the whole-batch output)."""
+    g = config.num_attention_heads // config.num_key_value_heads
+    cache, segs, poss = layout(config, doc, qs, [], decode=decode)
+    n = -(-len(segs) // 8) * 8
+    q = fill(cache, n, g, seed)
+    short = plan_attention(cache, segs, poss, g, n_rows=n, tiles=tiles)
+    whole = plan_attention(cache, segs, poss, g, n_rows=n, tiles=WHOLE_BATCHES)
+    return (short, blocked_attention(q, cache.k[0], cache.v[0], short, tiles),
+            blocked_attention(q, cache.k[0], cache.v[0], whole, WHOLE_BATCHES))
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches are a CPU's (CUDA_ATTENTION has none)")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_short_last_batch_gives_every_row_the_whole_batches_bits(threads):
+    """A kind's items past its last whole batch run as one short call (ItemTiles.short) where proven: at
+    SmolLM2's attention shape, a decode step of one question, of a few, and prefills equal the same passes in
+    whole batches bit for bit; on this CPU every short count is proven (else one sequence would pay for 64
+    items a kind again), and the passes of few items did take short batches."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
+            assert proven_batches(kind, 64, torch.float32, torch.device("cpu")) == kind.short
+        config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+        shortened = 0
+        for doc, qs, decode in [(567, [1], True), (150, [3, 20], True), (700, [1] * 9, True), (0, [5], False),
+                                (300, [20, 45, 7], False), (64, [64], False)]:
+            plan, short, whole = _short_and_whole(config, doc, qs, decode)
+            assert torch.equal(short, whole), (doc, qs, decode)
+            shortened += any(items.count % kind.batch for items, kind in
+                             ((plan.whole, CPU_ATTENTION.whole), (plan.partial, CPU_ATTENTION.partial)))
+        assert shortened >= 3
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches are a CPU's (CUDA_ATTENTION has none)")
+def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
+    """Negative control: a library whose calls of fewer items add in another order (here: `torch.bmm`
+    nudging the last bit below 64 items) proves no short batch, so the pass keeps whole batches and their
+    bits; taken unproven, the short batches would have changed them."""
+    real_bmm = torch.bmm
+
+    def nudged(a, b, out=None):
+        got = real_bmm(a, b)
+        got = got.nextafter(torch.full_like(got, float("inf"))) if a.shape[0] < CPU_ATTENTION.whole.batch else got
+        return got if out is None else out.copy_(got)
+
+    config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    monkeypatch.setattr(attention, "_PROVEN", {})
+    monkeypatch.setattr(torch, "bmm", nudged)
+    plan, short, whole = _short_and_whole(config, 567, [1], True)
+    assert plan.whole.count % CPU_ATTENTION.whole.batch == plan.partial.count % CPU_ATTENTION.partial.batch == 0
+    assert torch.equal(short, whole) and set(attention._PROVEN.values()) == {()}
+    monkeypatch.setattr(attention, "proven_batches", lambda kind, d, dtype, device: kind.short)  # taken unproven
+    plan, short, whole = _short_and_whole(config, 567, [1], True)
+    assert plan.whole.count % CPU_ATTENTION.whole.batch and not torch.equal(short, whole)
 
 
 def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():

@@ -56,7 +56,8 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
         if isinstance(mod, RMSNorm):
             k = mod.weight.shape[0]
             out.add(("aten.mean.out", (((t, k), (k, 1), acc, 0), ((t, 1), (1, 1), acc, 0)), ("-1", "True")))
-    for rows, batch in ((kind.rows, kind.batch) for kind in (tiles.attention.whole, tiles.attention.partial)):
+    kinds = (tiles.attention.whole, tiles.attention.partial)  # a call per batch count, the whole and short ones
+    for rows, batch in ((kind.rows, n) for kind in kinds for n in (kind.batch, *kind.short)):
         out.add(("aten.sum.IntList_out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # the softmax's sums
                                           ((batch, rows, 1), (rows, 1, 1), acc, 0)), ("-1", "True")))
         out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
@@ -139,7 +140,8 @@ def test_a_norm_reduced_over_the_whole_pass_is_caught():
 
 def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
     """The signatures and, for each linear product of a whole or short tile, the same product of every other
-    (a pass's last tile may be short, invariant.Tiles.short: which one follows the pass's row count)."""
+    (a pass's last tile may be short, invariant.Tiles.short: which one follows the pass's row count); and for
+    each attention call of a whole or short batch, the same call of every other (blocks.ItemTiles.short)."""
     out = set(signatures)
     sizes = (tiles.rows, *tiles.short)
     for op, args, *rest in signatures:
@@ -147,6 +149,11 @@ def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
             for s in sizes:
                 out.add((op, tuple(((s, *a[0][1:]), *a[1:]) if i in (0, 2) else a for i, a in enumerate(args)),
                          *rest))
+        for kind in (tiles.attention.whole, tiles.attention.partial):
+            counts = (kind.batch, *kind.short)
+            if op in ("aten.bmm.out", "aten.sum.IntList_out") and args[0][0][:2] in {(n, kind.rows) for n in counts}:
+                for n in counts:  # every operand's leading dimension is the item count
+                    out.add((op, tuple(((n, *a[0][1:]), *a[1:]) for a in args), *rest))
     return out
 
 
