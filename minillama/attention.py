@@ -56,7 +56,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
+from .batched import batched_products, batched_row_sums
+from .blocks import KEY_BLOCK, AttentionTiles, first_visible, visible_blocks
 from .cache import PAD_SLOT
 from .plan import AttentionPlan, Items
 
@@ -82,65 +83,6 @@ def segment_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 # --- 2. the blocked reference: the same rule in the order that makes it bit-exact, one row at a time --------
-
-def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
-    """out[i] = a[i] @ b[i] for I items, issued as `bmm` calls of exactly `batch` items each.
-
-    a: (I, T, K), b: (I, K, N), I a multiple of `batch` (the plan pads with dummy items) but for a short last
-    batch the plan chose where proven (`proven_batches`). Returns (I, T, N). The batch count is part of a
-    product's signature: a backend may pick another kernel for another count (cuBLAS does for a batch of
-    one), so it never follows the size of the pass.
-    """
-    out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
-    for start in range(0, a.shape[0], batch):
-        torch.bmm(a[start:start + batch], b[start:start + batch], out=out[start:start + batch])
-    return out
-
-
-def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
-    """e.sum(-1, keepdim=True) for e (I, T, B), issued as sums over exactly `batch` items each.
-
-    A reduction's kernel, like a product's, may follow the shape it is given (a GPU's splits a row across
-    more threads when there are fewer rows), so it too never sees the size of the pass.
-    """
-    out = e.new_empty(e.shape[0], e.shape[1], 1)
-    for start in range(0, e.shape[0], batch):
-        torch.sum(e[start:start + batch], dim=-1, keepdim=True, out=out[start:start + batch])
-    return out
-
-
-_PROVEN: dict[tuple, tuple[int, ...]] = {}
-
-
-def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
-    """The item counts in `kind.short` whose calls (the scores' and the values' `bmm`, the softmax's sums)
-    give each item exactly the bits a call of a whole batch gives it, shown once per process, kind, head
-    size and thread count on random items, a short call placed as a pass's last batch is (after a whole one).
-    Only on a CPU (a GPU's steps read nothing back, step.py) and in float32, the arithmetic of attention for
-    every model but a float64 one (the lesson of invariant.proven_short: a 16-bit product hides its order)."""
-    if not kind.short or device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling():
-        return ()
-    key = (kind, d, dtype, torch.get_num_threads())
-    if key not in _PROVEN:
-        from .invariant import _unwatched
-
-        n, t, b = kind.batch, kind.rows, KEY_BLOCK
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(n, rows, d, generator=g) for rows in (t, b, b))  # (n, T, D), (n, B, D) twice
-        e = torch.rand(n, t, b, generator=g)  # (n, T, B): exp's range
-
-        def same(s: int, i: int) -> bool:
-            """Items i .. i + s - 1, called alone after a whole batch, against the whole batch's call."""
-            def last(x: torch.Tensor) -> torch.Tensor:
-                return torch.cat([x, x[i:i + s]])
-            calls = (batched_products(last(q), last(k).transpose(1, 2), n), batched_products(last(e), last(v), n),
-                     batched_row_sums(last(e), n))
-            return all(torch.equal(out[n:], out[i:i + s]) for out in calls)
-
-        with _unwatched(), torch.no_grad():
-            _PROVEN[key] = tuple(s for s in kind.short if s < n and all(same(s, i) for i in range(0, n - s + 1, s)))
-    return _PROVEN[key]
-
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, batch: int, hidden: torch.Tensor | None) -> torch.Tensor:
     """(I, T, B) scores of query tiles q (I, T, D) against key blocks k (I, B, D); -inf where `hidden`."""

@@ -41,7 +41,7 @@ class ItemTiles:
     """The fixed sizes of one kind of (query tile, key block) item."""
 
     rows: int  # T: query rows per tile
-    batch: int  # items per batched call (`attention.batched_products`)
+    batch: int  # items per batched call (`batched.batched_products`)
     # Most items whose scores are held at once (a multiple of the batch): a longer pass computes its scores
     # twice (once for the row maxima, once for the values) rather than hold them all. On a CPU, small chunks
     # win: a chunk's gathered tiles, keys and scores stay in cache, where fresh multi-megabyte temporaries
@@ -50,7 +50,7 @@ class ItemTiles:
     # Smaller item counts that may stand in for a pass's last batch of this kind, so that a pass of few items
     # (one sequence decoding) does not pay for a whole batch: used only where the process has shown that a
     # call of that many items gives every item the bits a whole batch's call gives it
-    # (`attention.proven_batches`, on a CPU in float32). The answers are the whole batches' either way.
+    # (`batched.proven_batches`, on a CPU in float32). The answers are the whole batches' either way.
     short: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ Same signature in, same kernel out, so every row meets the same arithmetic in ev
   (`proven_short`). So a short tile changes which kernel runs, never a bit: the answer is the whole tiles'.
 - Attention (attention.py) runs its (query tile, key block) products in `bmm` calls of a fixed batch count.
 - Order-dependent reductions are issued the same way: RMSNorm's mean of squares per tile of rows
-  (`tiled_mean_square`), the softmax's sums per batch of items (attention.batched_row_sums). A GPU's
+  (`tiled_mean_square`), the softmax's sums per batch of items (batched.batched_row_sums). A GPU's
   reduction kernel spreads a row over more threads when there are fewer rows: on an H100 the sum of a
   row of 576 floats took other bits for 8 rows than for 1, and the audit records reductions too.
 - Softmax, log-softmax, maxima and elementwise ops are invariant as they are: torch computes each row of a
@@ -33,7 +33,7 @@ without it) and for measuring what invariance costs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,6 +66,12 @@ class Tiles:
     rows: int = 64  # rows per linear-layer product
     attention: AttentionTiles = field(default_factory=AttentionTiles)
     short: tuple[int, ...] = ()  # rows of the products that may stand in for a pass's last tile
+
+    def whole_only(self) -> "Tiles":
+        """These sizes with no short tile or batch: every product and call whole, the bits a short one must give."""
+        a = self.attention
+        return replace(self, short=(), attention=replace(a, whole=replace(a.whole, short=()),
+                                                        partial=replace(a.partial, short=())))
 
     def unit(self, widths: tuple[int, ...]) -> int:
         """The rows a pass is padded to a multiple of, for elementwise tensors of these row widths: the
@@ -178,28 +184,42 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     """
     *lead, k = x.shape
     n = weight.shape[0]
-    rows, m = _whole_tiles(x, tile)  # (M_pad, K): whole tiles (a short last tile reads fewer of its rows)
     w = weight.t()  # (K, N): row-major when the weight is stored column-major (Llama.column_major_)
     calc = compute_dtype(x.device, x.dtype)
     width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
-    rows = rows.to(calc)
 
     def part(a: int) -> torch.Tensor:
         return w[:, a:a + width].to(calc)  # (K, <= width)
 
-    if torch.is_grad_enabled() and (w.requires_grad or rows.requires_grad):  # autograd: no out= products
+    if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):  # autograd: no out= products
+        rows, m = _whole_tiles(x, tile)
+        rows = rows.to(calc)
         parts = [part(a) for a in range(0, n, width)]
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
         return out[:m].to(x.dtype).reshape(*lead, n)
     onednn = uses_onednn(x.device, calc)
+    rows = x.reshape(-1, k).to(calc)  # (M, K)
+    m = rows.shape[0]
     whole, rest = divmod(m, tile)
-    out = rows.new_empty(rows.shape[0], n)  # (M_pad, N)
+    one = None  # the weight as the product takes it, where it is one slice (native): its last tile known now
+    if n <= width:
+        one = weight.to(calc) if onednn else part(0)
+        last = last_tile(rest, tile, proven_short(one, tile, short, onednn)) if rest else 0  # proofs only when used
+        end = whole * tile + last
+    else:  # slices: each one's last tile (its own proof) reads within whole tiles
+        end = -(-m // tile) * tile
+    if end > m:  # zero rows up to what the products read
+        rows = torch.cat([rows, rows.new_zeros(end - m, k)])
+    if one is not None and onednn and whole + bool(last) == 1:  # one product: its result is the output
+        return onednn_linear(rows, one)[:m].to(x.dtype).reshape(*lead, n)
+    out = rows.new_empty(end, n)  # (rows read, N)
     for a in range(0, n, width):
         # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
-        p = weight[a:a + width].to(calc) if onednn else part(a)
+        p = one if one is not None else weight[a:a + width].to(calc) if onednn else part(a)
         cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
-        last = last_tile(rest, tile, proven_short(p, tile, short, onednn)) if rest else 0  # proofs only when used
+        if one is None:
+            last = last_tile(rest, tile, proven_short(p, tile, short, onednn)) if rest else 0
         for i, size in [(i, tile) for i in range(0, whole * tile, tile)] + ([(whole * tile, last)] if last else []):
             if onednn:
                 out[i:i + size, cols] = onednn_linear(rows[i:i + size], p)

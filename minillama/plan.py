@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
+from .batched import proven_batches
 from .cache import PAD_SLOT, KVCache
 from .invariant import last_tile
 
@@ -159,7 +160,7 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
              short: bool) -> tuple[Items, np.ndarray]:
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
     items' flat rows (I, T) on the host, for `row_order`. The items are padded to whole batches, the last
-    one short where `short` and a short batch is proven (attention.proven_batches)."""
+    one short where `short` and a short batch is proven (batched.proven_batches)."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
     tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, kind.rows,
                                        spare=layout.row_stride - 1)
@@ -190,8 +191,6 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
 def _proven_batches(kind: ItemTiles, cache: KVCache) -> tuple[int, ...]:
     """The short batches proven for this kind in the attention arithmetic of the cache's model (at least
     float32, attention.py)."""
-    from .attention import proven_batches  # attention.py reads the plans this module makes
-
     return proven_batches(kind, cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
 
 

@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minillama.attention as attention
-from minillama.attention import (blocked_attention, masked_attention, proven_batches, reference_attention,
-                                 segment_attention)
+import minillama.batched as batched
+import minillama.plan as plan_module
+from minillama.attention import blocked_attention, masked_attention, reference_attention, segment_attention
+from minillama.batched import proven_batches
 from minillama.audit import Launches
 from minillama.blocks import CPU_ATTENTION, KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from minillama.cache import PAD_SLOT, KVCache
@@ -327,8 +328,7 @@ def test_the_reference_notices_a_kernel_that_adds_blocks_out_of_order(tiles):
 
 
 # CPU_ATTENTION without short batches: every kind's items in whole batches.
-WHOLE_BATCHES = dataclasses.replace(CPU_ATTENTION, whole=dataclasses.replace(CPU_ATTENTION.whole, short=()),
-                                    partial=dataclasses.replace(CPU_ATTENTION.partial, short=()))
+WHOLE_BATCHES = CPU_TILES.whole_only().attention
 
 
 def _short_and_whole(config, doc, qs, decode, tiles=CPU_ATTENTION, seed=5):
@@ -382,12 +382,12 @@ def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
         return got if out is None else out.copy_(got)
 
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
-    monkeypatch.setattr(attention, "_PROVEN", {})
+    monkeypatch.setattr(batched, "_PROVEN", {})
     monkeypatch.setattr(torch, "bmm", nudged)
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch == plan.partial.count % CPU_ATTENTION.partial.batch == 0
-    assert torch.equal(short, whole) and set(attention._PROVEN.values()) == {()}
-    monkeypatch.setattr(attention, "proven_batches", lambda kind, d, dtype, device: kind.short)  # taken unproven
+    assert torch.equal(short, whole) and set(batched._PROVEN.values()) == {()}
+    monkeypatch.setattr(plan_module, "proven_batches", lambda kind, d, dtype, device: kind.short)  # taken unproven
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch and not torch.equal(short, whole)
 

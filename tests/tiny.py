@@ -22,7 +22,7 @@ DEVICE = torch.device(os.environ.get("MINILLAMA_TEST_DEVICE", "cpu"))
 # Small tiles for tiny models: the same code paths as the default tiles with a fraction of the padding, and
 # chunks of a few items, so that a short document already takes the chunked path (scores computed twice).
 # Short tiles of 4 and 8 rows stand in for a pass's last tile where proven (invariant.proven_short), and short
-# batches of 2 whole items, 4 or 8 partial ones, for a kind's last batch (attention.proven_batches).
+# batches of 2 whole items, 4 or 8 partial ones, for a kind's last batch (batched.proven_batches).
 SMALL_TILES = Tiles(rows=16, attention=AttentionTiles(whole=ItemTiles(rows=16, batch=4, chunk=8, short=(2,)),
                                                    partial=ItemTiles(rows=4, batch=16, chunk=32, short=(4, 8))),
                     short=(4, 8))
