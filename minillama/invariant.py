@@ -215,11 +215,12 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
         return onednn_linear(rows, one)[:m].to(x.dtype).reshape(*lead, n)
     out = rows.new_empty(end, n)  # (rows read, N)
     for a in range(0, n, width):
-        # One float32 slice at a time, in cache while every tile meets it; oneDNN takes it as (N, K).
-        p = one if one is not None else weight[a:a + width].to(calc) if onednn else part(a)
-        cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
-        if one is None:
+        if one is None:  # one float32 slice at a time, in cache while every tile meets it; oneDNN takes (N, K)
+            p = weight[a:a + width].to(calc) if onednn else part(a)
             last = last_tile(rest, tile, proven_short(p, tile, short, onednn)) if rest else 0
+        else:
+            p = one
+        cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
         for i, size in [(i, tile) for i in range(0, whole * tile, tile)] + ([(whole * tile, last)] if last else []):
             if onednn:
                 out[i:i + size, cols] = onednn_linear(rows[i:i + size], p)

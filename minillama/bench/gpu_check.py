@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import statistics
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -125,12 +125,10 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: 
 
 def _candidates() -> dict[str, Any]:
     """Named sets of GPU tiles to time against the default (`invariant.CUDA_TILES`)."""
-    from dataclasses import replace
-
     from ..blocks import ItemTiles
     from ..invariant import CUDA_TILES as t
 
-    a = t.attention
+    replace, a = dataclasses.replace, t.attention
     return {"default": t,
             "rows128": replace(t, rows=128),
             "rows512": replace(t, rows=512),
