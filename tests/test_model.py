@@ -88,3 +88,34 @@ def test_forward_rejects_bad_positions_and_segments():
         model(torch.tensor([7]), torch.tensor([2]), torch.tensor([99]), cache)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.tensor([7]), torch.tensor([5000]), torch.tensor([seg]), model.new_cache())
+
+
+def test_weights_are_laid_out_for_their_products():
+    """The row-split projections (o, down) are column-major at every unit count. The column-split ones (q, k,
+    v, gate, up) are column-major too with one unit on a CPU in float32 (oneDNN's linear reads them faster so),
+    and row-major with several (each unit's block contiguous); the LM head keeps its layout. The values and
+    a forward pass's logits never change with the layout."""
+    model = tiny_model(tiny_config(tied=False))
+    x = torch.arange(12) % 50
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def logits():
+        cache = model.new_cache(16)
+        seg = cache.new_segment()
+        return model(x, torch.arange(12), torch.full((12,), seg), cache)
+
+    def layout(name: str) -> str:
+        w = model.get_parameter(name)
+        return "column" if w.stride() == (1, w.shape[0]) else "row" if w.is_contiguous() else "other"
+
+    ones = logits()
+    qkv = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    rows = ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"]
+    cpu32 = model.device.type == "cpu" and model.dtype == torch.float32
+    assert [layout(n) for n in qkv + rows + ["lm_head.weight"]] == ["column" if cpu32 else "row"] * 2 + ["column"] * 2 + ["row"]
+    model.units = 2
+    assert [layout(n) for n in qkv + rows + ["lm_head.weight"]] == ["row"] * 2 + ["column"] * 2 + ["row"]
+    model.units = 1
+    assert [layout(n) for n in qkv] == ["column" if cpu32 else "row"] * 2
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(logits(), ones)
