@@ -134,12 +134,12 @@ def test_a_short_tile_of_other_bits_is_refused(monkeypatch):
 
 def test_a_pass_pads_its_rows_to_the_smallest_short_tile_its_widths_allow():
     """Elementwise tensors stay whole multiples of 128 elements (no scalar tail; model.py): SmolLM2's widths
-    take 8-row units, a RoPE half of 2 the whole tile; the plain kernels pad nothing."""
+    take 4-row units, a RoPE half of 2 the whole tile; the plain kernels pad nothing."""
     smol = tiny_config(heads=9, kv_heads=3, head_dim=64)
     smol.hidden_size, smol.intermediate_size = 576, 1536
     kernels = Kernels()
     cpu = torch.device("cpu")
-    assert kernels.row_unit(cpu, smol) == 8 and kernels.row_unit(cpu, tiny_config(head_dim=4)) == 64
-    assert [CPU_TILES.tile_end(n) for n in (1, 8, 9, 17, 33, 64, 65, 100)] == [8, 8, 16, 32, 64, 64, 72, 128]
+    assert kernels.row_unit(cpu, smol) == 4 and kernels.row_unit(cpu, tiny_config(head_dim=4)) == 64
+    assert [CPU_TILES.tile_end(n) for n in (1, 4, 5, 9, 17, 33, 64, 65, 100)] == [4, 4, 8, 16, 32, 64, 64, 68, 128]
     kernels.invariant = False
     assert kernels.row_unit(cpu, smol) == 1 and kernels.tile_end(5, cpu) == 5
