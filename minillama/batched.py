@@ -43,29 +43,66 @@ def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
 _PROVEN: dict[tuple, tuple[int, ...]] = {}
 
 
+def _provable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a proof here can stand: on a CPU (a GPU's steps read nothing back, step.py) and in float32, the
+    arithmetic of attention for every model but a float64 one (the lesson of invariant.proven_short: a 16-bit
+    product hides its order)."""
+    return device.type == "cpu" and dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+def _items(kind: ItemTiles, d: int) -> tuple[torch.Tensor, ...]:
+    """A whole batch of random items of the kind: q (n, T, D), k and v (n, B, D), e (n, T, B) in exp's range."""
+    n, t, b = kind.batch, kind.rows, KEY_BLOCK
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, rows, d, generator=g) for rows in (t, b, b))
+    return q, k, v, torch.rand(n, t, b, generator=g)
+
+
+def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The kind's three calls, in calls of n items: the scores' and the values' `bmm`, the softmax's sums."""
+    return batched_products(q, k.transpose(1, 2), n), batched_products(e, v, n), batched_row_sums(e, n)
+
+
 def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
-    """The item counts in `kind.short` whose calls (the scores' and the values' `bmm`, the softmax's sums)
-    give each item exactly the bits a call of a whole batch gives it, shown once per process, kind, head
-    size and thread count on random items, a short call placed as a pass's last batch is (after a whole one).
-    Only on a CPU (a GPU's steps read nothing back, step.py) and in float32, the arithmetic of attention for
-    every model but a float64 one (the lesson of invariant.proven_short: a 16-bit product hides its order)."""
-    if not kind.short or device.type != "cpu" or dtype != torch.float32 or torch.compiler.is_compiling():
+    """The item counts in `kind.short` whose calls give each item exactly the bits a call of a whole batch
+    gives it, shown once per process, kind, head size and thread count on random items, a short call placed
+    as a pass's last batch is (after a whole one)."""
+    if not kind.short or not _provable(dtype, device):
         return ()
-    key = (kind, d, dtype, torch.get_num_threads())
+    key = ("batches", kind, d, dtype, torch.get_num_threads())
     if key not in _PROVEN:
-        n, t, b = kind.batch, kind.rows, KEY_BLOCK
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(n, rows, d, generator=g) for rows in (t, b, b))  # (n, T, D), (n, B, D) twice
-        e = torch.rand(n, t, b, generator=g)  # (n, T, B): exp's range
+        n = kind.batch
+        items = _items(kind, d)
 
         def same(s: int, i: int) -> bool:
             """Items i .. i + s - 1, called alone after a whole batch, against the whole batch's call."""
-            def last(x: torch.Tensor) -> torch.Tensor:
-                return torch.cat([x, x[i:i + s]])
-            calls = (batched_products(last(q), last(k).transpose(1, 2), n), batched_products(last(e), last(v), n),
-                     batched_row_sums(last(e), n))
+            calls = _calls(*(torch.cat([x, x[i:i + s]]) for x in items), n)
             return all(torch.equal(out[n:], out[i:i + s]) for out in calls)
 
         with _unwatched(), torch.no_grad():
             _PROVEN[key] = tuple(s for s in kind.short if s < n and all(same(s, i) for i in range(0, n - s + 1, s)))
+    return _PROVEN[key]
+
+
+def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """The tile sizes in `kind.short_rows` whose items, in whole batches, give each row exactly the bits a
+    tile of `kind.rows` rows gives it, every slice of a whole tile tried, shown once per process, kind, head
+    size and thread count. (A short batch of such tiles is proven on its own: `proven_batches` of the kind
+    with that many rows.)"""
+    if not kind.short_rows or not _provable(dtype, device):
+        return ()
+    key = ("rows", kind, d, dtype, torch.get_num_threads())
+    if key not in _PROVEN:
+        n = kind.batch
+        q, k, v, e = _items(kind, d)
+        whole = _calls(q, k, v, e, n)
+
+        def same(t: int, r: int) -> bool:
+            """Rows r .. r + t - 1 of every item as tiles of their own, against the whole tiles' rows."""
+            calls = _calls(q[:, r:r + t].contiguous(), k, v, e[:, r:r + t].contiguous(), n)
+            return all(torch.equal(out, full[:, r:r + t]) for out, full in zip(calls, whole))
+
+        with _unwatched(), torch.no_grad():
+            _PROVEN[key] = tuple(t for t in kind.short_rows if t < kind.rows
+                                 and all(same(t, r) for r in range(0, kind.rows - t + 1, t)))
     return _PROVEN[key]

@@ -52,6 +52,11 @@ class ItemTiles:
     # call of that many items gives every item the bits a whole batch's call gives it
     # (`batched.proven_batches`, on a CPU in float32). The answers are the whole batches' either way.
     short: tuple[int, ...] = ()
+    # Smaller tiles that may stand in for `rows` in a pass whose every group of rows fits one (a decode step
+    # brings each block G rows per question: 3 of 32), used only where the process has shown that a call of
+    # items of that many rows gives every row the bits of a whole tile (`batched.proven_rows`). A row's
+    # products and sums are its own, so the tile it shares changes nothing where the kernel keeps its order.
+    short_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.chunk % self.batch:
@@ -87,9 +92,12 @@ class AttentionTiles:
 # the blocks a single question owns (a decode step brings G rows to each: 3 of 32, not 3 of 64), so decoding
 # long answers costs less; the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles'
 # scores and keys stay in cache through each call). Chunks and `keep` hold as many rows as with 64-row tiles.
-# docs/bench/README.md has the measurements.
-CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32)),
-                               partial=ItemTiles(rows=8, batch=64, chunk=512, short=(8, 16, 32)), keep=1280)
+# A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
+# one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
+# measurements.
+CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16)),
+                               partial=ItemTiles(rows=8, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4,)),
+                               keep=1280)
 # Untuned on a GPU so far: batches and chunks big enough that a pass issues few launches
 # (tests/test_signatures.py counts them).
 CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=64, batch=256, chunk=8192),

@@ -68,10 +68,11 @@ class Tiles:
     short: tuple[int, ...] = ()  # rows of the products that may stand in for a pass's last tile
 
     def whole_only(self) -> "Tiles":
-        """These sizes with no short tile or batch: every product and call whole, the bits a short one must give."""
+        """These sizes with no short tile, batch or item tile: every product and call whole, the bits a short
+        one must give."""
         a = self.attention
-        return replace(self, short=(), attention=replace(a, whole=replace(a.whole, short=()),
-                                                        partial=replace(a.partial, short=())))
+        return replace(self, short=(), attention=replace(a, whole=replace(a.whole, short=(), short_rows=()),
+                                                        partial=replace(a.partial, short=(), short_rows=())))
 
     def unit(self, widths: tuple[int, ...]) -> int:
         """The rows a pass is padded to a multiple of, for elementwise tensors of these row widths: the

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
-from .batched import proven_batches
+from .batched import proven_batches, proven_rows
 from .cache import PAD_SLOT, KVCache
 from .invariant import last_tile
 
@@ -160,8 +160,14 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
              short: bool) -> tuple[Items, np.ndarray]:
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
     items' flat rows (I, T) on the host, for `row_order`. The items are padded to whole batches, the last
-    one short where `short` and a short batch is proven (batched.proven_batches)."""
+    one short where `short` and a short batch is proven (batched.proven_batches); where `short`, a pass whose
+    every group fits a proven smaller tile takes the smallest that holds the largest (batched.proven_rows)."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
+    if short and not buckets and order:
+        most = layout.group_size * max(len(tokens) for tokens in groups.values())  # rows of the largest group
+        if most < kind.rows:
+            kind = replace(kind, rows=last_tile(most, kind.rows, _proven(proven_rows, kind, layout.cache)),
+                           short_rows=())
     tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, kind.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
@@ -171,7 +177,7 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
         padded = bucket(real, kind.batch)
     else:
         whole, rest = divmod(real, kind.batch)
-        proven = _proven_batches(kind, layout.cache) if short and rest else ()
+        proven = _proven(proven_batches, kind, layout.cache) if short and rest else ()
         padded = whole * kind.batch + last_tile(rest, kind.batch, proven)
     rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
                                                                  padded)
@@ -188,10 +194,10 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     return items, rows
 
 
-def _proven_batches(kind: ItemTiles, cache: KVCache) -> tuple[int, ...]:
-    """The short batches proven for this kind in the attention arithmetic of the cache's model (at least
-    float32, attention.py)."""
-    return proven_batches(kind, cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
+def _proven(proof, kind: ItemTiles, cache: KVCache) -> tuple[int, ...]:
+    """What `proof` (batched.proven_batches or proven_rows) shows for this kind in the attention arithmetic of
+    the cache's model (at least float32, attention.py)."""
+    return proof(kind, cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
 
 
 # --- 1. group the tokens by the blocks they see ------------------------------------------------------

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import minillama.batched as batched
 import minillama.plan as plan_module
 from minillama.attention import blocked_attention, masked_attention, reference_attention, segment_attention
-from minillama.batched import proven_batches
+from minillama.batched import proven_batches, proven_rows
 from minillama.audit import Launches
 from minillama.blocks import CPU_ATTENTION, KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from minillama.cache import PAD_SLOT, KVCache
@@ -386,10 +386,55 @@ def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
     monkeypatch.setattr(torch, "bmm", nudged)
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch == plan.partial.count % CPU_ATTENTION.partial.batch == 0
-    assert torch.equal(short, whole) and set(batched._PROVEN.values()) == {()}
+    assert torch.equal(short, whole) and {v for k, v in batched._PROVEN.items() if k[0] == "batches"} == {()}
     monkeypatch.setattr(plan_module, "proven_batches", lambda kind, d, dtype, device: kind.short)  # taken unproven
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch and not torch.equal(short, whole)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_pass_of_small_groups_takes_short_item_tiles_with_the_whole_tiles_bits(threads):
+    """Where every group of a kind's rows fits a smaller proven tile (ItemTiles.short_rows), a pass takes the
+    smallest that holds the largest: one question's decode step tiles its 3 rows a block as 4, not 32 and 8;
+    two questions meet the document's blocks in 6 rows (a tile of 8); nine in 27 and a prefill keep whole
+    tiles. Each pass equals the same pass in whole tiles bit for bit, and on this CPU every tile is proven
+    (else a decode step would multiply 29 rows of padding a block again)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
+            assert proven_rows(kind, 64, torch.float32, torch.device("cpu")) == kind.short_rows
+        config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+        for doc, qs, decode, tiles in [(567, [1], True, (4, 4)), (150, [3, 20], True, (8, 4)),
+                                       (700, [1] * 9, True, (32, 4)), (300, [20, 45, 7], False, (32, 8))]:
+            plan, short, whole = _short_and_whole(config, doc, qs, decode)
+            assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == tiles, (doc, qs, decode)
+            assert torch.equal(short, whole), (doc, qs, decode)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
+def test_a_short_item_tile_of_other_bits_is_refused(monkeypatch):
+    """Negative control: a library whose products of 4-row tiles add in another order (here: `torch.bmm`
+    nudging the last bit) proves no 4-row tile, so one question's decode step takes 8-row tiles, with the
+    whole tiles' bits; taken unproven, the 4-row tiles would have changed them."""
+    real_bmm = torch.bmm
+
+    def nudged(a, b, out=None):
+        got = real_bmm(a, b)
+        got = got.nextafter(torch.full_like(got, float("inf"))) if a.shape[1] == 4 else got
+        return got if out is None else out.copy_(got)
+
+    config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    monkeypatch.setattr(batched, "_PROVEN", {})
+    monkeypatch.setattr(torch, "bmm", nudged)
+    plan, short, whole = _short_and_whole(config, 567, [1], True)
+    assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == (8, 8) and torch.equal(short, whole)
+    monkeypatch.setattr(plan_module, "proven_rows", lambda kind, d, dtype, device: kind.short_rows)  # unproven
+    plan, short, whole = _short_and_whole(config, 567, [1], True)
+    assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == (4, 4) and not torch.equal(short, whole)
 
 
 def test_both_ways_of_adding_a_blocks_terms_give_the_same_bits():

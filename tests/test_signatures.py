@@ -34,7 +34,7 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
     c = model.config
     dt = model.dtype
     acc = torch.promote_types(dt, torch.float32)
-    d, b = c.head_dim, 64
+    d = c.head_dim
     out = set()
     calc = compute_dtype(model.device, dt)  # a 16-bit model without native dot products: float32 (precision.py)
     onednn = model.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
@@ -56,22 +56,30 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
         if isinstance(mod, RMSNorm):
             k = mod.weight.shape[0]
             out.add(("aten.mean.out", (((t, k), (k, 1), acc, 0), ((t, 1), (1, 1), acc, 0)), ("-1", "True")))
-    kinds = (tiles.attention.whole, tiles.attention.partial)  # a call per batch count, the whole and short ones
-    for rows, batch in ((kind.rows, n) for kind in kinds for n in (kind.batch, *kind.short)):
-        out.add(("aten.sum.IntList_out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # the softmax's sums
-                                          ((batch, rows, 1), (rows, 1, 1), acc, 0)), ("-1", "True")))
-        out.add(("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
-                                  ((batch, d, b), (b * d, 1, d), acc, 0),
-                                  ((batch, rows, b), (rows * b, b, 1), acc, 0))))
-        out.add(("aten.bmm.out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # values = p v
-                                  ((batch, b, d), (b * d, d, 1), acc, 0),
-                                  ((batch, rows, d), (rows * d, d, 1), acc, 0))))
-        if tiles.attention.fused:  # q, k, v as (batch, 1, n, D), and the masked items' additive mask
-            item = (((batch, 1, rows, d), (rows * d, rows * d, d, 1), acc, 0),
-                    ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0), ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0))
-            mask = ((batch, 1, rows, b), (rows * b, rows * b, b, 1), acc, 0)
-            out.add(("aten._scaled_dot_product_flash_attention_for_cpu.default", item))
-            out.add(("aten._scaled_dot_product_flash_attention_for_cpu.default", (*item, mask)))
+    for kind in (tiles.attention.whole, tiles.attention.partial):  # a call per item tile and batch count
+        for rows in (kind.rows, *kind.short_rows):
+            for batch in (kind.batch, *kind.short):
+                out |= attention_signatures(rows, batch, d, acc, tiles.attention.fused)
+    return out
+
+
+def attention_signatures(rows: int, batch: int, d: int, acc: torch.dtype, fused: bool) -> set[tuple]:
+    """The calls of one kind's items of `rows` rows in calls of `batch` items, head size d, key blocks of 64."""
+    b = 64
+    out = {("aten.sum.IntList_out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # the softmax's sums
+                                     ((batch, rows, 1), (rows, 1, 1), acc, 0)), ("-1", "True")),
+           ("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
+                             ((batch, d, b), (b * d, 1, d), acc, 0),
+                             ((batch, rows, b), (rows * b, b, 1), acc, 0))),
+           ("aten.bmm.out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # values = p v
+                             ((batch, b, d), (b * d, d, 1), acc, 0),
+                             ((batch, rows, d), (rows * d, d, 1), acc, 0)))}
+    if fused:  # q, k, v as (batch, 1, n, D), and the masked items' additive mask
+        item = (((batch, 1, rows, d), (rows * d, rows * d, d, 1), acc, 0),
+                ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0), ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0))
+        mask = ((batch, 1, rows, b), (rows * b, rows * b, b, 1), acc, 0)
+        out.add(("aten._scaled_dot_product_flash_attention_for_cpu.default", item))
+        out.add(("aten._scaled_dot_product_flash_attention_for_cpu.default", (*item, mask)))
     return out
 
 
@@ -141,7 +149,8 @@ def test_a_norm_reduced_over_the_whole_pass_is_caught():
 def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
     """The signatures and, for each linear product of a whole or short tile, the same product of every other
     (a pass's last tile may be short, invariant.Tiles.short: which one follows the pass's row count); and for
-    each attention call of a whole or short batch, the same call of every other (blocks.ItemTiles.short)."""
+    each attention call of a whole or short batch of whole or short item tiles, the calls of every other
+    (blocks.ItemTiles.short, short_rows)."""
     out = set(signatures)
     sizes = (tiles.rows, *tiles.short)
     for op, args, *rest in signatures:
@@ -150,10 +159,11 @@ def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
                 out.add((op, tuple(((s, *a[0][1:]), *a[1:]) if i in (0, 2) else a for i, a in enumerate(args)),
                          *rest))
         for kind in (tiles.attention.whole, tiles.attention.partial):
-            counts = (kind.batch, *kind.short)
-            if op in ("aten.bmm.out", "aten.sum.IntList_out") and args[0][0][:2] in {(n, kind.rows) for n in counts}:
-                for n in counts:  # every operand's leading dimension is the item count
-                    out.add((op, tuple(((n, *a[0][1:]), *a[1:]) for a in args), *rest))
+            shapes = [(r, n) for r in (kind.rows, *kind.short_rows) for n in (kind.batch, *kind.short)]
+            if op == "aten.bmm.out" and (args[0][0][1], args[0][0][0]) in shapes:  # (items, rows, ...) x ...
+                d = args[1][0][2] if args[1][0][1] == 64 else args[0][0][2]  # values' (n, B, D) or scores' q
+                for r, n in shapes:
+                    out |= attention_signatures(r, n, d, args[0][2], tiles.attention.fused)
     return out
 
 
