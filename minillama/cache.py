@@ -90,6 +90,23 @@ class KVCache:
             self.segments[seg.parent].children -= 1
         del self.segments[sid]
 
+    def split(self, sid: int, at: int) -> int:
+        """Cut segment `sid` after its first `at` tokens: a new child segment takes the rest of its tokens and
+        its children. Each token keeps its slot, position and keys, and every other segment's chain the same
+        tokens in the same order, so nothing anyone computes changes. Returns the new segment's id."""
+        seg = self.segments[sid]
+        if not 0 < at < len(seg.slots):
+            raise ValueError(f"segment {sid} holds {len(seg.slots)} tokens: cannot split it after {at}")
+        new = self.new_segment(sid)
+        tail = self.segments[new]
+        for other in self.segments.values():  # the children start where the tail ends
+            if other.parent == sid and other is not tail:
+                other.parent = new
+        tail.start, tail.slots, tail.children = seg.start + at, seg.slots[at:], seg.children
+        del seg.slots[at:]
+        seg.children = 1
+        return new
+
     # --- slots --------------------------------------------------------------------------------------
     @property
     def used_slots(self) -> int:

@@ -77,19 +77,52 @@ def test_a_prompt_runs_on_to_the_end_of_the_pass_last_row_tile(model):
 def test_partial_blocks_follow_what_the_prompts_share(model):
     cache = model.llama.new_cache()
     prefix = PrefixCache(cache, block=4)
-    a = [0, 1, 2, 3, 4, 5, 6, 7]  # block [0..3], then 4 5 shared with b, the rest its own
+    a = [0, 1, 2, 3, 4, 5, 6, 7]  # block [0..3], then 4 5 shared with b, then 6 its own (7: the request's)
     b = [0, 1, 2, 3, 4, 5, 9, 9]
-    c = [0, 1, 2, 3, 8, 8]  # the same block, then nothing it shares: no partial block
+    c = [0, 1, 2, 3, 8, 8]  # the same block, then nothing it shares: 8 its own
     d, e = [20, 21, 22, 30], [20, 21, 23, 31]  # another document, no whole block: a partial block at the root
     ca, cb, cc, cd, ce = prefix.acquire_all([a, b, c, d, e])
-    assert ca[0] is cb[0] is cc[0] and len(cc) == 1
-    assert ca[1] is cb[1] and ca[1].tokens == (4, 5) and ca[1].position == 4 and ca[1].refs == 2
-    assert cache.segments[ca[1].segment].parent == ca[0].segment
-    assert cd == ce and cd[0].tokens == (20, 21) and cd[0].position == 0 and cd[0].parent is None
-    for chain in (ca, cd):  # fill them, as the engine would
+    assert ca[0] is cb[0] is cc[0] and ca[1] is cb[1] and ca[1].tokens == (4, 5) and ca[1].position == 4
+    assert ca[1].refs == 2 and cache.segments[ca[1].segment].parent == ca[0].segment
+    assert [x[-1].tokens for x in (ca, cb, cc, cd, ce)] == [(6,), (9,), (8,), (22,), (23,)]
+    assert cc[1].position == 4 and ca[2].position == 6 and ca[2].parent is ca[1]
+    assert cd[0] is ce[0] and cd[0].tokens == (20, 21) and cd[0].position == 0 and cd[0].parent is None
+    for chain in (ca, cb, cc, cd, ce):  # fill them, as the engine would
         for blk in chain:
-            cache.append(torch.full((len(blk.tokens),), blk.segment), torch.arange(blk.position, blk.end))
-            blk.filled = len(blk.tokens)
-    later = prefix.acquire([0, 1, 2, 3, 4, 5, 1, 2])  # continues past the cached partial block
-    assert later == ca and prefix.hits == 4 + 2
-    assert prefix.acquire([0, 1, 2, 3, 4, 9]) == ca[:1]  # ends inside it: the whole block only
+            if not blk.filled:
+                cache.append(torch.full((len(blk.tokens),), blk.segment), torch.arange(blk.position, blk.end))
+                blk.filled = len(blk.tokens)
+    later = prefix.acquire([0, 1, 2, 3, 4, 5, 1, 2])  # continues past the cached partial block, parts after it
+    assert later == ca[:2] and prefix.hits == 4 + 2
+    assert prefix.acquire([0, 1, 2, 3, 4, 9]) == ca[:1]  # parts inside a block in use: the whole block only
+    for chain in (ca, cb, cc, cd, ce, later, ca[:1]):
+        prefix.release(chain)
+
+    # Every block idle: a prompt that parts inside (4, 5) splits it there and shares its head; the tail takes
+    # its children, and no token's slot, position or chain changes.
+    slots = {blk.segment: cache.chain_slots(blk.segment) for blk in (ca[2], cb[2])}
+    split = prefix.acquire([0, 1, 2, 3, 4, 7, 7])
+    assert split == [ca[0], ca[1]] and ca[1].tokens == (4,) and ca[1].ready
+    tail = ca[1].children[(5,)]
+    assert tail.position == 5 and tail.ready and ca[2].parent is tail is cb[2].parent and ca[2].position == 6
+    assert cache.segments[tail.segment].parent == ca[1].segment and cache.segments[ca[2].segment].parent == tail.segment
+    assert {s: cache.chain_slots(s) for s in slots} == slots
+    assert prefix.acquire([0, 1, 2, 3, 4, 5, 6, 1]) == [ca[0], ca[1], tail, ca[2]]  # the old chain, found again
+
+
+def test_a_lone_prompt_leaves_its_tail_for_the_next_to_share(model):
+    """One client at a time: each prompt's tokens past its whole blocks stay cached as a partial block, so
+    the next prompt about the same document computes only its question, and one that parts inside the
+    document's tail splits that block and shares its head. Each answer is its solo run's, bit for bit.
+    (Negative control: before, a lone prompt cached whole blocks only and the next one computed the
+    document's last 6 tokens again.)"""
+    rng = random.Random(2)
+    doc = [rng.randrange(3, 300) for _ in range(64 + 6)]  # one whole block, then 6 document tokens
+    engine = Engine(model.llama, eos_of(model))
+    total = 0
+    for prompt, computed in [(doc + [10, 1, 2, 3, 4], 64 + 6 + 5), (doc + [11, 5, 6, 7, 8], 5),
+                             (doc[:67] + [12, 9, 9], 3)]:
+        events = _run(engine, [prompt])
+        _check_solo(model, [prompt], events)
+        total += computed
+        assert engine.prefill_tokens == total, (prompt, engine.stats())

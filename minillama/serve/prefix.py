@@ -1,12 +1,14 @@
-"""Cached prompt prefixes: a tree of KEY_BLOCK-token segments in the KV cache, evicted least-recently-used.
+"""Cached prompt prefixes: a tree of segments in the KV cache, evicted least-recently-used.
 
 A prompt's first whole blocks of KEY_BLOCK tokens (the attention kernel's key blocks) each become one
-segment, the child of the block before it; the rest of the prompt is the request's own segment under its
-last block. A later prompt that starts with the same tokens finds the same blocks (keyed by their parent
-and their tokens) and attaches below them, so a shared document is computed and stored once:
+segment, the child of the block before it; its tokens past them, but the last, a partial block below the
+last one; the last token is the request's own segment, where its answer grows. A later prompt that starts
+with the same tokens finds the same blocks (keyed by their parent and their tokens) and attaches below
+them, so a shared document is computed and stored once; where it parts from a cached partial block, that
+block is split there (the tokens before go on being shared, a radix tree's split):
 
-    block 0 (positions 0 .. 63) -> block 1 (64 .. 127) -> ... -> request A's tail and answer
-                                                          \\-> request B's tail and answer
+    block 0 (positions 0 .. 63) -> ... -> block 7 (448 .. 511) -> the document's last 38 tokens -> A's question -> A's answer
+                                                                                                 \\-> B's question -> B's answer
 
 Each token keeps its position and sees the same tokens at the same positions as in its stand-alone
 prompt, so a request's bits do not depend on which blocks it found (attention.py). Blocks whose only
@@ -64,8 +66,10 @@ class PrefixCache:
 
     def acquire(self, prompt: Sequence[int]) -> list[Block]:
         """The blocks of `prompt`'s whole KEY_BLOCK-token chunks, leaving its last token (whose logits the
-        request needs) to the request's own segment, then the longest cached partial block that the prompt
-        continues past, if any. New blocks are empty: the engine fills them."""
+        request needs) to the request's own segment, then the cached partial blocks that the prompt continues
+        past, the longest at each level. Where it continues past none but begins like an idle one, that block
+        is split where they part (`_split`) and the prompt takes its head. New blocks are empty: the engine
+        fills them."""
         self.tick += 1
         n = (len(prompt) - 1) // self.block
         chain: list[Block] = []
@@ -74,21 +78,34 @@ class PrefixCache:
             b = self._take(level, parent, tuple(prompt[i * self.block:(i + 1) * self.block]))
             chain.append(b)
             level, parent = b.children, b
-        rest = tuple(prompt[n * self.block:len(prompt) - 1])  # past the whole blocks, the last token left out
-        partial = [key for key in level if len(key) < self.block and rest[:len(key)] == key]
-        if partial:
-            chain.append(self._take(level, parent, max(partial, key=len)))
+        at = n * self.block
+        while at < len(prompt) - 1:
+            rest = tuple(prompt[at:len(prompt) - 1])  # past the blocks so far, the last token left out
+            partial = [key for key in level if len(key) < self.block and rest[:len(key)] == key]
+            if partial:
+                key = max(partial, key=len)
+            else:
+                shared = [(_common(key, rest), key) for key in level if len(key) < self.block
+                          and level[key].refs == 0 and level[key].ready]
+                most, key = max(shared, default=(0, ()))
+                if not most:
+                    break
+                key = self._split(level[key], most).tokens
+            b = self._take(level, parent, key)
+            chain.append(b)
+            level, parent, at = b.children, b, at + len(key)
         return chain
 
     def acquire_all(self, prompts: Sequence[Sequence[int]]) -> list[list[Block]]:
-        """`acquire` for prompts that arrive together; then those that found no partial block and share
-        leading tokens past the same last whole block get a new partial block for the tokens they share
-        (the longest common prefix of those that begin alike), computed once for all of them."""
+        """`acquire` for prompts that arrive together; then those that share leading tokens past the same
+        last block get a new partial block for the tokens they share (the longest common prefix of those that
+        begin alike), computed once for all of them; then each prompt's tokens past its blocks, the last left
+        out, become a partial block of its own, which a later prompt that begins alike finds (or splits)."""
         chains = [self.acquire(p) for p in prompts]
-        groups: dict[tuple[int | None, int], list[int]] = {}  # (last whole block, first token past it) -> prompts
+        groups: dict[tuple[int | None, int], list[int]] = {}  # (last block, first token past it) -> prompts
         for i, (p, chain) in enumerate(zip(prompts, chains)):
             at = chain[-1].end if chain else 0
-            if at + 1 < len(p) and (not chain or len(chain[-1].tokens) == self.block):  # no partial block found
+            if at + 1 < len(p):
                 groups.setdefault((chain[-1].segment if chain else None, p[at]), []).append(i)
         for members in groups.values():
             if len(members) < 2:
@@ -97,12 +114,17 @@ class PrefixCache:
             at = chain[-1].end if chain else 0
             rests = sorted(tuple(prompts[i][at:len(prompts[i]) - 1]) for i in members)
             first, last = rests[0], rests[-1]  # sorted: what the first and last share, every one shares
-            shared = next((k for k, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
+            shared = _common(first, last)
             level = chain[-1].children if chain else self.roots
             b = self._take(level, chain[-1] if chain else None, first[:shared])
             b.refs += len(members) - 1
             for i in members:
                 chains[i].append(b)
+        for p, chain in zip(prompts, chains):
+            at = chain[-1].end if chain else 0
+            if at + 1 < len(p):
+                chain.append(self._take(chain[-1].children if chain else self.roots, chain[-1] if chain else None,
+                                        tuple(p[at:len(p) - 1])))
         return chains
 
     def _take(self, level: dict[tuple[int, ...], Block], parent: Block | None, key: tuple[int, ...]) -> Block:
@@ -116,6 +138,20 @@ class PrefixCache:
             self.hits += len(key)
         b.refs += 1
         b.used = self.tick
+        return b
+
+    def _split(self, b: Block, at: int) -> Block:
+        """Cut idle block `b` after its first `at` tokens: `b` keeps them and a new child block takes the rest
+        and `b`'s children; their keys and values stay where they are (KVCache.split). Returns `b`."""
+        level = b.parent.children if b.parent else self.roots
+        del level[b.tokens]
+        head, rest = b.tokens[:at], b.tokens[at:]
+        tail = Block(self.cache.split(b.segment, at), b, rest, filled=len(rest), children=b.children, used=b.used)
+        for child in tail.children.values():
+            child.parent = tail
+        self.blocks[tail.segment] = tail
+        b.tokens, b.filled, b.children = head, at, {rest: tail}
+        level[head] = b
         return b
 
     def release(self, chain: Sequence[Block]) -> None:
@@ -154,3 +190,8 @@ class PrefixCache:
     @property
     def cached_tokens(self) -> int:
         return sum(b.filled for b in self.blocks.values())
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
