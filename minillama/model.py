@@ -172,6 +172,12 @@ class Llama(nn.Module):
                     w.data = w.data.contiguous()
         return self
 
+    def _apply(self, fn, recurse: bool = True) -> "Llama":
+        """`.to()`, `.cuda()`, `.half()` and the like: the weights move or change, then are laid out for the
+        device and dtype they now have (`column_major_`)."""
+        super()._apply(fn, recurse)
+        return self.column_major_()
+
     def _column_major(self, module: TiledLinear) -> bool:
         """Whether a column-split projection is stored column-major: with one unit (no block to keep whole) on
         a CPU in float32, where oneDNN's linear reads a (K, N) row-major matrix 1.1-1.4x faster than an (N, K)

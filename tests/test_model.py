@@ -119,3 +119,7 @@ def test_weights_are_laid_out_for_their_products():
     assert [layout(n) for n in qkv] == ["column" if cpu32 else "row"] * 2
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert torch.equal(logits(), ones)
+    model.to(torch.bfloat16)  # the layout follows the dtype (and the device) a model is moved to
+    assert [layout(n) for n in qkv] == ["row"] * 2 and layout(rows[0]) == "column"
+    model.to(torch.float32)
+    assert [layout(n) for n in qkv] == ["column" if model.device.type == "cpu" else "row"] * 2
