@@ -344,29 +344,46 @@ def _short_and_whole(config, doc, qs, decode, tiles=CPU_ATTENTION, seed=5):
             blocked_attention(q, cache.k[0], cache.v[0], whole, WHOLE_BATCHES))
 
 
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    """torch's thread count for the test, put back after it: a proof holds per thread count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def _nudge_bmm(monkeypatch, when) -> None:
+    """`torch.bmm` that moves its result's last bit up where `when(a)`: a library whose calls of that shape add
+    in another order. Every proof starts over."""
+    real_bmm = torch.bmm
+
+    def nudged(a, b, out=None):
+        got = real_bmm(a, b)
+        got = got.nextafter(torch.full_like(got, float("inf"))) if when(a) else got
+        return got if out is None else out.copy_(got)
+
+    monkeypatch.setattr(batched, "_PROVEN", {})
+    monkeypatch.setattr(torch, "bmm", nudged)
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches are a CPU's (CUDA_ATTENTION has none)")
-@pytest.mark.parametrize("threads", [1, 2])
 def test_a_short_last_batch_gives_every_row_the_whole_batches_bits(threads):
     """A kind's items past its last whole batch run as one short call (ItemTiles.short) where proven: at
     SmolLM2's attention shape, a decode step of one question, of a few, and prefills equal the same passes in
     whole batches bit for bit; on this CPU every short count is proven (else one sequence would pay for 64
     items a kind again), and the passes of few items did take short batches."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
-            assert proven_batches(kind, 64, torch.float32, torch.device("cpu")) == kind.short
-        config = tiny_config(heads=9, kv_heads=3, head_dim=64)
-        shortened = 0
-        for doc, qs, decode in [(567, [1], True), (150, [3, 20], True), (700, [1] * 9, True), (0, [5], False),
-                                (300, [20, 45, 7], False), (64, [64], False)]:
-            plan, short, whole = _short_and_whole(config, doc, qs, decode)
-            assert torch.equal(short, whole), (doc, qs, decode)
-            shortened += any(items.count % kind.batch for items, kind in
-                             ((plan.whole, CPU_ATTENTION.whole), (plan.partial, CPU_ATTENTION.partial)))
-        assert shortened >= 3
-    finally:
-        torch.set_num_threads(saved)
+    for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
+        assert proven_batches(kind, 64, torch.float32, torch.device("cpu")) == kind.short
+    config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    shortened = 0
+    for doc, qs, decode in [(567, [1], True), (150, [3, 20], True), (700, [1] * 9, True), (0, [5], False),
+                            (300, [20, 45, 7], False), (64, [64], False)]:
+        plan, short, whole = _short_and_whole(config, doc, qs, decode)
+        assert torch.equal(short, whole), (doc, qs, decode)
+        shortened += any(items.count % kind.batch for items, kind in
+                         ((plan.whole, CPU_ATTENTION.whole), (plan.partial, CPU_ATTENTION.partial)))
+    assert shortened >= 3
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches are a CPU's (CUDA_ATTENTION has none)")
@@ -374,16 +391,8 @@ def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
     """Negative control: a library whose calls of fewer items add in another order (here: `torch.bmm`
     nudging the last bit below 64 items) proves no short batch, so the pass keeps whole batches and their
     bits; taken unproven, the short batches would have changed them."""
-    real_bmm = torch.bmm
-
-    def nudged(a, b, out=None):
-        got = real_bmm(a, b)
-        got = got.nextafter(torch.full_like(got, float("inf"))) if a.shape[0] < CPU_ATTENTION.whole.batch else got
-        return got if out is None else out.copy_(got)
-
+    _nudge_bmm(monkeypatch, lambda a: a.shape[0] < CPU_ATTENTION.whole.batch)
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
-    monkeypatch.setattr(batched, "_PROVEN", {})
-    monkeypatch.setattr(torch, "bmm", nudged)
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch == plan.partial.count % CPU_ATTENTION.partial.batch == 0
     assert torch.equal(short, whole) and {v for k, v in batched._PROVEN.items() if k[0] == "batches"} == {()}
@@ -393,26 +402,20 @@ def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
-@pytest.mark.parametrize("threads", [1, 2])
 def test_a_pass_of_small_groups_takes_short_item_tiles_with_the_whole_tiles_bits(threads):
     """Where every group of a kind's rows fits a smaller proven tile (ItemTiles.short_rows), a pass takes the
     smallest that holds the largest: one question's decode step tiles its 3 rows a block as 4, not 32 and 8;
     two questions meet the document's blocks in 6 rows (a tile of 8); nine in 27 and a prefill keep whole
     tiles. Each pass equals the same pass in whole tiles bit for bit, and on this CPU every tile is proven
     (else a decode step would multiply 29 rows of padding a block again)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
-            assert proven_rows(kind, 64, torch.float32, torch.device("cpu")) == kind.short_rows
-        config = tiny_config(heads=9, kv_heads=3, head_dim=64)
-        for doc, qs, decode, tiles in [(567, [1], True, (4, 4)), (150, [3, 20], True, (8, 4)),
-                                       (700, [1] * 9, True, (32, 4)), (300, [20, 45, 7], False, (32, 8))]:
-            plan, short, whole = _short_and_whole(config, doc, qs, decode)
-            assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == tiles, (doc, qs, decode)
-            assert torch.equal(short, whole), (doc, qs, decode)
-    finally:
-        torch.set_num_threads(saved)
+    for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
+        assert proven_rows(kind, 64, torch.float32, torch.device("cpu")) == kind.short_rows
+    config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    for doc, qs, decode, tiles in [(567, [1], True, (4, 4)), (150, [3, 20], True, (8, 4)),
+                                   (700, [1] * 9, True, (32, 4)), (300, [20, 45, 7], False, (32, 8))]:
+        plan, short, whole = _short_and_whole(config, doc, qs, decode)
+        assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == tiles, (doc, qs, decode)
+        assert torch.equal(short, whole), (doc, qs, decode)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
@@ -420,16 +423,8 @@ def test_a_short_item_tile_of_other_bits_is_refused(monkeypatch):
     """Negative control: a library whose products of 4-row tiles add in another order (here: `torch.bmm`
     nudging the last bit) proves no 4-row tile, so one question's decode step takes 8-row tiles, with the
     whole tiles' bits; taken unproven, the 4-row tiles would have changed them."""
-    real_bmm = torch.bmm
-
-    def nudged(a, b, out=None):
-        got = real_bmm(a, b)
-        got = got.nextafter(torch.full_like(got, float("inf"))) if a.shape[1] == 4 else got
-        return got if out is None else out.copy_(got)
-
+    _nudge_bmm(monkeypatch, lambda a: a.shape[1] == 4)
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
-    monkeypatch.setattr(batched, "_PROVEN", {})
-    monkeypatch.setattr(torch, "bmm", nudged)
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == (8, 8) and torch.equal(short, whole)
     monkeypatch.setattr(plan_module, "proven_rows", lambda kind, d, dtype, device: kind.short_rows)  # unproven

@@ -104,28 +104,31 @@ class PrefixCache:
         chains = [self.acquire(p) for p in prompts]
         groups: dict[tuple[int | None, int], list[int]] = {}  # (last block, first token past it) -> prompts
         for i, (p, chain) in enumerate(zip(prompts, chains)):
-            at = chain[-1].end if chain else 0
+            _, parent, at = self._below(chain)
             if at + 1 < len(p):
-                groups.setdefault((chain[-1].segment if chain else None, p[at]), []).append(i)
+                groups.setdefault((parent.segment if parent else None, p[at]), []).append(i)
         for members in groups.values():
             if len(members) < 2:
                 continue
-            chain = chains[members[0]]
-            at = chain[-1].end if chain else 0
+            level, parent, at = self._below(chains[members[0]])
             rests = sorted(tuple(prompts[i][at:len(prompts[i]) - 1]) for i in members)
             first, last = rests[0], rests[-1]  # sorted: what the first and last share, every one shares
-            shared = _common(first, last)
-            level = chain[-1].children if chain else self.roots
-            b = self._take(level, chain[-1] if chain else None, first[:shared])
+            b = self._take(level, parent, first[:_common(first, last)])
             b.refs += len(members) - 1
             for i in members:
                 chains[i].append(b)
         for p, chain in zip(prompts, chains):
-            at = chain[-1].end if chain else 0
+            level, parent, at = self._below(chain)
             if at + 1 < len(p):
-                chain.append(self._take(chain[-1].children if chain else self.roots, chain[-1] if chain else None,
-                                        tuple(p[at:len(p) - 1])))
+                chain.append(self._take(level, parent, tuple(p[at:len(p) - 1])))
         return chains
+
+    def _below(self, chain: Sequence[Block]) -> tuple[dict[tuple[int, ...], Block], Block | None, int]:
+        """Where a prompt's next block goes under `chain`: (the level it is keyed in, its parent, its first
+        position)."""
+        if not chain:
+            return self.roots, None, 0
+        return chain[-1].children, chain[-1], chain[-1].end
 
     def _take(self, level: dict[tuple[int, ...], Block], parent: Block | None, key: tuple[int, ...]) -> Block:
         """The block `key` below `parent` (found, or new and empty), held once more."""
