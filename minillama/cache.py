@@ -45,16 +45,30 @@ class Segment:
 
 class KVCache:
     def __init__(self, config: LlamaConfig, capacity: int = 256, device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32, kv_heads: int | None = None):
-        """kv_heads: the KV heads this process holds (a tensor-parallel rank holds some; default all)."""
+                 dtype: torch.dtype = torch.float32, kv_heads: int | None = None,
+                 storage: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """kv_heads: the KV heads this process holds (a tensor-parallel rank holds some; default all).
+        storage: keys and values (L, Hkv, S, D) to hold (a finished cache's, `Steps.spare`): zeroed here, so
+        the cache starts as a fresh one does, with S >= capacity slots."""
         self.config = config
         hkv = config.num_key_value_heads if kv_heads is None else kv_heads
-        shape = (config.num_hidden_layers, hkv, max(capacity, SPILL_SLOT + 2), config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = self.shape(config, capacity, hkv)
+        if storage is None:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+        else:
+            self.k, self.v = (t.zero_() for t in storage)
+            if self.k.shape[:2] + self.k.shape[3:] != shape[:2] + shape[3:] or self.k.shape[2] < shape[2]:
+                raise ValueError(f"storage of shape {tuple(self.k.shape)} cannot hold a cache of {shape}")
+            shape = tuple(self.k.shape)
         self._free: list[int] = list(range(shape[2] - 1, SPILL_SLOT, -1))  # a stack; slots 0 and 1 held back
         self.segments: dict[int, Segment] = {}
         self._next_id = 0
+
+    @staticmethod
+    def shape(config: LlamaConfig, capacity: int, kv_heads: int) -> tuple[int, int, int, int]:
+        """(L, Hkv, S, D) of a cache of `capacity` slots (at least the two held back)."""
+        return config.num_hidden_layers, kv_heads, max(capacity, SPILL_SLOT + 2), config.head_dim
 
     # --- the segment tree -------------------------------------------------------------------------
     def new_segment(self, parent: int | None = None) -> int:
@@ -150,15 +164,7 @@ class KVCache:
         start: dict[int, int | None] = {}
         length: dict[int, int] = {}
         kids: dict[int, int] = {}
-
-        def end(sid: int) -> int:  # the next position of sid, tokens of this call included
-            if sid not in start:
-                seg = self.segments[sid]
-                start[sid], length[sid], kids[sid] = seg.start, len(seg.slots), seg.children
-            if start[sid] is None:
-                parent = self.segments[sid].parent
-                return end(parent) if parent is not None else 0
-            return start[sid] + length[sid]
+        end = lambda sid: self._end(sid, start, length, kids)  # noqa: E731
 
         for i, (sid, pos) in enumerate(zip(seg_list, pos_list)):
             if sid not in self.segments:
@@ -189,6 +195,21 @@ class KVCache:
             seg.slots.append(slot)
             slots[i] = slot
         return torch.tensor(slots, dtype=torch.long, device=self.k.device)
+
+    def _end(self, sid: int, start: dict[int, int | None], length: dict[int, int], kids: dict[int, int]) -> int:
+        """`append`'s dry run: the next position of sid, the call's tokens so far included. (A method, not a
+        recursive closure: that would be a reference cycle keeping the cache alive until a garbage collection,
+        and a finished cache's storage is what the next one reuses, step.py.)"""
+        while True:
+            if sid not in start:
+                seg = self.segments[sid]
+                start[sid], length[sid], kids[sid] = seg.start, len(seg.slots), seg.children
+            if start[sid] is not None:
+                return start[sid] + length[sid]
+            parent = self.segments[sid].parent
+            if parent is None:
+                return 0
+            sid = parent
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (N, Hkv, D) for the tokens that were given `slots` (SPILL_SLOT for padding tokens)."""

@@ -170,6 +170,7 @@ class Llama(nn.Module):
                     w.data = w.data.t().contiguous().t()
                 elif not column and not w.is_contiguous():
                     w.data = w.data.contiguous()
+        self.steps.forget()  # captured steps read the weights where they were
         return self
 
     def _apply(self, fn, recurse: bool = True) -> "Llama":
@@ -226,8 +227,15 @@ class Llama(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        return KVCache(self.config, capacity, device=self.device, dtype=self.dtype,
-                       kv_heads=self.model.layers[0].self_attn.n_kv if len(self.model.layers) else None)
+        """An empty cache of at least `capacity` slots: on the spare storage of a finished one where its graphs
+        can be replayed (step.py: a GPU's captured steps outlive a generate call), else a new one."""
+        kv_heads = self.model.layers[0].self_attn.n_kv if len(self.model.layers) else self.config.num_key_value_heads
+        spare = self.steps.take_spare(KVCache.shape(self.config, capacity, kv_heads), self.dtype, self.device)
+        cache = KVCache(self.config, capacity, device=self.device, dtype=self.dtype, kv_heads=kv_heads,
+                        storage=None if spare is None else (spare.k, spare.v))
+        if spare is not None:
+            self.steps.attach(cache, spare)
+        return cache
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

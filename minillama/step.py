@@ -16,7 +16,9 @@ terms are zeros), so a question's bits do not depend on its step's bucket: test_
 Captured steps (CUDA). The first step of a bucket runs as it is (it warms the libraries up); the second is
 captured as a CUDA graph into static input buffers and replayed; every later one copies its inputs into those
 buffers and replays. A graph reads the cache's memory where it was when captured, so the graphs belong to one
-cache and are dropped when it grows.
+cache's storage and are dropped when it grows. When a cache is done with (a generate call returns), its
+storage and graphs are kept as the model's spare: the next cache the model makes of no more slots is made on
+that storage, zeroed (a fresh cache's state), and replays those graphs rather than capture them again.
 """
 
 from __future__ import annotations
@@ -150,35 +152,44 @@ def cuda_graph(run: Callable[[], torch.Tensor], pool: Any = None) -> tuple[Calla
 
 
 class CapturedSteps:
-    """One cache's steps, captured per bucket: the first step of a bucket runs eagerly, the second is
+    """One cache storage's steps, captured per bucket: the first step of a bucket runs eagerly, the second is
     captured (`capture`: a CUDA graph) into static input buffers, and every later one copies its inputs into
-    those buffers and replays (module docstring)."""
+    those buffers and replays (module docstring). It holds the storage (`k`, `v`), so that the graphs' memory
+    outlives the cache it was made for and serves the next (`Steps.spare`)."""
 
     def __init__(self, cache: KVCache, capture: Callable = cuda_graph):
+        self.k, self.v = cache.k, cache.v
         self.storage = cache.k.data_ptr()
         self.capture = capture
-        # One memory pool for this cache's graphs, which live and die together. Never one pool for the whole
+        # One memory pool for this storage's graphs, which live and die together. Never one pool for the whole
         # process: the caching allocator refuses to capture into a pool whose graphs have all died (its use
         # count is 0) while a block of it is still held.
         self.pool = torch.cuda.graph_pool_handle() if capture is cuda_graph else None
         self.seen: set[tuple] = set()
         self.graphs: dict[tuple, tuple[Callable[[], None], Step, torch.Tensor]] = {}  # key -> (replay, inputs, out)
+        self.cache: KVCache | None = None  # the cache of the step under way, and only then
 
-    def run(self, run_step: Callable[[Step], torch.Tensor], step: Step) -> torch.Tensor:
-        key = step.key()
-        if key in self.graphs:
-            replay, static, out = self.graphs[key]
-            for buffer, value in zip(static.tensors(), step.tensors()):
-                buffer.copy_(value, non_blocking=True)
-        elif key not in self.seen:
-            self.seen.add(key)
-            return run_step(step)
-        else:
-            static = step.with_tensors([t.clone() for t in step.tensors()])
-            replay, out = self.capture(lambda: run_step(static), self.pool)
-            self.graphs[key] = (replay, static, out)
-        replay()
-        return out
+    def run(self, run_step: Callable[[KVCache, Step], torch.Tensor], cache: KVCache, step: Step,
+            key: tuple = ()) -> torch.Tensor:
+        """`key`: what else the launches follow (the kernels' settings), beside the step's shapes."""
+        key = key + step.key()
+        self.cache = cache  # what a captured function reads: never a cache it was captured for, gone since
+        try:
+            if key in self.graphs:
+                replay, static, out = self.graphs[key]
+                for buffer, value in zip(static.tensors(), step.tensors()):
+                    buffer.copy_(value, non_blocking=True)
+            elif key not in self.seen:
+                self.seen.add(key)
+                return run_step(cache, step)
+            else:
+                static = step.with_tensors([t.clone() for t in step.tensors()])
+                replay, out = self.capture(lambda: run_step(self.cache, static), self.pool)
+                self.graphs[key] = (replay, static, out)
+            replay()
+            return out
+        finally:
+            self.cache = None
 
 
 class Steps:
@@ -190,7 +201,9 @@ class Steps:
         self.kernels = kernels  # the model's: a tensor-parallel rank's collectives run eagerly
         self.captured: bool | None = None
         self.capture: Callable = cuda_graph
-        self._by_cache: weakref.WeakKeyDictionary[KVCache, CapturedSteps] = weakref.WeakKeyDictionary()
+        # Each live cache's captured steps, in a box that follows it when it grows (a new storage).
+        self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
+        self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
 
     def capturing(self, device: torch.device) -> bool:
         """Whether the model's steps on `device` are captured (in buckets) now."""
@@ -202,11 +215,48 @@ class Steps:
             raise ValueError(f"captured steps need a CUDA device; the model is on {device.type}")
         return False
 
+    def forget(self) -> None:
+        """Drop the spare storage and its graphs: the weights they read have moved (`Llama.column_major_`)."""
+        self.spare = None
+        for box in self._by_cache.values():
+            box.clear()
+
+    def take_spare(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+                   ) -> CapturedSteps | None:
+        """The spare, for a new cache of `shape` (L, Hkv, S, D): one of the same dtype, device, layers, heads
+        and head size, with at least S slots; else None. The caller makes the cache on its storage (`attach`)."""
+        spare = self.spare
+        if (spare is None or spare.k.dtype != dtype or spare.k.device != device
+                or spare.k.shape[:2] + spare.k.shape[3:] != shape[:2] + shape[3:] or spare.k.shape[2] < shape[2]):
+            return None
+        self.spare = None
+        return spare
+
+    def attach(self, cache: KVCache, captured: CapturedSteps) -> None:
+        """`cache`, made on `captured`'s storage, replays its graphs."""
+        assert captured.storage == cache.k.data_ptr(), "the cache is not on the spare's storage"
+        self._track(cache, captured)
+
+    def _track(self, cache: KVCache, captured: CapturedSteps) -> None:
+        box = [captured]
+        self._by_cache[cache] = box
+        weakref.finalize(cache, self._retire, box)
+
+    def _retire(self, box: list[CapturedSteps]) -> None:
+        """A cache is gone: its storage and graphs become the spare (the previous spare's are freed)."""
+        if box:
+            self.spare = box[0]
+
     def run(self, run_step: Callable[[KVCache, Step], torch.Tensor], cache: KVCache, step: Step) -> torch.Tensor:
         """The step's logits (step.wanted, vocab); `run_step` is the model's device half (`Llama.run_step`)."""
         if not (self.capturing(cache.k.device) and step.capturable):
             return run_step(cache, step)[:step.wanted]
-        captured = self._by_cache.get(cache)
-        if captured is None or captured.storage != cache.k.data_ptr():  # new cache, or it grew: new graphs
-            captured = self._by_cache[cache] = CapturedSteps(cache, self.capture)
-        return captured.run(lambda s: run_step(cache, s), step)[:step.wanted].clone()
+        box = self._by_cache.get(cache)
+        if box is None:
+            self._track(cache, captured := CapturedSteps(cache, self.capture))
+        elif not box or box[0].storage != cache.k.data_ptr():  # forgotten, or the cache grew: new graphs
+            box[:] = [captured := CapturedSteps(cache, self.capture)]
+        else:
+            captured = box[0]
+        kernels = (self.kernels.invariant, self.kernels.tiles, self.kernels.units)
+        return captured.run(run_step, cache, step, kernels)[:step.wanted].clone()

@@ -216,6 +216,63 @@ def test_real_graphs_of_one_cache_after_another_replay_the_eager_bits():
         assert_same_answers(eager, generate(model, PROMPTS, PARAMS, mode="independent"))
 
 
+def test_captured_steps_outlive_a_generate_call():
+    """A later call's cache is made on the earlier one's storage, zeroed, and replays its graphs: a bucket met
+    twice over two calls is captured once, nothing is captured twice, and the answers are the eager ones."""
+    eager = generate(tiny_model(tiny_config()), PROMPTS, PARAMS)
+    capture = Rerun()
+    model = _captured(tiny_model(tiny_config()), capture)
+    answers = []
+    for _ in range(3):
+        answers.append(generate(model, PROMPTS, PARAMS))
+        assert model.steps.spare is not None
+    captures, replays = capture.captures, capture.replays
+    assert captures >= 1
+    spare = model.steps.spare
+    answers.append(generate(model, PROMPTS, PARAMS))
+    assert capture.captures == captures and capture.replays > replays  # replayed, not captured again
+    assert model.steps.spare is spare  # the same storage, kept again for the next call
+    for replayed in answers:
+        assert_same_answers(eager, replayed)
+
+
+def test_a_cache_on_the_spare_storage_starts_as_a_fresh_one():
+    model = _captured(tiny_model(tiny_config()), Rerun())
+    generate(model, PROMPTS, PARAMS)
+    k = model.steps.spare.k
+    assert bool(k.any())  # the finished run's keys are still there
+    cache = model.new_cache(8)
+    assert cache.k is k and not cache.k.any() and not cache.v.any() and model.steps.spare is None
+    assert len(cache._free) == k.shape[2] - 2  # every slot but the two held back
+    assert model.new_cache(8).k is not k  # taken: a second live cache gets storage of its own
+    del cache
+    assert model.new_cache(k.shape[2] + 1).k is not k  # the spare is too small for this one
+
+
+def test_captured_steps_follow_the_kernels_and_the_weights():
+    """A step replays another graph when the kernels change (32-row linear tiles: the same step tensors, other
+    launches; the fused attention kernel; plain products); moving the weights (`.to()`, a new
+    layout, a load) drops the spare, whose graphs read them where they were."""
+    fused = dataclasses.replace(CPU_TILES, attention=dataclasses.replace(CPU_TILES.attention, fused=True))
+    capture = Rerun()
+    model = _captured(tiny_model(tiny_config()), capture)
+    for _ in range(2):
+        generate(model, PROMPTS, PARAMS)
+    for change in (lambda m: setattr(m.kernels, "tiles", dataclasses.replace(CPU_TILES, rows=32)),  # same shapes
+                   lambda m: setattr(m.kernels, "tiles", fused), lambda m: setattr(m, "invariant", False)):
+        reference = _captured(tiny_model(tiny_config()), Rerun())  # the change from the start
+        change(reference)
+        generate(reference, PROMPTS, PARAMS)
+        change(model)
+        captures = capture.captures
+        answers = [generate(model, PROMPTS, PARAMS) for _ in range(2)]
+        assert capture.captures > captures  # graphs of their own (the stand-in would rerun the new kernels)
+        assert_same_answers(generate(reference, PROMPTS, PARAMS), answers[-1])
+    assert model.steps.spare is not None
+    model.to(torch.float64)
+    assert model.steps.spare is None
+
+
 def test_a_chunked_prefill_is_never_captured():
     """Its attention loops over the plan's distinct blocks, which two passes of one shape need not share."""
     capture = Rerun()
