@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from .batched import batched_products, batched_row_sums
-from .blocks import KEY_BLOCK, AttentionTiles, first_visible, visible_blocks
+from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from .cache import PAD_SLOT
 from .plan import AttentionPlan, Items
 
@@ -253,6 +253,13 @@ def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: to
     return torch.cat([batched_products(e, values, batch), batched_row_sums(e, batch)], dim=-1)
 
 
+def _kinds(plan: AttentionPlan, tiles: AttentionTiles) -> list[tuple[Items, ItemTiles]]:
+    """The pass's items, kind after kind in the order their terms are added (plan.row_order): whole blocks,
+    whole blocks in short tiles (`AttentionPlan.small`), partial blocks."""
+    small = [] if plan.small is None else [(plan.small, tiles.whole)]
+    return [(plan.whole, tiles.whole), *small, (plan.partial, tiles.partial)]
+
+
 def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
                       tiles: AttentionTiles) -> torch.Tensor:
     """Every item at once; each row's terms then gathered by `plan.order` and added in J fixed steps.
@@ -260,7 +267,7 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     Nothing here depends on a value of the pass, only on its plan's shapes: the step a GPU captures.
     """
     d = queries.shape[1]
-    kinds = [(plan.whole, tiles.whole.batch), (plan.partial, tiles.partial.batch)]
+    kinds = [(items, kind.batch) for items, kind in _kinds(plan, tiles)]
     scores = [_scores(queries, keys, values, items, 0, items.count, batch, tiles.fused) for items, batch in kinds]
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     for (items, _), item_scores in zip(kinds, scores):
@@ -284,7 +291,7 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     products, the same bits) rather than hold them all."""
     d = queries.shape[1]
     kinds = [(items, kind.batch, items.count if 0 < items.count <= tiles.keep else kind.chunk)  # whole, then partial
-             for items, kind in ((plan.whole, tiles.whole), (plan.partial, tiles.partial))]
+             for items, kind in _kinds(plan, tiles)]
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     kept = []

@@ -96,6 +96,10 @@ class AttentionPlan:
     group_size: int  # G
     whole: Items  # blocks the rows see whole
     partial: Items  # blocks the rows see in part, masked
+    # Whole blocks of groups small enough for a proven short tile, in a pass that also has bigger groups (a
+    # decode step: a question's own whole blocks, G rows each, beside the document's shared ones), laid out
+    # apart in that tile; None where there are none (`_split_small`). Their terms follow the whole items'.
+    small: Items | None = None
     # Where every item fits at once: (Hkv * (R + 1), J) each flat query row's terms in the order they are added
     # (whole items' terms first, then partial ones', T per item; index `terms` is a zero term). None: the
     # kernel adds the terms block after block, in chunks (a long prefill).
@@ -124,12 +128,20 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     segment_list, position_list = segments.tolist(), positions.tolist()
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
     layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
+    short = not tiles.fused and not buckets
+    whole_groups, small_groups = _split_small(layout, whole_groups, tiles.whole) if short else (whole_groups, {})
     (whole, whole_rows), (partial, partial_rows) = (
-        _lay_out(layout, groups, kind, masked=masked, buckets=buckets, short=not tiles.fused)
+        _lay_out(layout, groups, kind, masked=masked, buckets=buckets, short=short)
         for groups, kind, masked in ((whole_groups, tiles.whole, False), (partial_groups, tiles.partial, True)))
-    plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial)
-    if tiles.held_at_once(whole.count, tiles.whole) and tiles.held_at_once(partial.count, tiles.partial):
-        order = row_order([whole_rows, partial_rows], layout.kv_heads * layout.row_stride, layout.row_stride,
+    laid = [(whole, whole_rows, tiles.whole)]
+    small = None
+    if small_groups:
+        small, small_rows = _lay_out(layout, small_groups, tiles.whole, masked=False, buckets=False, short=True)
+        laid.append((small, small_rows, tiles.whole))
+    laid.append((partial, partial_rows, tiles.partial))
+    plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial, small=small)
+    if all(tiles.held_at_once(items.count, kind) for items, _, kind in laid):
+        order = row_order([rows for _, rows, _ in laid], layout.kv_heads * layout.row_stride, layout.row_stride,
                           buckets)
         plan.order = torch.from_numpy(order).to(cache.k.device)
     if dense:
@@ -192,6 +204,29 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
                   bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
                   group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
     return items, rows
+
+
+def _split_small(layout: _Pass, groups: Groups, kind: ItemTiles) -> tuple[Groups, Groups]:
+    """(big groups, small groups): where some of a pass's whole-block groups fit the largest proven short
+    tile and some do not, the small ones apart, to be laid out in the smallest proven tile that holds them
+    (a decode step's own whole blocks of one question, 3 rows each, beside the document's, 3 rows per
+    question: 4-row items rather than 32). Else every group stays (`_lay_out` then takes one tile for all).
+
+    Kept in order: a row's terms are added big items first, then small ones, and that is its block order.
+    A row's later whole block is seen by a subset of the rows that see its earlier ones (the rows under the
+    later block's owner, at later positions), so a row's groups shrink along its blocks and every big one
+    comes before every small one. Not so with a sliding window (an early block's group can be the smaller):
+    no split there."""
+    if layout.window is not None or not groups:
+        return groups, {}
+    proven = _proven(proven_rows, kind, layout.cache)
+    if not proven:
+        return groups, {}
+    fits = max(proven) // layout.group_size  # tokens per group that the largest proven tile holds
+    small = {key: tokens for key, tokens in groups.items() if len(tokens) <= fits}
+    if not small or len(small) == len(groups):
+        return groups, {}
+    return {key: tokens for key, tokens in groups.items() if len(tokens) > fits}, small
 
 
 def _proven(proof, kind: ItemTiles, cache: KVCache) -> tuple[int, ...]:

@@ -77,8 +77,9 @@ class Step:
         """Every tensor the device half reads, in a fixed order (the inputs a captured step copies in)."""
         plan = self.plan
         out = [self.tokens, self.positions, self.slots, self.logits_rows]
-        for items in (plan.whole, plan.partial):
-            out += [items.rows, items.keys] + ([] if items.hidden is None else [items.hidden])
+        for items in (plan.whole, plan.small, plan.partial):
+            if items is not None:
+                out += [items.rows, items.keys] + ([] if items.hidden is None else [items.hidden])
         return out + [t for t in (plan.order, plan.visible) if t is not None]
 
     @property
@@ -103,11 +104,13 @@ class Step:
             return replace(items, rows=rows, keys=keys, hidden=None if items.hidden is None else next(it))
 
         whole = items_of(plan.whole)
+        small = None if plan.small is None else items_of(plan.small)
         partial = items_of(plan.partial)
         order = None if plan.order is None else next(it)
         visible = None if plan.visible is None else next(it)
         return Step(tokens, positions, slots, logits_rows,
-                    replace(plan, whole=whole, partial=partial, order=order, visible=visible), self.wanted)
+                    replace(plan, whole=whole, small=small, partial=partial, order=order, visible=visible),
+                    self.wanted)
 
 
 def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,

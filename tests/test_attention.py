@@ -179,18 +179,21 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=small)
     q = fill(cache, rows, 3, 0)
     chunked = blocked_attention(q, cache.k[0], cache.v[0], plan, small)
+    kinds = [(plan.whole, small.whole), (plan.partial, small.partial)]
+    kinds += [] if plan.small is None else [(plan.small, small.whole)]  # a question's own whole block: 3 rows
     counts = {}
-    for name, keep in (("chunked", 0), ("kept", max(plan.whole.count, plan.partial.count)),
+    for name, keep in (("chunked", 0), ("kept", max(items.count for items, _ in kinds)),
                        ("just past", min(plan.whole.count, plan.partial.count) - 1)):
         tiles = dataclasses.replace(small, keep=keep)
         with Launches() as seen:
             out = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
+        # Scores once and values once for a kind held at once; else scores twice (the maxima, then the values).
+        calls = sum(-(-items.count // kind.batch) * (2 if items.count <= max(kind.chunk, keep) else 3)
+                    for items, kind in kinds)
         counts[name] = seen.counts.get("aten.bmm.out", 0)
+        assert counts[name] == calls, name
         assert torch.equal(out, chunked), name
-    items = (-(-plan.whole.count // small.whole.batch), -(-plan.partial.count // small.partial.batch))  # calls
-    assert counts["kept"] == 2 * sum(items)  # scores once, values once
-    assert counts["chunked"] == 3 * sum(items)  # scores twice: for the maxima, then again for the values
-    assert counts["just past"] == counts["chunked"]
+    assert counts["chunked"] > counts["kept"] and counts["just past"] == counts["chunked"]
 
 
 def test_decode_reads_each_document_block_once_per_tile_of_questions():
@@ -416,6 +419,11 @@ def test_a_pass_of_small_groups_takes_short_item_tiles_with_the_whole_tiles_bits
         plan, short, whole = _short_and_whole(config, doc, qs, decode)
         assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == tiles, (doc, qs, decode)
         assert torch.equal(short, whole), (doc, qs, decode)
+    # Mixed: the first question has passed a block of its own (positions 64-127, 3 rows) while all seven meet
+    # the document's block 0 (21 rows): its own block goes apart in a 4-row tile, the shared one in 32.
+    plan, short, whole = _short_and_whole(config, 100, [40] + [3] * 6, True)
+    assert (plan.whole.rows.shape[1], plan.small.rows.shape[1], plan.partial.rows.shape[1]) == (32, 4, 4)
+    assert plan.small.blocks == [1] and torch.equal(short, whole)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
