@@ -58,7 +58,7 @@ class KVCache:
             self.v = torch.zeros(shape, device=device, dtype=dtype)
         else:
             self.k, self.v = (t.zero_() for t in storage)
-            if self.k.shape[:2] + self.k.shape[3:] != shape[:2] + shape[3:] or self.k.shape[2] < shape[2]:
+            if not self.holds(self.k, shape):
                 raise ValueError(f"storage of shape {tuple(self.k.shape)} cannot hold a cache of {shape}")
             shape = tuple(self.k.shape)
         self._free: list[int] = list(range(shape[2] - 1, SPILL_SLOT, -1))  # a stack; slots 0 and 1 held back
@@ -69,6 +69,12 @@ class KVCache:
     def shape(config: LlamaConfig, capacity: int, kv_heads: int) -> tuple[int, int, int, int]:
         """(L, Hkv, S, D) of a cache of `capacity` slots (at least the two held back)."""
         return config.num_hidden_layers, kv_heads, max(capacity, SPILL_SLOT + 2), config.head_dim
+
+    @staticmethod
+    def holds(storage: torch.Tensor, shape: tuple[int, int, int, int]) -> bool:
+        """Whether keys or values `storage` (L, Hkv, S', D) can hold a cache of `shape`: the same layers, heads
+        and head size, and S' >= S slots."""
+        return storage.shape[:2] + storage.shape[3:] == shape[:2] + shape[3:] and storage.shape[2] >= shape[2]
 
     # --- the segment tree -------------------------------------------------------------------------
     def new_segment(self, parent: int | None = None) -> int:

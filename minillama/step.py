@@ -229,8 +229,7 @@ class Steps:
         """The spare, for a new cache of `shape` (L, Hkv, S, D): one of the same dtype, device, layers, heads
         and head size, with at least S slots; else None. The caller makes the cache on its storage (`attach`)."""
         spare = self.spare
-        if (spare is None or spare.k.dtype != dtype or spare.k.device != device
-                or spare.k.shape[:2] + spare.k.shape[3:] != shape[:2] + shape[3:] or spare.k.shape[2] < shape[2]):
+        if spare is None or spare.k.dtype != dtype or spare.k.device != device or not KVCache.holds(spare.k, shape):
             return None
         self.spare = None
         return spare
