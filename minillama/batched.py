@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import KEY_BLOCK, ItemTiles
-from .invariant import _unwatched
+from .proofs import unwatched
 
 
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ _PROVEN: dict[tuple, tuple[int, ...]] = {}
 
 def _provable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a proof here can stand: on a CPU (a GPU's steps read nothing back, step.py) and in float32, the
-    arithmetic of attention for every model but a float64 one (the lesson of invariant.proven_short: a 16-bit
+    arithmetic of attention for every model but a float64 one (the lesson of proofs.proven_short: a 16-bit
     product hides its order)."""
     return device.type == "cpu" and dtype == torch.float32 and not torch.compiler.is_compiling()
 
@@ -79,7 +79,7 @@ def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.de
             calls = _calls(*(torch.cat([x, x[i:i + s]]) for x in items), n)
             return all(torch.equal(out[n:], out[i:i + s]) for out in calls)
 
-        with _unwatched(), torch.no_grad():
+        with unwatched(), torch.no_grad():
             _PROVEN[key] = tuple(s for s in kind.short if s < n and all(same(s, i) for i in range(0, n - s + 1, s)))
     return _PROVEN[key]
 
@@ -102,7 +102,7 @@ def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.devic
             calls = _calls(q[:, r:r + t].contiguous(), k, v, e[:, r:r + t].contiguous(), n)
             return all(torch.equal(out, full[:, r:r + t]) for out, full in zip(calls, whole))
 
-        with _unwatched(), torch.no_grad():
+        with unwatched(), torch.no_grad():
             _PROVEN[key] = tuple(t for t in kind.short_rows if t < kind.rows
                                  and all(same(t, r) for r in range(0, kind.rows - t + 1, t)))
     return _PROVEN[key]

@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillama import invariant, precision
-from minillama.invariant import CPU_TILES, Kernels, TiledLinear, Tiles, linear, proven_short, tiled_linear
+from minillama import invariant, precision, proofs
+from minillama.invariant import CPU_TILES, Kernels, TiledLinear, Tiles, linear, tiled_linear
+from minillama.proofs import proven_long, proven_short
 from minillama.precision import onednn_linear
 from tiny import DEVICE, tiny_config, tiny_model
 
@@ -124,12 +125,58 @@ def test_a_short_tile_of_other_bits_is_refused(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(576, 576, generator=g), torch.randn(5, 576, generator=g)
     whole = tiled_linear(x, w, CPU_TILES.rows)
-    monkeypatch.setattr(invariant, "_PROVEN", {})
+    monkeypatch.setattr(proofs, "_PROVEN", {})
     monkeypatch.setattr(torch, "mm", nudged)
     assert torch.equal(tiled_linear(x, w, CPU_TILES.rows, CPU_TILES.short), whole)
-    assert list(invariant._PROVEN.values()) == [()]
+    assert list(proofs._PROVEN.values()) == [()]
     monkeypatch.setattr(invariant, "proven_short", lambda p, tile, short, onednn: short)  # taken unproven
     assert not torch.equal(tiled_linear(x, w, CPU_TILES.rows, CPU_TILES.short), whole)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="long tiles are a CPU's (invariant.CUDA_TILES has none)")
+@pytest.mark.parametrize("gemm", ["mm", "onednn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runs_of_whole_tiles_as_long_products_give_every_row_its_tiles_bits(gemm, dtype, monkeypatch):
+    """A pass's whole tiles run as long products of CPU_TILES.long rows where proven: every row equals the
+    row of its own tile's product, at every row count, and on this CPU the kernels prove every long size in
+    float32 (else a big pass would go back to one call per tile); a 16-bit product is never taken long."""
+    if gemm == "onednn" and not precision.onednn_available():
+        pytest.skip("this torch has no working oneDNN linear")
+    monkeypatch.setenv(precision.GEMM_ENV, gemm)
+    g = torch.Generator().manual_seed(5)
+    tile, long = CPU_TILES.rows, CPU_TILES.long
+    for n, k in SMOL:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(1100, k, generator=g).to(dtype)
+        for m in (128, 255, 256, 257, 320, 511, 512, 600, 1024, 1100):
+            got = tiled_linear(x[:m], w, tile, CPU_TILES.short, long)
+            assert torch.equal(got, tiled_linear(x[:m], w, tile)), (n, k, m)
+        p = w if gemm == "onednn" and dtype == torch.float32 else w.t()
+        proven = proven_long(p, tile, long, gemm == "onednn" and dtype == torch.float32)
+        assert proven == (long if dtype == torch.float32 else ()), (n, k, proven)  # 16-bit sums: never
+
+
+def test_a_long_product_of_other_bits_is_refused(monkeypatch):
+    """Negative control: a library whose products of more rows than a tile add in another order (here:
+    `torch.mm` nudging the last bit above 64 rows) proves no long product, so the pass keeps its tiles' bits;
+    taken unproven, the long product would have changed them."""
+    monkeypatch.setenv(precision.GEMM_ENV, "mm")
+    real_mm = torch.mm
+
+    def nudged(r, p, out=None):
+        got = real_mm(r, p)
+        got = got.nextafter(torch.full_like(got, float("inf"))) if r.shape[0] > CPU_TILES.rows else got
+        return got if out is None else out.copy_(got)
+
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(576, 576, generator=g), torch.randn(600, 576, generator=g)
+    tiles = tiled_linear(x, w, CPU_TILES.rows)
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    monkeypatch.setattr(torch, "mm", nudged)
+    assert torch.equal(tiled_linear(x, w, CPU_TILES.rows, long=CPU_TILES.long), tiles)
+    assert list(proofs._PROVEN.values()) == [()]
+    monkeypatch.setattr(invariant, "proven_long", lambda p, tile, long, onednn: long)  # taken unproven
+    assert not torch.equal(tiled_linear(x, w, CPU_TILES.rows, long=CPU_TILES.long), tiles)
 
 
 def test_a_pass_pads_its_rows_to_the_smallest_short_tile_its_widths_allow():

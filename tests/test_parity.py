@@ -186,3 +186,25 @@ def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
     item_rows = {sig[1][0][0][1] for sig in seen.signatures if sig[0] == "aten.bmm.out"}  # (items, rows, ...)
     whole_rows = {att.whole.rows, att.partial.rows}
     assert (item_rows >= whole_rows | {4}) if DEVICE.type == "cpu" else item_rows <= whole_rows, item_rows
+
+
+def test_a_big_pass_runs_long_products_with_the_bits_of_one_product_per_tile():
+    """The device's default tiles at SmolLM2's shapes: a packed prefill of several whole tiles runs them as
+    long products on a CPU (invariant.Tiles.long, where proven); its answers are those of the same model with
+    one product per tile (Tiles.whole_only), and of each question alone."""
+    from minillama.audit import ProductSignatures
+
+    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
+    config.intermediate_size = 1536
+    model = tiny_model(config, 2, tiles=None)
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(3, VOCAB, (300,), generator=g).tolist()
+    prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 40, 60)]
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    with ProductSignatures() as seen:
+        packed = generate(model, prompts, params)
+    rows = {sig[1][0][0][0] for sig in seen.signatures if sig[0] in ("mkldnn._linear_pointwise.default", "aten.mm.out")}
+    assert (256 in rows) if DEVICE.type == "cpu" else rows == {model.tiles.rows}, rows
+    assert_same_answers(generate(model, prompts, params, mode="independent"), packed)
+    model.kernels.tiles = model.tiles.whole_only()
+    assert_same_answers(generate(model, prompts, params), packed)

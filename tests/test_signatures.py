@@ -28,7 +28,7 @@ from tiny import ON_CPU, SMALL_TILES, VOCAB, ids, tiny_config, tiny_model
 
 
 def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
-    """The products a model may issue (one `mm` shape per weight and tile row count, whole or short; four `bmm`
+    """The products a model may issue (one `mm` shape per weight and tile row count, whole, short or long; four `bmm`
     shapes for attention) and its order-dependent reductions (a mean per norm width, a sum per attention tile
     kind)."""
     c = model.config
@@ -38,8 +38,8 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
     out = set()
     calc = compute_dtype(model.device, dt)  # a 16-bit model without native dot products: float32 (precision.py)
     onednn = model.device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
-    for name, mod in model.named_modules():  # a product per tile row count (the whole and short tiles)
-        for t in (tiles.rows, *tiles.short) if isinstance(mod, torch.nn.Linear) else ():
+    for name, mod in model.named_modules():  # a product per tile row count (the whole, short and long tiles)
+        for t in (tiles.rows, *tiles.short, *tiles.long) if isinstance(mod, torch.nn.Linear) else ():
             n, k = mod.weight.shape
             w = mod.weight.t()
             for a in range(0, n, FLOAT32_COLUMNS if calc != dt else max(n, 1)):  # one product per slice
@@ -147,12 +147,13 @@ def test_a_norm_reduced_over_the_whole_pass_is_caught():
 
 
 def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
-    """The signatures and, for each linear product of a whole or short tile, the same product of every other
-    (a pass's last tile may be short, invariant.Tiles.short: which one follows the pass's row count); and for
+    """The signatures and, for each linear product of a whole, short or long tile, the same product of every
+    other (a pass's last tile may be short, invariant.Tiles.short, and its whole tiles may run as long ones,
+    Tiles.long: which ones follow the pass's row count); and for
     each attention call of a whole or short batch of whole or short item tiles, the calls of every other
     (blocks.ItemTiles.short, short_rows)."""
     out = set(signatures)
-    sizes = (tiles.rows, *tiles.short)
+    sizes = (tiles.rows, *tiles.short, *tiles.long)
     for op, args, *rest in signatures:
         if op in ("mkldnn._linear_pointwise.default", "aten.mm.out") and args[0][0][0] in sizes:
             for s in sizes:
@@ -169,7 +170,7 @@ def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
 
 def test_varied_layouts_bring_no_new_signature():
     """The same check without the written-out set: what a few layouts use, every other layout uses too (a
-    linear product's last tile may be any of the short tiles)."""
+    linear product's last tile may be any of the short tiles, its whole tiles any of the long ones)."""
     model = MODELS["default tiles"]
     g = torch.Generator().manual_seed(0)
 

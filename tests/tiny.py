@@ -21,11 +21,12 @@ VOCAB = 61
 DEVICE = torch.device(os.environ.get("MINILLAMA_TEST_DEVICE", "cpu"))
 # Small tiles for tiny models: the same code paths as the default tiles with a fraction of the padding, and
 # chunks of a few items, so that a short document already takes the chunked path (scores computed twice).
-# Short tiles of 4 and 8 rows stand in for a pass's last tile where proven (invariant.proven_short), and short
-# batches of 2 whole items, 4 or 8 partial ones, for a kind's last batch (batched.proven_batches).
+# Short tiles of 4 and 8 rows stand in for a pass's last tile where proven (proofs.proven_short), and short
+# batches of 2 whole items, 4 or 8 partial ones, for a kind's last batch (batched.proven_batches); runs of 2
+# and 4 whole tiles go as one long product where proven (proofs.proven_long).
 SMALL_TILES = Tiles(rows=16, attention=AttentionTiles(whole=ItemTiles(rows=16, batch=4, chunk=8, short=(2,)),
                                                    partial=ItemTiles(rows=4, batch=16, chunk=32, short=(4, 8))),
-                    short=(4, 8))
+                    short=(4, 8), long=(64, 32))
 # The same with each item's softmax taken by torch's fused CPU attention kernel (AttentionTiles.fused): a CPU's
 # kernel, so only where the tests run on a CPU.
 FUSED_TILES = Tiles(rows=16, attention=dataclasses.replace(SMALL_TILES.attention, fused=True))
