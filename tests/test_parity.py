@@ -135,15 +135,21 @@ def test_negative_control_plain_ops_break_parity():
     assert mismatches() == 0
 
 
+def smol_shaped(seed: int, **kw):
+    """A random two-layer model with SmolLM2's layer shapes (K up to 1536, where the BLAS splits work across
+    threads); `tiles=None` takes the device's default tiles."""
+    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
+    config.intermediate_size = 1536
+    return tiny_model(config, seed, **kw)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck),
           derandomize=os.environ.get("CI") == "true")
 @given(seed=st.integers(0, 1000), work=workloads())
 def test_parity_at_real_model_shapes(seed, work):
     """SmolLM2's layer shapes (K up to 1536, where the BLAS splits work across threads), two layers."""
     prompts, docs, params, eos, layout = work
-    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
-    config.intermediate_size = 1536
-    model = tiny_model(config, seed)
+    model = smol_shaped(seed)
     alone = generate(model, prompts, params, mode="independent", eos_ids=eos)
     packed = generate(model, prompts, params, mode="parallel", docs=docs, eos_ids=eos, **layout)
     assert_same_answers(alone, packed)
@@ -151,9 +157,7 @@ def test_parity_at_real_model_shapes(seed, work):
 
 def test_lone_tile_rows_match_rows_of_a_longer_pass():
     """Questions prefilled in one 64-row tile, their stand-alone prompts in four: the same bits."""
-    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
-    config.intermediate_size = 1536
-    model = tiny_model(config, 1)
+    model = smol_shaped(1)
     g = torch.Generator().manual_seed(3)
     doc = torch.randint(3, VOCAB, (200,), generator=g).tolist()
     prompts = [doc + torch.randint(3, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
@@ -168,9 +172,7 @@ def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
     in whole tiles and batches, its bits are the same."""
     from minillama.audit import ProductSignatures
 
-    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
-    config.intermediate_size = 1536
-    model = tiny_model(config, 2, tiles=None)
+    model = smol_shaped(2, tiles=None)
     g = torch.Generator().manual_seed(4)
     doc = torch.randint(3, VOCAB, (150,), generator=g).tolist()
     prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 70)]
@@ -194,9 +196,7 @@ def test_a_big_pass_runs_long_products_with_the_bits_of_one_product_per_tile():
     one product per tile (Tiles.whole_only), and of each question alone."""
     from minillama.audit import ProductSignatures
 
-    config = tiny_config(layers=2, heads=9, kv_heads=3, head_dim=64, tied=True, vocab=VOCAB)
-    config.intermediate_size = 1536
-    model = tiny_model(config, 2, tiles=None)
+    model = smol_shaped(2, tiles=None)
     g = torch.Generator().manual_seed(5)
     doc = torch.randint(3, VOCAB, (300,), generator=g).tolist()
     prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 40, 60)]
