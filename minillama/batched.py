@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import KEY_BLOCK, ItemTiles
-from .proofs import unwatched
+from .proofs import provable, unwatched
 
 
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
@@ -43,13 +43,6 @@ def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
 _PROVEN: dict[tuple, tuple[int, ...]] = {}
 
 
-def _provable(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a proof here can stand: on a CPU (a GPU's steps read nothing back, step.py) and in float32, the
-    arithmetic of attention for every model but a float64 one (the lesson of proofs.proven_short: a 16-bit
-    product hides its order)."""
-    return device.type == "cpu" and dtype == torch.float32 and not torch.compiler.is_compiling()
-
-
 def _items(kind: ItemTiles, d: int) -> tuple[torch.Tensor, ...]:
     """A whole batch of random items of the kind: q (n, T, D), k and v (n, B, D), e (n, T, B) in exp's range."""
     n, t, b = kind.batch, kind.rows, KEY_BLOCK
@@ -67,7 +60,7 @@ def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.de
     """The item counts in `kind.short` whose calls give each item exactly the bits a call of a whole batch
     gives it, shown once per process, kind, head size and thread count on random items, a short call placed
     as a pass's last batch is (after a whole one)."""
-    if not kind.short or not _provable(dtype, device):
+    if not kind.short or not provable(dtype, device):
         return ()
     key = ("batches", kind, d, dtype, torch.get_num_threads())
     if key not in _PROVEN:
@@ -89,7 +82,7 @@ def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.devic
     tile of `kind.rows` rows gives it, every slice of a whole tile tried, shown once per process, kind, head
     size and thread count. (A short batch of such tiles is proven on its own: `proven_batches` of the kind
     with that many rows.)"""
-    if not kind.short_rows or not _provable(dtype, device):
+    if not kind.short_rows or not provable(dtype, device):
         return ()
     key = ("rows", kind, d, dtype, torch.get_num_threads())
     if key not in _PROVEN:

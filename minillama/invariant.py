@@ -218,7 +218,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
 
     def products(p: torch.Tensor) -> list[tuple[int, int]]:  # (first row, rows) of each product, proofs when used
         last = last_tile(rest, tile, proven_short(p, tile, short, onednn)) if rest else 0
-        runs = proven_long(p, tile, long, onednn) if whole * tile >= min(long, default=m + 1) else ()
+        runs = proven_long(p, tile, long, onednn) if long and whole * tile >= min(long) else ()
         return _products(whole, tile, runs, last)
 
     one = None  # the weight as the product takes it, where it is one slice (native): its products known now

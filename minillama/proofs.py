@@ -26,7 +26,7 @@ def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: boo
     Only in float32: a 16-bit product rounds its float32 sums to 8 or 11 bits, which hides another order in
     all but a few elements (in bfloat16 here, 3 of 4,800 short products differed on slices a proof passed).
     `p` is what the product takes: (N, K) for oneDNN's linear, (K, N) for `torch.mm`."""
-    if not short or not _provable(p):  # whole tiles: the same bits
+    if not short or not provable(p.dtype, p.device):  # whole tiles: the same bits
         return ()
     key = ("short", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, short)
     if key not in _PROVEN:
@@ -42,7 +42,7 @@ def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool)
     """The row counts in `long` (whole numbers of tiles) whose one product with this weight slice gives each
     row exactly the bits its own (tile, K) product gives it, shown as `proven_short` shows a short tile's: once
     per process, slice shape, thread count and library, on random rows, only on a CPU and in float32."""
-    if not long or not _provable(p):
+    if not long or not provable(p.dtype, p.device):
         return ()
     key = ("long", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, long)
     if key not in _PROVEN:
@@ -56,10 +56,11 @@ def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool)
     return _PROVEN[key]
 
 
-def _provable(p: torch.Tensor) -> bool:
-    """Whether a product with this weight slice may take other row counts than the tile's where proven: on a
-    CPU, in float32, outside `torch.compile` (which takes whole tiles)."""
-    return p.device.type == "cpu" and p.dtype == torch.float32 and not torch.compiler.is_compiling()
+def provable(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a proof can stand for products of this dtype on this device (here, and attention's in
+    batched.py): on a CPU (a GPU's steps read nothing back, step.py), in float32 (a 16-bit product's rounding
+    hides another order), outside `torch.compile` (which takes whole tiles and calls)."""
+    return device.type == "cpu" and dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
 def _random_rows(p: torch.Tensor, rows: int, onednn: bool) -> torch.Tensor:

@@ -165,6 +165,11 @@ def test_lone_tile_rows_match_rows_of_a_longer_pass():
     assert_same_answers(generate(model, prompts, params, mode="independent"), generate(model, prompts, params))
 
 
+def linear_rows(seen) -> set[int]:
+    """The row counts of the linear products an audit (`ProductSignatures`) recorded."""
+    return {sig[1][0][0][0] for sig in seen.signatures if sig[0] in ("mkldnn._linear_pointwise.default", "aten.mm.out")}
+
+
 def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
     """The device's default tiles at SmolLM2's shapes: a question answered alone decodes one row a step, run
     as a short tile on a CPU (invariant.Tiles.short), its few attention items as a short batch
@@ -180,7 +185,7 @@ def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
     with ProductSignatures() as seen:
         alone = generate(model, prompts, params, mode="independent")
     assert_same_answers(alone, generate(model, prompts, params))
-    rows = {sig[1][0][0][0] for sig in seen.signatures if sig[0] in ("mkldnn._linear_pointwise.default", "aten.mm.out")}
+    rows = linear_rows(seen)
     assert ({4, 64} <= rows) if DEVICE.type == "cpu" else rows == {model.tiles.rows}, rows
     att = model.tiles.attention  # attention's calls: a short last batch of items too (blocks.ItemTiles.short)
     batches = {sig[1][0][0][0] for sig in seen.signatures if sig[0] == "aten.bmm.out"}
@@ -203,7 +208,7 @@ def test_a_big_pass_runs_long_products_with_the_bits_of_one_product_per_tile():
     params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
     with ProductSignatures() as seen:
         packed = generate(model, prompts, params)
-    rows = {sig[1][0][0][0] for sig in seen.signatures if sig[0] in ("mkldnn._linear_pointwise.default", "aten.mm.out")}
+    rows = linear_rows(seen)
     assert (256 in rows) if DEVICE.type == "cpu" else rows == {model.tiles.rows}, rows
     assert_same_answers(generate(model, prompts, params, mode="independent"), packed)
     model.kernels.tiles = model.tiles.whole_only()
