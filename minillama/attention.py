@@ -287,28 +287,32 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                   tiles: AttentionTiles) -> torch.Tensor:
     """Items in chunks of at most `ItemTiles.chunk` (all at once when a kind has at most `keep`); each
     block's terms added onto its rows in block order (`_add_rows`: a row meets each block once, so every
-    call adds one term to it). With more than one chunk, pass 2 computes the scores again (the same
-    products, the same bits) rather than hold them all."""
+    call adds one term to it). Pass 1 holds its chunks' scores for pass 2 up to `AttentionTiles.hold` items
+    of a kind; pass 2 computes the rest again (the same products, the same bits) rather than hold them all."""
     d = queries.shape[1]
     kinds = [(items, kind.batch, items.count if 0 < items.count <= tiles.keep else kind.chunk)  # whole, then partial
              for items, kind in _kinds(plan, tiles)]
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
-    kept = []
+    held = []  # each kind's first chunks' scores, as many as its `hold` allows (a kind's one chunk always)
     for items, batch, chunk in kinds:
-        chunk_scores = None
+        held.append([])
         for lo in range(0, items.count, chunk):
-            chunk_scores = _scores(queries, keys, values, items, lo, min(lo + chunk, items.count), batch, tiles.fused)
-            row_max.scatter_reduce_(0, items.rows[lo:lo + chunk].reshape(-1), _peaks(chunk_scores).reshape(-1), "amax")
-        kept.append(chunk_scores if items.count <= chunk else None)
+            hi = min(lo + chunk, items.count)
+            chunk_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused)
+            row_max.scatter_reduce_(0, items.rows[lo:hi].reshape(-1), _peaks(chunk_scores).reshape(-1), "amax")
+            if hi <= max(chunk, tiles.hold):
+                held[-1].append(chunk_scores)
     row_max = _finite(row_max)
 
     sums = queries.new_zeros(queries.shape[0], d + 1)  # pass 2: weighted values and, in column D, the softmax sum
-    for (items, batch, chunk), kept_scores in zip(kinds, kept):
-        for lo in range(0, items.count, chunk):
+    for (items, batch, chunk), kept in zip(kinds, held):
+        for n, lo in enumerate(range(0, items.count, chunk)):
             hi = min(lo + chunk, items.count)
-            chunk_scores = (kept_scores if kept_scores is not None
-                            else _scores(queries, keys, values, items, lo, hi, batch, tiles.fused))
+            chunk_scores = kept[n] if n < len(kept) else _scores(queries, keys, values, items, lo, hi, batch,
+                                                                 tiles.fused)
+            if n < len(kept):
+                kept[n] = None  # its memory goes as soon as its terms are taken
             rows = items.rows[lo:hi]
             terms = _terms(chunk_scores, row_max, rows, values, items, lo, hi, batch)  # (I, T, D + 1)
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another

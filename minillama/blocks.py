@@ -42,10 +42,11 @@ class ItemTiles:
 
     rows: int  # T: query rows per tile
     batch: int  # items per batched call (`batched.batched_products`)
-    # Most items whose scores are held at once (a multiple of the batch): a longer pass computes its scores
-    # twice (once for the row maxima, once for the values) rather than hold them all. On a CPU, small chunks
-    # win: a chunk's gathered tiles, keys and scores stay in cache, where fresh multi-megabyte temporaries
-    # cost page faults and memory traffic (docs/bench/README.md has the measurements).
+    # Most items whose scores are computed at once (a multiple of the batch): a longer pass goes chunk by
+    # chunk, twice (once for the row maxima, once for the values), its scores held up to
+    # `AttentionTiles.hold` items and computed again past that. On a CPU, small chunks win: a chunk's
+    # gathered tiles, keys and scores stay in cache, where fresh multi-megabyte temporaries cost page faults
+    # and memory traffic (docs/bench/README.md has the measurements).
     chunk: int
     # Smaller item counts that may stand in for a pass's last batch of this kind, so that a pass of few items
     # (one sequence decoding) does not pay for a whole batch: used only where the process has shown that a
@@ -74,6 +75,10 @@ class AttentionTiles:
     # whatever the chunk size: a decode step over a long document (576 whole items at 4,096 tokens) gains
     # from one chunk, while a prefill's tens of thousands of items still go in small chunks.
     keep: int = 0
+    # Most items of a kind whose scores a pass past one chunk holds, chunk by chunk, from its first pass (the
+    # row maxima) to its second (the values), rather than compute them again: the same products, the same
+    # bits, with the memory bounded (a CPU's 16,384 whole items hold 128 MB of float32 scores).
+    hold: int = 0
     # How a block's terms are added to its rows (attention._add_rows): one `index_add_` (one launch), or a
     # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is far slower with few threads).
     # The same IEEE additions either way: the bits do not depend on it.
@@ -95,12 +100,14 @@ class AttentionTiles:
 # half as many: a prefill pass of 512 tokens (1,152 whole items at the default model's shape) held at once
 # gathers ~40 MB of keys and values, where chunks of 256 items, scores computed twice, stay in cache (1.2x
 # faster at 256 questions, and a decode step over a 4,000-token document 1.7x).
+# Past `keep`, the chunks' scores are held up to `hold` items rather than computed twice: gathers and products
+# stay chunk-sized, and a prefill of 256 questions runs 1.08x faster than with every chunk computed twice.
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.
 CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16)),
                                partial=ItemTiles(rows=8, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4,)),
-                               keep=640)
+                               keep=640, hold=16384)
 # Untuned on a GPU so far: batches and chunks big enough that a pass issues few launches
 # (tests/test_signatures.py counts them).
 CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=64, batch=256, chunk=8192),

@@ -33,7 +33,7 @@ def chunks(tiles, whole, partial, **kw):
 
 
 # CPU_ATTENTION's products, one batch per chunk and nothing kept whole: every pass past one batch is chunked.
-CHUNKED = chunks(CPU_ATTENTION, CPU_ATTENTION.whole.batch, CPU_ATTENTION.partial.batch, keep=0)
+CHUNKED = chunks(CPU_ATTENTION, CPU_ATTENTION.whole.batch, CPU_ATTENTION.partial.batch, keep=0, hold=0)
 # Sliding windows (Mistral's rule): none, inside one block, at and around a block's size, several blocks.
 WINDOWS = st.sampled_from([None, None, 1, 7, 63, 64, 65, 130])
 
@@ -169,9 +169,18 @@ def test_fused_items_run_torchs_cpu_kernel_and_keep_every_bit():
     torch.testing.assert_close(first, separate)
 
 
-def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
+def _bmm_calls(count: int, kind, keep: int, hold: int) -> int:
+    """`bmm` calls a kind's items take: scores and values once for a chunk whose scores are held, else the
+    scores twice (the maxima, then the values)."""
+    chunk = count if 0 < count <= keep else kind.chunk
+    bounds = [(lo, min(lo + chunk, count)) for lo in range(0, count, chunk)]
+    return sum(-(-(hi - lo) // kind.batch) * (2 if hi <= max(chunk, hold) else 3) for lo, hi in bounds)
+
+
+def test_a_pass_within_keep_holds_its_scores_in_one_chunk_and_past_it_holds_chunks_up_to_hold():
     """`AttentionTiles.keep`: a kind with at most that many items runs as one chunk (no scores computed twice), bits
-    unchanged; past it, the chunks of `ItemTiles.chunk` come back."""
+    unchanged; past it, the chunks of `ItemTiles.chunk` come back, and `AttentionTiles.hold` keeps the first
+    chunks' scores from pass 1 to pass 2 (fewer products, the same bits)."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
     small = CHUNKED
@@ -181,19 +190,20 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk():
     chunked = blocked_attention(q, cache.k[0], cache.v[0], plan, small)
     kinds = [(plan.whole, small.whole), (plan.partial, small.partial)]
     kinds += [] if plan.small is None else [(plan.small, small.whole)]  # a question's own whole block: 3 rows
+    most = max(items.count for items, _ in kinds)
+    assert min(-(-items.count // kind.chunk) for items, kind in kinds[:2]) >= 3  # several chunks to hold or not
     counts = {}
-    for name, keep in (("chunked", 0), ("kept", max(items.count for items, _ in kinds)),
-                       ("just past", min(plan.whole.count, plan.partial.count) - 1)):
-        tiles = dataclasses.replace(small, keep=keep)
+    for name, keep, hold in (("chunked", 0, 0), ("kept", most, 0),
+                             ("just past", min(plan.whole.count, plan.partial.count) - 1, 0),
+                             ("held", 0, most), ("two chunks held", 0, 2 * max(kind.chunk for _, kind in kinds))):
+        tiles = dataclasses.replace(small, keep=keep, hold=hold)
         with Launches() as seen:
             out = blocked_attention(q, cache.k[0], cache.v[0], plan, tiles)
-        # Scores once and values once for a kind held at once; else scores twice (the maxima, then the values).
-        calls = sum(-(-items.count // kind.batch) * (2 if items.count <= max(kind.chunk, keep) else 3)
-                    for items, kind in kinds)
         counts[name] = seen.counts.get("aten.bmm.out", 0)
-        assert counts[name] == calls, name
+        assert counts[name] == sum(_bmm_calls(items.count, kind, keep, hold) for items, kind in kinds), name
         assert torch.equal(out, chunked), name
-    assert counts["chunked"] > counts["kept"] and counts["just past"] == counts["chunked"]
+    assert counts["chunked"] > counts["two chunks held"] > counts["held"] == counts["kept"]
+    assert counts["just past"] == counts["chunked"]
 
 
 def test_decode_reads_each_document_block_once_per_tile_of_questions():
