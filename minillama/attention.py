@@ -287,14 +287,15 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                   tiles: AttentionTiles) -> torch.Tensor:
     """Items in chunks of at most `ItemTiles.chunk` (all at once when a kind has at most `keep`); each
     block's terms added onto its rows in block order (`_add_rows`: a row meets each block once, so every
-    call adds one term to it). Pass 1 holds its chunks' scores for pass 2 up to `AttentionTiles.hold` items
-    of a kind; pass 2 computes the rest again (the same products, the same bits) rather than hold them all."""
+    call adds one term to it). Pass 1 holds its chunks' scores for pass 2, the first chunk always and more
+    up to `AttentionTiles.hold` items of a kind; pass 2 computes the rest again (the same products, the
+    same bits) rather than hold them all."""
     d = queries.shape[1]
     kinds = [(items, kind.batch, items.count if 0 < items.count <= tiles.keep else kind.chunk)  # whole, then partial
              for items, kind in _kinds(plan, tiles)]
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
-    held = []  # each kind's first chunks' scores, as many as its `hold` allows (a kind's one chunk always)
+    held = []  # each kind's first chunks' scores: its first chunk, and more as far as `hold` allows
     for items, batch, chunk in kinds:
         held.append([])
         for lo in range(0, items.count, chunk):

@@ -76,8 +76,8 @@ class AttentionTiles:
     # from one chunk, while a prefill's tens of thousands of items still go in small chunks.
     keep: int = 0
     # Most items of a kind whose scores a pass past one chunk holds, chunk by chunk, from its first pass (the
-    # row maxima) to its second (the values), rather than compute them again: the same products, the same
-    # bits, with the memory bounded (a CPU's 16,384 whole items hold 128 MB of float32 scores).
+    # row maxima) to its second (the values), rather than compute them again (its first chunk always): the
+    # same products, the same bits, with the memory bounded (a CPU's 16,384 whole items: 128 MB of scores).
     hold: int = 0
     # How a block's terms are added to its rows (attention._add_rows): one `index_add_` (one launch), or a
     # gather, an add and an `index_put_` (a CPU's choice: its index_add_ is far slower with few threads).
