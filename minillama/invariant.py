@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
-from .proofs import proven_long, proven_short
+from .proofs import proven_long, proven_short, proven_units
 
 if TYPE_CHECKING:
     from .config import LlamaConfig
@@ -355,8 +355,10 @@ class TiledLinear(nn.Linear):
     many processes share the layer:
 
         split "columns" (q, k, v, gate, up, LM head): output features in U shards, unit u's outputs
-                        x @ W[u].T, concatenated. The weight is stored row-major, so W[u] is one contiguous
-                        block: the same operand whether a process holds 1 unit or all of them.
+                        x @ W[u].T on its row-major block W[u], concatenated: the same operand whether a
+                        process holds 1 unit or all of them. Where the process has shown that one product
+                        over its units gives each unit exactly those bits (`proofs.proven_units`), it
+                        issues that one product, in whatever layout the weight has (column-major on a CPU).
         split "rows" (o, down): input features in U shards, partial u = x[:, u] @ W[:, u].T, the partials
                         added in the fixed tree (`tree_sum`). The weight is stored column-major, so W[:, u].T
                         is one contiguous block.
@@ -389,9 +391,14 @@ class TiledLinear(nn.Linear):
             elif self.split == "rows":
                 out = k.comm.tree_sum([tiled_linear(x[..., a:b].contiguous(), self.weight[:, a:b], t.rows, t.short,
                                                     t.long) for a, b in self.unit_bounds()])
-            else:
-                out = torch.cat([tiled_linear(x, self.weight[a:b], t.rows, t.short, t.long)
-                                 for a, b in self.unit_bounds()], dim=-1)
+            else:  # one product over the units where it gives each unit's bits, else each unit's row-major block
+                def product(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                    return tiled_linear(r, w, t.rows, t.short, t.long)
+
+                if proven_units(self.weight, self.unit_bounds(), (1, *t.short, t.rows, *t.long), product):
+                    out = product(x, self.weight)
+                else:
+                    out = torch.cat([product(x, self.weight[a:b].contiguous()) for a, b in self.unit_bounds()], dim=-1)
         out = self._add_bias(out)  # a row split's whole bias after the sum, a column split's own features' before
         return k.comm.gather_columns(out, self.total) if self.gather else out
 

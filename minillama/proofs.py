@@ -2,7 +2,8 @@
 
 A product's signature fixes its kernel, and so each row's bits (invariant.py). Two exceptions save work
 where the process has first shown, on random rows, that they change no bit: a pass's last tile may run as a
-short product of fewer rows (`proven_short`), and a run of whole tiles as one long product (`proven_long`).
+short product of fewer rows (`proven_short`), a run of whole tiles as one long product (`proven_long`),
+and a column-split projection's units as one product over all of them (`proven_units`).
 Each proof runs once per process, weight-slice shape, thread count and library, when first needed; only on
 a CPU and in float32 (a GPU's steps read nothing back, and cuBLAS changes kernels with the rows; a 16-bit
 product's rounding hides another order). Attention's short batches and item tiles have their own proofs
@@ -10,6 +11,8 @@ product's rounding hides another order). Attention's short batches and item tile
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -54,6 +57,28 @@ def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool)
                 torch.equal(_product(x[i:i + s].clone(), p, onednn), tiles[i:i + s])
                 for i in range(0, x.shape[0] - s + 1, s)))
     return _PROVEN[key]
+
+
+def proven_units(weight: torch.Tensor, bounds: list[tuple[int, int]], rows: tuple[int, ...],
+                 product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether one product over a column-split weight (N, K), as it is laid out, gives each unit's output
+    features [a, b) exactly the bits of the unit's own product on its row-major block `weight[a:b]`
+    (invariant.TiledLinear), at each row count in `rows` (one row, the short tiles, a tile, the longest run:
+    every kind of product a pass issues), shown once per process, weight shape and layout, units and thread
+    count, on random rows, only where `provable`. `product(x, w)` is the tiled product."""
+    if not provable(weight.dtype, weight.device):
+        return False
+    if len(bounds) == 1 and weight.is_contiguous():  # the unit's own product, on its own block
+        return True
+    key = ("units", tuple(weight.shape), weight.stride(), weight.dtype, torch.get_num_threads(), tuple(bounds), rows)
+    if key not in _PROVEN:
+        with unwatched(), torch.no_grad():
+            x = _random_rows(weight, max(rows), onednn=True)
+            blocks = [weight[a:b].contiguous() for a, b in bounds]
+            _PROVEN[key] = all(torch.equal(product(x[:m], weight),
+                                           torch.cat([product(x[:m], block) for block in blocks], dim=-1))
+                               for m in sorted(set(rows)))
+    return bool(_PROVEN[key])
 
 
 def provable(dtype: torch.dtype, device: torch.device) -> bool:

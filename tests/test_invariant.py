@@ -190,3 +190,59 @@ def test_a_pass_pads_its_rows_to_the_smallest_short_tile_its_widths_allow():
     assert [CPU_TILES.tile_end(n) for n in (1, 4, 5, 9, 17, 33, 64, 65, 100)] == [4, 4, 8, 16, 32, 64, 64, 68, 128]
     kernels.invariant = False
     assert kernels.row_unit(cpu, smol) == 1 and kernels.tile_end(5, cpu) == 5
+
+
+def _split_layer(units: int, n: int = 1536, k: int = 576) -> TiledLinear:
+    """A column-split projection of `units` units, its weight column-major as a CPU model lays it out."""
+    layer = TiledLinear(k, n, Kernels(units=units), split="columns").requires_grad_(False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05)
+    layer.weight.data = layer.weight.data.t().contiguous().t()
+    return layer
+
+
+def _each_unit(layer: TiledLinear, x: torch.Tensor) -> torch.Tensor:
+    """The units' definition: each unit's own product on its row-major block, concatenated."""
+    t = layer.kernels.tiles_for(x.device)
+    return torch.cat([tiled_linear(x, layer.weight[a:b].contiguous(), t.rows, t.short, t.long)
+                      for a, b in layer.unit_bounds()], dim=-1)
+
+
+def test_a_column_split_layers_units_run_as_one_product_with_each_units_bits(monkeypatch):
+    """With U > 1 units a column-split projection issues one product over all of them, column-major, where the
+    process has proven that it gives each unit's features the bits of the unit's own row-major product
+    (`proofs.proven_units`): the bits of U products, at every row count, for one product's calls."""
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    layer = _split_layer(units=3)
+    x = torch.randn(700, 576, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        for m in (1, 3, 20, 64, 65, 200, 512, 700):
+            assert torch.equal(layer(x[:m]), _each_unit(layer, x[:m])), m
+        assert [v for key, v in proofs._PROVEN.items() if key[0] == "units"] == [True]
+        calls = []
+        real = invariant.tiled_linear
+        monkeypatch.setattr(invariant, "tiled_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+        layer(x[:200])
+    assert calls == [(1536, 576)]  # one product over the three units, not three
+
+
+def test_units_taken_as_one_product_of_other_bits_are_refused(monkeypatch):
+    """Negative control: where one product over the units would add in another order (here: the whole
+    weight's product nudged in its last bit), the proof fails and each unit runs its own product, so the
+    bits stay the units'; taken unproven, the one product would have changed them."""
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    layer = _split_layer(units=3)
+    x = torch.randn(100, 576, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        want = _each_unit(layer, x)
+        real = invariant.tiled_linear
+
+        def nudged(r, w, *a, **kw):
+            got = real(r, w, *a, **kw)
+            return got.nextafter(torch.full_like(got, float("inf"))) if w.shape[0] == 1536 else got
+
+        monkeypatch.setattr(invariant, "tiled_linear", nudged)
+        assert torch.equal(layer(x), want)
+        assert [v for key, v in proofs._PROVEN.items() if key[0] == "units"] == [False]
+        monkeypatch.setattr(invariant, "proven_units", lambda *a: True)  # taken unproven
+        assert not torch.equal(layer(x), want)

@@ -100,4 +100,5 @@ def _load_shard(path: Path, device: str | torch.device, dtype: torch.dtype,
         _, a, b = slices["lm_head.weight"]
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"][a:b]
     model.load_state_dict(sd, strict=True, assign=True)
+    del sd  # the model holds the parts now, so laying them out frees each part it replaces
     return model.column_major_().eval(), tok
