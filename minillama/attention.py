@@ -310,10 +310,10 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     for (items, batch, chunk), kept in zip(kinds, held):
         for n, lo in enumerate(range(0, items.count, chunk)):
             hi = min(lo + chunk, items.count)
-            chunk_scores = kept[n] if n < len(kept) else _scores(queries, keys, values, items, lo, hi, batch,
-                                                                 tiles.fused)
-            if n < len(kept):
-                kept[n] = None  # its memory goes as soon as its terms are taken
+            if n < len(kept):  # held: its memory goes as soon as its terms are taken
+                chunk_scores, kept[n] = kept[n], None
+            else:
+                chunk_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused)
             rows = items.rows[lo:hi]
             terms = _terms(chunk_scores, row_max, rows, values, items, lo, hi, batch)  # (I, T, D + 1)
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another

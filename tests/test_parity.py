@@ -155,12 +155,17 @@ def test_parity_at_real_model_shapes(seed, work):
     assert_same_answers(alone, packed)
 
 
+def doc_prompts(g: torch.Generator, doc_tokens: int, question_tokens: tuple[int, ...]) -> list[list[int]]:
+    """Random stand-alone prompts: one document of `doc_tokens` ids, then each question's own ids."""
+    doc = torch.randint(3, VOCAB, (doc_tokens,), generator=g).tolist()
+    return [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in question_tokens]
+
+
 def test_lone_tile_rows_match_rows_of_a_longer_pass():
     """Questions prefilled in one 64-row tile, their stand-alone prompts in four: the same bits."""
     model = smol_shaped(1)
     g = torch.Generator().manual_seed(3)
-    doc = torch.randint(3, VOCAB, (200,), generator=g).tolist()
-    prompts = [doc + torch.randint(3, VOCAB, (10,), generator=g).tolist() for _ in range(2)]
+    prompts = doc_prompts(g, 200, (10, 10))
     params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
     assert_same_answers(generate(model, prompts, params, mode="independent"), generate(model, prompts, params))
 
@@ -179,8 +184,7 @@ def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
 
     model = smol_shaped(2, tiles=None)
     g = torch.Generator().manual_seed(4)
-    doc = torch.randint(3, VOCAB, (150,), generator=g).tolist()
-    prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 20, 70)]
+    prompts = doc_prompts(g, 150, (3, 20, 70))
     params = SamplingParams(max_new_tokens=4, keep_logits=True, ignore_eos=True)
     with ProductSignatures() as seen:
         alone = generate(model, prompts, params, mode="independent")
@@ -203,8 +207,7 @@ def test_a_big_pass_runs_long_products_with_the_bits_of_one_product_per_tile():
 
     model = smol_shaped(2, tiles=None)
     g = torch.Generator().manual_seed(5)
-    doc = torch.randint(3, VOCAB, (300,), generator=g).tolist()
-    prompts = [doc + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (20, 40, 60)]
+    prompts = doc_prompts(g, 300, (20, 40, 60))
     params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
     with ProductSignatures() as seen:
         packed = generate(model, prompts, params)
