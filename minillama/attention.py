@@ -56,7 +56,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .batched import batched_products, batched_row_sums
+from .batched import batched_products, batched_row_sums, run_row_sums, run_scores, run_values
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from .cache import PAD_SLOT
 from .plan import AttentionPlan, Items
@@ -227,10 +227,15 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: Items, lo: int, hi: int,
-            batch: int, fused: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            batch: int, fused: bool, run: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass 1 of items lo .. hi - 1: their (I, T, B) scores, hidden keys at -inf; or, fused, their softmax
-    and log-sum-exp (`fused_items`)."""
+    and log-sum-exp (`fused_items`). A `run` (Items.runs: its first flat row, or -1) meets one key block: one
+    product, its keys read once, its query rows one slice where they follow one another."""
     hidden = None if items.hidden is None else items.hidden[lo:hi]
+    if run is not None:
+        rows = items.rows[lo:hi]
+        q = queries[run:run + rows.numel()].view(*rows.shape, -1) if run >= 0 else _gather(queries, rows)
+        return run_scores(q, keys.index_select(0, items.keys[lo]).to(queries.dtype))
     q, k = _gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(queries.dtype)
     if fused:
         return fused_items(q, k, _gather(values, items.keys[lo:hi]).to(queries.dtype), batch, hidden)
@@ -243,12 +248,14 @@ def _peaks(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 
 def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: torch.Tensor, rows: torch.Tensor,
-           values: torch.Tensor, items: Items, lo: int, hi: int, batch: int) -> torch.Tensor:
+           values: torch.Tensor, items: Items, lo: int, hi: int, batch: int, run: int | None = None) -> torch.Tensor:
     """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten."""
     item_max = row_max.index_select(0, rows.reshape(-1)).view(rows.shape)  # (I, T)
     if isinstance(scores, tuple):
         return _fused_terms(*scores, item_max)
     e = scores.sub_(item_max.unsqueeze(-1)).exp_()  # (I, T, B)
+    if run is not None:
+        return torch.cat([run_values(e, values.index_select(0, items.keys[lo]).to(e.dtype)), run_row_sums(e)], dim=-1)
     values = _gather(values, items.keys[lo:hi]).to(e.dtype)
     return torch.cat([batched_products(e, values, batch), batched_row_sums(e, batch)], dim=-1)
 
@@ -260,6 +267,11 @@ def _kinds(plan: AttentionPlan, tiles: AttentionTiles) -> list[tuple[Items, Item
     return [(plan.whole, tiles.whole), *small, (plan.partial, tiles.partial)]
 
 
+def _joined(parts: list) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A kind's pieces (`_pieces`) as one tensor; one piece as it is (a GPU's and the fused path's only one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
                       tiles: AttentionTiles) -> torch.Tensor:
     """Every item at once; each row's terms then gathered by `plan.order` and added in J fixed steps.
@@ -267,14 +279,16 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     Nothing here depends on a value of the pass, only on its plan's shapes: the step a GPU captures.
     """
     d = queries.shape[1]
-    kinds = [(items, kind.batch) for items, kind in _kinds(plan, tiles)]
-    scores = [_scores(queries, keys, values, items, 0, items.count, batch, tiles.fused) for items, batch in kinds]
+    kinds = [(items, kind.batch, _pieces(items, max(items.count, 1))) for items, kind in _kinds(plan, tiles)]
+    scores = [_joined([_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run) for lo, hi, run in pieces])
+              for items, batch, pieces in kinds]
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
-    for (items, _), item_scores in zip(kinds, scores):
+    for (items, _, _), item_scores in zip(kinds, scores):
         row_max.scatter_reduce_(0, items.rows.reshape(-1), _peaks(item_scores).reshape(-1), "amax")
     row_max = _finite(row_max)
-    terms = [_terms(item_scores, row_max, items.rows, values, items, 0, items.count, batch).view(-1, d + 1)
-             for (items, batch), item_scores in zip(kinds, scores)]
+    terms = [_joined([_terms(item_scores if len(pieces) == 1 else item_scores[lo:hi], row_max, items.rows[lo:hi],
+                             values, items, lo, hi, batch, run) for lo, hi, run in pieces]).view(-1, d + 1)
+             for (items, batch, pieces), item_scores in zip(kinds, scores)]
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
     ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
     sums = queries.new_zeros(queries.shape[0], d + 1)
@@ -283,39 +297,51 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     return sums
 
 
+def _pieces(items: Items, chunk: int) -> list[tuple[int, int, int | None]]:
+    """(lo, hi, run): each of the kind's runs alone (Items.runs; run: its first row or -1), the items between
+    them in chunks (run None)."""
+    pieces, start = [], 0
+    for lo, hi, first in [*items.runs, (items.count, items.count, None)]:
+        pieces += [(at, min(at + chunk, lo), None) for at in range(start, lo, chunk)]
+        pieces += [(lo, hi, first)] if lo < hi else []
+        start = hi
+    return pieces or [(0, 0, None)]
+
+
 def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
                   tiles: AttentionTiles) -> torch.Tensor:
-    """Items in chunks of at most `ItemTiles.chunk` (all at once when a kind has at most `keep`); each
-    block's terms added onto its rows in block order (`_add_rows`: a row meets each block once, so every
-    call adds one term to it). Pass 1 holds its chunks' scores for pass 2, the first chunk always and more
-    up to `AttentionTiles.hold` items of a kind; pass 2 computes the rest again (the same products, the
-    same bits) rather than hold them all."""
+    """Items in chunks of at most `ItemTiles.chunk` (all at once when a kind has at most `keep`), each run of
+    one key block as a piece of its own (Items.runs); each block's terms added onto its rows in block order
+    (`_add_rows`: a row meets each block once, so every call adds one term to it). Pass 1 holds its pieces'
+    scores for pass 2, the first always and more up to `AttentionTiles.hold` items of a kind; pass 2 computes
+    the rest again (the same products, the same bits) rather than hold them all."""
     d = queries.shape[1]
-    kinds = [(items, kind.batch, items.count if 0 < items.count <= tiles.keep else kind.chunk)  # whole, then partial
-             for items, kind in _kinds(plan, tiles)]
+    kinds = [(items, kind.batch, _pieces(items, items.count if 0 < items.count <= tiles.keep else kind.chunk))
+             for items, kind in _kinds(plan, tiles)]  # whole, then partial
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
-    held = []  # each kind's first chunks' scores: its first chunk, and more as far as `hold` allows
-    for items, batch, chunk in kinds:
+    held = []  # each kind's first pieces' scores: its first piece, and more as far as `hold` allows
+    for items, batch, pieces in kinds:
         held.append([])
-        for lo in range(0, items.count, chunk):
-            hi = min(lo + chunk, items.count)
-            chunk_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused)
-            row_max.scatter_reduce_(0, items.rows[lo:hi].reshape(-1), _peaks(chunk_scores).reshape(-1), "amax")
-            if hi <= max(chunk, tiles.hold):
-                held[-1].append(chunk_scores)
+        for n, (lo, hi, run) in enumerate(pieces):
+            piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
+            row_max.scatter_reduce_(0, items.rows[lo:hi].reshape(-1), _peaks(piece_scores).reshape(-1), "amax")
+            if n == 0 or hi <= tiles.hold:
+                held[-1].append(piece_scores)
     row_max = _finite(row_max)
 
     sums = queries.new_zeros(queries.shape[0], d + 1)  # pass 2: weighted values and, in column D, the softmax sum
-    for (items, batch, chunk), kept in zip(kinds, held):
-        for n, lo in enumerate(range(0, items.count, chunk)):
-            hi = min(lo + chunk, items.count)
+    for (items, batch, pieces), kept in zip(kinds, held):
+        for n, (lo, hi, run) in enumerate(pieces):
             if n < len(kept):  # held: its memory goes as soon as its terms are taken
-                chunk_scores, kept[n] = kept[n], None
+                piece_scores, kept[n] = kept[n], None
             else:
-                chunk_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused)
+                piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
             rows = items.rows[lo:hi]
-            terms = _terms(chunk_scores, row_max, rows, values, items, lo, hi, batch)  # (I, T, D + 1)
+            terms = _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run)  # (I, T, D + 1)
+            if run is not None and run >= 0:  # one block, its rows one slice
+                sums[run:run + rows.numel()] += terms.view(-1, d + 1)
+                continue
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another
                 first, end = max(first, lo), min(end, hi)
                 if first < end:

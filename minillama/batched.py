@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import KEY_BLOCK, ItemTiles
+from .precision import onednn_linear, uses_onednn
 from .proofs import provable, unwatched
 
 
@@ -40,7 +41,42 @@ def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
     return out
 
 
+def run_scores(q: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """(n, T, B) scores of a run's query tiles q (n, T, D) against its one key block (B, D): one oneDNN product
+    of all n * T rows (`ItemTiles.runs`)."""
+    return onednn_linear(q.reshape(-1, q.shape[2]), block).view(q.shape[0], q.shape[1], block.shape[0])
+
+
+def run_values(e: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """(n, T, D) a run's weights e (n, T, B) times its one value block (B, D): one oneDNN product."""
+    return onednn_linear(e.reshape(-1, e.shape[2]), block.t().contiguous()).view(e.shape[0], e.shape[1], block.shape[1])
+
+
+def run_row_sums(e: torch.Tensor) -> torch.Tensor:
+    """e.sum(-1, keepdim=True) of a run's weights e (n, T, B), in one call."""
+    return e.sum(dim=-1, keepdim=True)
+
+
 _PROVEN: dict[tuple, tuple[int, ...]] = {}
+
+
+def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether n items of the kind that meet one key block, taken as a run (`run_scores`, `run_values`,
+    `run_row_sums`), give every item exactly the bits its whole batch's calls give it, shown once per process,
+    kind, head size, n and thread count on random items; only where `provable` and oneDNN runs the products."""
+    if not kind.runs or not provable(dtype, device) or not uses_onednn(device, dtype):
+        return False
+    key = ("run", kind.rows, kind.batch, d, n, dtype, torch.get_num_threads())
+    if key not in _PROVEN:
+        b = kind.batch
+        g = torch.Generator().manual_seed(n)
+        q, e = torch.randn(-(-n // b) * b, kind.rows, d, generator=g), torch.rand(-(-n // b) * b, kind.rows, KEY_BLOCK, generator=g)
+        k, v = torch.randn(KEY_BLOCK, d, generator=g), torch.randn(KEY_BLOCK, d, generator=g)
+        with unwatched(), torch.no_grad():
+            batches = _calls(q, k.expand(q.shape[0], -1, -1).contiguous(), v.expand(q.shape[0], -1, -1).contiguous(), e, b)
+            run = run_scores(q[:n], k), run_values(e[:n], v), run_row_sums(e[:n])
+            _PROVEN[key] = (1,) if all(torch.equal(r, full[:n]) for r, full in zip(run, batches)) else ()
+    return bool(_PROVEN[key])
 
 
 def _items(kind: ItemTiles, d: int) -> tuple[torch.Tensor, ...]:

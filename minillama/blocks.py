@@ -58,6 +58,11 @@ class ItemTiles:
     # items of that many rows gives every row the bits of a whole tile (`batched.proven_rows`). A row's
     # products and sums are its own, so the tile it shares changes nothing where the kernel keeps its order.
     short_rows: tuple[int, ...] = ()
+    # The fewest items meeting one key block that a long pass may take as one run: the tiles' rows stacked
+    # into one oneDNN product against the block (and its values), where the process has shown that this gives
+    # every item the bits of its batch's `bmm` calls (`batched.proven_run`). 0: never. A run's keys and values
+    # are read once, not gathered per item, and a product of many rows runs nearer the GEMM's pace.
+    runs: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk % self.batch:
@@ -105,7 +110,8 @@ class AttentionTiles:
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.
-CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16)),
+CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16),
+                                                runs=16),
                                partial=ItemTiles(rows=8, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4,)),
                                keep=640, hold=16384)
 # Untuned on a GPU so far: batches and chunks big enough that a pass issues few launches

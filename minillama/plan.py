@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
-from .batched import proven_batches, proven_rows
+from .batched import proven_batches, proven_rows, proven_run
 from .cache import PAD_SLOT, KVCache
 from .invariant import last_tile
 
@@ -69,6 +69,9 @@ class Items:
     group_size: int  # G
     row_stride: int  # R + 1: flat query rows per KV head, the spare row included
     key_stride: int  # S: flat key slots per KV head
+    # (lo, hi, first): items lo .. hi - 1 meet one key block and go as one run (ItemTiles.runs, `key_runs`);
+    # their tiles' rows are the flat rows first, first + 1, ... where first >= 0 (one slice, no gather)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -203,7 +206,34 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     items = Items(torch.from_numpy(rows).to(device), torch.from_numpy(keys).to(device), hidden,
                   bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
                   group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
+    if kind.runs and short and not masked:  # not fused, not bucketed
+        items.runs = key_runs(keys, rows, kind, lambda n: _proven(proven_run, kind, layout.cache, n))
     return items, rows
+
+
+def key_runs(keys: np.ndarray, rows: np.ndarray, kind: ItemTiles, proven) -> list[tuple[int, int, int]]:
+    """The runs of a kind's items (I, B keys and T flat rows each) as (lo, hi, first): stretches of at least
+    `kind.runs` items that meet one key block, taken only inside whole batches that such stretches fill, so
+    that the other items keep their batches (a stretch cut by a batch may leave a shorter run); none unless
+    `proven(n)` holds for every run's length n (batched.proven_run). `first` is the run's first flat row
+    where its rows follow one another, else -1."""
+    if len(keys) < kind.runs:
+        return []
+    bounds = [0, *(np.flatnonzero((keys[1:] != keys[:-1]).any(axis=1)) + 1).tolist(), len(keys)]
+    long = np.zeros(len(keys), dtype=bool)
+    for lo, hi in zip(bounds, bounds[1:]):
+        long[lo:hi] = hi - lo >= kind.runs
+    whole = len(keys) - len(keys) % kind.batch
+    covered = np.zeros(len(keys), dtype=bool)  # the items of batches that runs fill
+    covered[:whole] = np.repeat(long[:whole].reshape(-1, kind.batch).all(axis=1), kind.batch)
+    runs = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        inside = np.flatnonzero(covered[lo:hi])
+        if inside.size:
+            first, end = lo + int(inside[0]), lo + int(inside[-1]) + 1
+            flat = rows[first:end].reshape(-1)
+            runs.append((first, end, int(flat[0]) if (np.diff(flat) == 1).all() else -1))
+    return runs if all(proven(hi - lo) for lo, hi, _ in runs) else []
 
 
 def _split_small(layout: _Pass, groups: Groups, kind: ItemTiles) -> tuple[Groups, Groups]:
@@ -229,10 +259,10 @@ def _split_small(layout: _Pass, groups: Groups, kind: ItemTiles) -> tuple[Groups
     return {key: tokens for key, tokens in groups.items() if len(tokens) > fits}, small
 
 
-def _proven(proof, kind: ItemTiles, cache: KVCache) -> tuple[int, ...]:
-    """What `proof` (batched.proven_batches or proven_rows) shows for this kind in the attention arithmetic of
-    the cache's model (at least float32, attention.py)."""
-    return proof(kind, cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
+def _proven(proof, kind: ItemTiles, cache: KVCache, *args):
+    """What `proof` (batched.proven_batches, proven_rows or proven_run) shows for this kind in the attention
+    arithmetic of the cache's model (at least float32, attention.py)."""
+    return proof(kind, cache.k.shape[-1], *args, torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
 
 
 # --- 1. group the tokens by the blocks they see ------------------------------------------------------

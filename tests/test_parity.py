@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CUDA_TILES
+from test_signatures import expected_signatures, run_calls
 from tiny import DEVICE, ON_CPU, SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
 
 EXAMPLES = int(os.environ.get("MINILLAMA_EXAMPLES", "200"))
@@ -216,3 +217,65 @@ def test_a_big_pass_runs_long_products_with_the_bits_of_one_product_per_tile():
     assert_same_answers(generate(model, prompts, params, mode="independent"), packed)
     model.kernels.tiles = model.tiles.whole_only()
     assert_same_answers(generate(model, prompts, params), packed)
+
+
+def run_rows(seen) -> set[int]:
+    """The row counts of attention's runs (blocks.ItemTiles.runs) an audit recorded: oneDNN products against
+    one (64, 64) key or value block (no linear layer of SmolLM2's shapes has a (64, 64) weight)."""
+    return {sig[1][0][0][0] for sig in seen.signatures
+            if sig[0] == "mkldnn._linear_pointwise.default" and sig[1][1][0] == (64, 64)}
+
+
+def _without_runs(model):
+    whole = model.tiles.attention.whole
+    return dataclasses.replace(model.tiles, attention=dataclasses.replace(
+        model.tiles.attention, whole=dataclasses.replace(whole, runs=0)))
+
+
+@pytest.mark.parametrize("by_block", [False, True])
+def test_a_big_pass_runs_the_items_of_one_key_block_as_one_product_with_the_bits_of_their_batches(by_block):
+    """The device's default tiles at SmolLM2's shapes: a packed prefill whose rows meet the document's
+    blocks in long stretches takes each stretch as one product against its block on a CPU (ItemTiles.runs,
+    where proven); its answers are those of the same model without runs, and of each question alone. Every
+    item at once, or (`by_block`: chunks of one batch, none kept) block after block."""
+    from minillama.audit import ProductSignatures
+
+    model = smol_shaped(2, tiles=None)
+    if by_block:
+        att = model.tiles.attention
+        model.kernels.tiles = dataclasses.replace(model.tiles, attention=dataclasses.replace(
+            att, keep=0, whole=dataclasses.replace(att.whole, chunk=att.whole.batch)))
+    g = torch.Generator().manual_seed(5)
+    prompts = doc_prompts(g, 300, (20, 40, 60))
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    with ProductSignatures() as seen:
+        packed = generate(model, prompts, params)
+    rows = run_rows(seen)
+    tile = model.tiles.attention.whole.rows
+    assert (rows and min(rows) >= 16 * tile) if DEVICE.type == "cpu" else not rows, rows
+    calls = seen.signatures | seen.reductions  # the runs' calls, and every other call in the fixed set
+    runs = run_calls(calls, model.tiles, 64)
+    assert bool(runs) == (DEVICE.type == "cpu") and calls - runs <= expected_signatures(model, model.tiles)
+    assert_same_answers(generate(model, prompts, params, mode="independent"), packed)
+    model.kernels.tiles = _without_runs(model)
+    assert_same_answers(generate(model, prompts, params), packed)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="runs are a CPU's (oneDNN) path")
+def test_a_run_of_other_bits_is_refused(monkeypatch):
+    """Negative control: a run product whose bits differ from its batch's (here its last bit moved) is refused
+    by the proof, so the answers stay those of each question alone; taken unproven, the bits change."""
+    from minillama import attention, batched, plan
+
+    real = batched.run_scores
+    monkeypatch.setattr(batched, "run_scores", lambda q, k: real(q, k).nextafter_(torch.tensor(float("inf"))))
+    monkeypatch.setattr(batched, "_PROVEN", {})
+    model = smol_shaped(2, tiles=None)
+    prompts = doc_prompts(torch.Generator().manual_seed(5), 300, (20, 40, 60))
+    params = SamplingParams(max_new_tokens=2, keep_logits=True, ignore_eos=True)
+    alone = generate(model, prompts, params, mode="independent")
+    assert_same_answers(alone, generate(model, prompts, params))
+    monkeypatch.setattr(attention, "run_scores", batched.run_scores)
+    monkeypatch.setattr(plan, "proven_run", lambda kind, d, n, dtype, device: True)  # taken unproven
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_answers(alone, generate(model, prompts, params))
