@@ -250,7 +250,10 @@ def _peaks(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: torch.Tensor, rows: torch.Tensor,
            values: torch.Tensor, items: Items, lo: int, hi: int, batch: int, run: int | None = None) -> torch.Tensor:
     """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten."""
-    item_max = row_max.index_select(0, rows.reshape(-1)).view(rows.shape)  # (I, T)
+    if run is not None and run >= 0:  # a run's rows one slice
+        item_max = row_max[run:run + rows.numel()].view(rows.shape)  # (I, T)
+    else:
+        item_max = row_max.index_select(0, rows.reshape(-1)).view(rows.shape)
     if isinstance(scores, tuple):
         return _fused_terms(*scores, item_max)
     e = scores.sub_(item_max.unsqueeze(-1)).exp_()  # (I, T, B)
@@ -325,7 +328,11 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         held.append([])
         for n, (lo, hi, run) in enumerate(pieces):
             piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
-            row_max.scatter_reduce_(0, items.rows[lo:hi].reshape(-1), _peaks(piece_scores).reshape(-1), "amax")
+            if run is not None and run >= 0:  # a run's rows one slice
+                peak = row_max[run:run + piece_scores.shape[0] * piece_scores.shape[1]]
+                torch.maximum(peak, _peaks(piece_scores).view(-1), out=peak)
+            else:
+                row_max.scatter_reduce_(0, items.rows[lo:hi].reshape(-1), _peaks(piece_scores).reshape(-1), "amax")
             if n == 0 or hi <= tiles.hold:
                 held[-1].append(piece_scores)
     row_max = _finite(row_max)
