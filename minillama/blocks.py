@@ -100,8 +100,9 @@ class AttentionTiles:
 
 # A CPU: whole-block tiles of 32 rows, which multiply about as fast per row as 64 and waste half as much on
 # the blocks a single question owns (a decode step brings G rows to each: 3 of 32, not 3 of 64), so decoding
-# long answers costs less; the masked own-block items in bmm calls of 64 rather than 256 (the 8-row tiles'
-# scores and keys stay in cache through each call). Chunks hold as many rows as with 64-row tiles; `keep`
+# long answers costs less; the masked own-block items in tiles of 16 rows (a question's own block in half as
+# many items as with 8: half the keys and values gathered, 1.05x a 256-question or the paper's prefill, the
+# same bits) and bmm calls of 64 rather than 256 (their scores and keys stay in cache through each call). Chunks hold as many rows as with 64-row tiles; `keep`
 # half as many: a prefill pass of 512 tokens (1,152 whole items at the default model's shape) held at once
 # gathers ~40 MB of keys and values, where chunks of 256 items, scores computed twice, stay in cache (1.2x
 # faster at 256 questions, and a decode step over a 4,000-token document 1.7x).
@@ -115,7 +116,7 @@ class AttentionTiles:
 # measurements.
 CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16),
                                                 runs=16),
-                               partial=ItemTiles(rows=8, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4,)),
+                               partial=ItemTiles(rows=16, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4, 8)),
                                keep=640, hold=16384)
 # Untuned on a GPU so far: batches and chunks big enough that a pass issues few launches
 # (tests/test_signatures.py counts them).

@@ -425,7 +425,7 @@ def test_a_pass_of_small_groups_takes_short_item_tiles_with_the_whole_tiles_bits
         assert proven_rows(kind, 64, torch.float32, torch.device("cpu")) == kind.short_rows
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
     for doc, qs, decode, tiles in [(567, [1], True, (4, 4)), (150, [3, 20], True, (8, 4)),
-                                   (700, [1] * 9, True, (32, 4)), (300, [20, 45, 7], False, (32, 8))]:
+                                   (700, [1] * 9, True, (32, 4)), (300, [20, 45, 7], False, (32, 16))]:
         plan, short, whole = _short_and_whole(config, doc, qs, decode)
         assert (plan.whole.rows.shape[1], plan.partial.rows.shape[1]) == tiles, (doc, qs, decode)
         assert torch.equal(short, whole), (doc, qs, decode)
