@@ -248,8 +248,10 @@ def _peaks(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 
 def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: torch.Tensor, rows: torch.Tensor,
-           values: torch.Tensor, items: Items, lo: int, hi: int, batch: int, run: int | None = None) -> torch.Tensor:
-    """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten."""
+           values: torch.Tensor, items: Items, lo: int, hi: int, batch: int, run: int | None = None,
+           into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten. A
+    run whose rows are one slice of the sums may add its terms `into` that slice instead (one addition each)."""
     if run is not None and run >= 0:  # a run's rows one slice
         item_max = row_max[run:run + rows.numel()].view(rows.shape)  # (I, T)
     else:
@@ -258,7 +260,12 @@ def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: to
         return _fused_terms(*scores, item_max)
     e = scores.sub_(item_max.unsqueeze(-1)).exp_()  # (I, T, B)
     if run is not None:
-        return torch.cat([run_values(e, values.index_select(0, items.keys[lo]).to(e.dtype)), run_row_sums(e)], dim=-1)
+        weighted = run_values(e, values.index_select(0, items.keys[lo]).to(e.dtype))  # (I, T, D)
+        if into is None:
+            return torch.cat([weighted, run_row_sums(e)], dim=-1)
+        into[:, :-1] += weighted.view(into.shape[0], -1)
+        into[:, -1:] += run_row_sums(e).view(into.shape[0], 1)
+        return None
     values = _gather(values, items.keys[lo:hi]).to(e.dtype)
     return torch.cat([batched_products(e, values, batch), batched_row_sums(e, batch)], dim=-1)
 
@@ -345,10 +352,10 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
             else:
                 piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
             rows = items.rows[lo:hi]
-            terms = _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run)  # (I, T, D + 1)
-            if run is not None and run >= 0:  # one block, its rows one slice
-                sums[run:run + rows.numel()] += terms.view(-1, d + 1)
+            if run is not None and run >= 0:  # one block, its rows one slice of the sums
+                _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run, into=sums[run:run + rows.numel()])
                 continue
+            terms = _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run)  # (I, T, D + 1)
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another
                 first, end = max(first, lo), min(end, hi)
                 if first < end:
