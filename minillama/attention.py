@@ -290,8 +290,8 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     d = queries.shape[1]
     kinds = [(items, kind.batch, _pieces(items, max(items.count, 1))) for items, kind in _kinds(plan, tiles)]
-    scores = [_joined([_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run) for lo, hi, run in pieces])
-              for items, batch, pieces in kinds]
+    scores = [_joined([_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
+                       for lo, hi, run in pieces]) for items, batch, pieces in kinds]
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     for (items, _, _), item_scores in zip(kinds, scores):
         row_max.scatter_reduce_(0, items.rows.reshape(-1), _peaks(item_scores).reshape(-1), "amax")
@@ -353,7 +353,8 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                 piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
             rows = items.rows[lo:hi]
             if run is not None and run >= 0:  # one block, its rows one slice of the sums
-                _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run, into=sums[run:run + rows.numel()])
+                _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run,
+                       into=sums[run:run + rows.numel()])
                 continue
             terms = _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run)  # (I, T, D + 1)
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another

@@ -68,12 +68,13 @@ def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torc
         return False
     key = ("run", kind.rows, kind.batch, d, n, dtype, torch.get_num_threads())
     if key not in _PROVEN:
-        b = kind.batch
+        whole = -(-n // kind.batch) * kind.batch  # the run's items and the rest of their last batch
         g = torch.Generator().manual_seed(n)
-        q, e = torch.randn(-(-n // b) * b, kind.rows, d, generator=g), torch.rand(-(-n // b) * b, kind.rows, KEY_BLOCK, generator=g)
+        q, e = torch.randn(whole, kind.rows, d, generator=g), torch.rand(whole, kind.rows, KEY_BLOCK, generator=g)
         k, v = torch.randn(KEY_BLOCK, d, generator=g), torch.randn(KEY_BLOCK, d, generator=g)
         with unwatched(), torch.no_grad():
-            batches = _calls(q, k.expand(q.shape[0], -1, -1).contiguous(), v.expand(q.shape[0], -1, -1).contiguous(), e, b)
+            batches = _calls(q, k.expand(whole, -1, -1).contiguous(), v.expand(whole, -1, -1).contiguous(), e,
+                             kind.batch)
             run = run_scores(q[:n], k), run_values(e[:n], v), run_row_sums(e[:n])
             _PROVEN[key] = (1,) if all(torch.equal(r, full[:n]) for r, full in zip(run, batches)) else ()
     return bool(_PROVEN[key])

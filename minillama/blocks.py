@@ -102,10 +102,11 @@ class AttentionTiles:
 # the blocks a single question owns (a decode step brings G rows to each: 3 of 32, not 3 of 64), so decoding
 # long answers costs less; the masked own-block items in tiles of 16 rows (a question's own block in half as
 # many items as with 8: half the keys and values gathered, 1.05x a 256-question or the paper's prefill, the
-# same bits) and bmm calls of 64 rather than 256 (their scores and keys stay in cache through each call). Chunks hold as many rows as with 64-row tiles; `keep`
-# half as many: a prefill pass of 512 tokens (1,152 whole items at the default model's shape) held at once
-# gathers ~40 MB of keys and values, where chunks of 256 items, scores computed twice, stay in cache (1.2x
-# faster at 256 questions, and a decode step over a 4,000-token document 1.7x).
+# same bits) and bmm calls of 64 rather than 256 (their scores and keys stay in cache through each call).
+# Chunks hold as many rows as with 64-row tiles; `keep` half as many: a prefill pass of 512 tokens (1,152
+# whole items at the default model's shape) held at once gathers ~40 MB of keys and values, where chunks of
+# 256 items, scores computed twice, stay in cache (1.2x faster at 256 questions, and a decode step over a
+# 4,000-token document 1.7x).
 # Past `keep`, the chunks' scores are held up to `hold` items rather than computed twice: gathers and products
 # stay chunk-sized, and a prefill of 256 questions runs 1.08x faster than with every chunk computed twice.
 # Where 16 or more tiles in a row meet one key block (a document's block in a big pass: 48 tiles a KV head in a

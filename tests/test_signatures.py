@@ -97,7 +97,8 @@ def run_calls(signatures: set[tuple], tiles: Tiles, d: int) -> set[tuple]:
                 if op == "mkldnn._linear_pointwise.default":
                     (x_shape, _, _, _), (w_shape, w_stride, _, _) = args
                     k = x_shape[1]
-                    if (x_shape[0] % t == 0 and x_shape[0] // t >= kind.runs and w_shape == ((b, d) if k == d else (d, b))
+                    block = (b, d) if k == d else (d, b)  # keys' (B, D) or values' (D, B)
+                    if (x_shape[0] % t == 0 and x_shape[0] // t >= kind.runs and w_shape == block
                             and k in (d, b) and w_stride == (k, 1)):
                         out.add(sig)
                 elif op == "aten.sum.dim_IntList" and args[0][0][1:] == (t, b) and args[0][0][0] >= kind.runs:
