@@ -200,18 +200,24 @@ def test_one_sequence_runs_short_tiles_with_the_bits_of_a_full_pass():
     assert (item_rows >= whole_rows | {4}) if DEVICE.type == "cpu" else item_rows <= whole_rows, item_rows
 
 
+def audited_big_pass(model):
+    """A packed prefill of a 300-token document and questions of 20, 40 and 60 tokens, three new tokens each,
+    under the signature audit: (prompts, params, answers, the audit)."""
+    from minillama.audit import ProductSignatures
+
+    prompts = doc_prompts(torch.Generator().manual_seed(5), 300, (20, 40, 60))
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    with ProductSignatures() as seen:
+        packed = generate(model, prompts, params)
+    return prompts, params, packed, seen
+
+
 def test_a_big_pass_runs_long_products_with_the_bits_of_one_product_per_tile():
     """The device's default tiles at SmolLM2's shapes: a packed prefill of several whole tiles runs them as
     long products on a CPU (invariant.Tiles.long, where proven); its answers are those of the same model with
     one product per tile (Tiles.whole_only), and of each question alone."""
-    from minillama.audit import ProductSignatures
-
     model = smol_shaped(2, tiles=None)
-    g = torch.Generator().manual_seed(5)
-    prompts = doc_prompts(g, 300, (20, 40, 60))
-    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
-    with ProductSignatures() as seen:
-        packed = generate(model, prompts, params)
+    prompts, params, packed, seen = audited_big_pass(model)
     rows = linear_rows(seen)
     assert (256 in rows) if DEVICE.type == "cpu" else rows == {model.tiles.rows}, rows
     assert_same_answers(generate(model, prompts, params, mode="independent"), packed)
@@ -238,18 +244,12 @@ def test_a_big_pass_runs_the_items_of_one_key_block_as_one_product_with_the_bits
     blocks in long stretches takes each stretch as one product against its block on a CPU (ItemTiles.runs,
     where proven); its answers are those of the same model without runs, and of each question alone. Every
     item at once, or (`by_block`: chunks of one batch, none kept) block after block."""
-    from minillama.audit import ProductSignatures
-
     model = smol_shaped(2, tiles=None)
     if by_block:
         att = model.tiles.attention
         model.kernels.tiles = dataclasses.replace(model.tiles, attention=dataclasses.replace(
             att, keep=0, whole=dataclasses.replace(att.whole, chunk=att.whole.batch)))
-    g = torch.Generator().manual_seed(5)
-    prompts = doc_prompts(g, 300, (20, 40, 60))
-    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
-    with ProductSignatures() as seen:
-        packed = generate(model, prompts, params)
+    prompts, params, packed, seen = audited_big_pass(model)
     rows = run_rows(seen)
     tile = model.tiles.attention.whole.rows
     assert (rows and min(rows) >= 16 * tile) if DEVICE.type == "cpu" else not rows, rows
