@@ -277,8 +277,8 @@ def _kinds(plan: AttentionPlan, tiles: AttentionTiles) -> list[tuple[Items, Item
     return [(plan.whole, tiles.whole), *small, (plan.partial, tiles.partial)]
 
 
-def _joined(parts: list) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """A kind's pieces (`_pieces`) as one tensor; one piece as it is (a GPU's and the fused path's only one)."""
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A kind's pieces' tensors (`_pieces`) as one; one piece's as it is (a GPU's and the fused path's only one)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -290,15 +290,14 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     d = queries.shape[1]
     kinds = [(items, kind.batch, _pieces(items, max(items.count, 1))) for items, kind in _kinds(plan, tiles)]
-    scores = [_joined([_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
-                       for lo, hi, run in pieces]) for items, batch, pieces in kinds]
+    scores = [[_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run) for lo, hi, run in pieces]
+              for items, batch, pieces in kinds]  # each kind's pieces' scores (one piece: a GPU's, the fused path's)
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
-    for (items, _, _), item_scores in zip(kinds, scores):
-        row_max.scatter_reduce_(0, items.rows.reshape(-1), _peaks(item_scores).reshape(-1), "amax")
+    for (items, _, _), parts in zip(kinds, scores):
+        row_max.scatter_reduce_(0, items.rows.reshape(-1), _joined([_peaks(p) for p in parts]).reshape(-1), "amax")
     row_max = _finite(row_max)
-    terms = [_joined([_terms(item_scores if len(pieces) == 1 else item_scores[lo:hi], row_max, items.rows[lo:hi],
-                             values, items, lo, hi, batch, run) for lo, hi, run in pieces]).view(-1, d + 1)
-             for (items, batch, pieces), item_scores in zip(kinds, scores)]
+    terms = [_terms(part, row_max, items.rows[lo:hi], values, items, lo, hi, batch, run).view(-1, d + 1)
+             for (items, batch, pieces), parts in zip(kinds, scores) for part, (lo, hi, run) in zip(parts, pieces)]
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
     ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
     sums = queries.new_zeros(queries.shape[0], d + 1)
