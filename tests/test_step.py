@@ -251,15 +251,18 @@ def test_a_cache_on_the_spare_storage_starts_as_a_fresh_one():
 
 def test_captured_steps_follow_the_kernels_and_the_weights():
     """A step replays another graph when the kernels change (32-row linear tiles: the same step tensors, other
-    launches; the fused attention kernel; plain products); moving the weights (`.to()`, a new
-    layout, a load) drops the spare, whose graphs read them where they were."""
-    fused = dataclasses.replace(CPU_TILES, attention=dataclasses.replace(CPU_TILES.attention, fused=True))
+    launches; other attention items: on a CPU the fused attention kernel, a CPU's own, on a GPU masked items of
+    other rows; plain products); moving the weights (`.to()`, a new layout, a load) drops the spare, whose graphs
+    read them where they were."""
+    other = dataclasses.replace(CPU_TILES.attention, fused=True) if DEVICE.type == "cpu" else \
+        dataclasses.replace(CUDA_TILES.attention, partial=dataclasses.replace(CUDA_TILES.attention.partial, rows=16))
+    attention = dataclasses.replace(CPU_TILES, attention=other)
     capture = Rerun()
     model = _captured(tiny_model(tiny_config()), capture)
     for _ in range(2):
         generate(model, PROMPTS, PARAMS)
     for change in (lambda m: setattr(m.kernels, "tiles", dataclasses.replace(CPU_TILES, rows=32)),  # same shapes
-                   lambda m: setattr(m.kernels, "tiles", fused), lambda m: setattr(m, "invariant", False)):
+                   lambda m: setattr(m.kernels, "tiles", attention), lambda m: setattr(m, "invariant", False)):
         reference = _captured(tiny_model(tiny_config()), Rerun())  # the change from the start
         change(reference)
         generate(reference, PROMPTS, PARAMS)
