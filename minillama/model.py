@@ -107,15 +107,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_folded(q, cos, sin), apply_rope_folded(k, cos, sin)
         cache.write(self.layer, slots, k, v)
-        # Query head h = j * G + i uses KV head j (HF's repeat_kv); row n * G + i of KV head j is token n.
-        rows = q.view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)  # (Hkv, R, D)
+        # Query head h = j * G + i uses KV head j (HF's repeat_kv); row m * G + i of KV head j is token m. The
+        # first m = plan.rows tokens attend (AttentionPlan.rows); the other padding rows get zeros.
+        m = n if plan.rows is None else plan.rows
+        rows = q[:m].view(m, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, m * g, d)  # (Hkv, R, D)
         if self.kernels.invariant:
             out = blocked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan,
                                     self.kernels.tiles_for(x.device).attention)  # (Hkv, R, D)
         else:
             out = masked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan)
-        out = out.to(x.dtype).view(hkv, n, g, d).permute(1, 0, 2, 3).reshape(n, self.n_heads * d)  # (N, H * D)
-        return self.o_proj(out)
+        out = out.to(x.dtype).view(hkv, m, g, d).permute(1, 0, 2, 3).reshape(m, self.n_heads * d)  # (M, H * D)
+        return self.o_proj(F.pad(out, (0, 0, 0, n - m)) if m < n else out)  # (N, H * D)
 
 
 class Block(nn.Module):

@@ -109,6 +109,9 @@ class AttentionPlan:
     order: torch.Tensor | None = None
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
+    # The token rows attention runs, R / G: the pass's real tokens, bucketed (step.lay_out). The model's
+    # other padding rows skip attention (their output is zero, as a row that sees nothing gets). None: all.
+    rows: int | None = None
 
 
 def bucket(count: int, unit: int = 1) -> int:
@@ -142,7 +145,8 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
         small, small_rows = _lay_out(layout, small_groups, tiles.whole, masked=False, buckets=False, short=True)
         laid.append((small, small_rows, tiles.whole))
     laid.append((partial, partial_rows, tiles.partial))
-    plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial, small=small)
+    plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial, small=small,
+                         rows=n_rows)
     if all(tiles.held_at_once(items.count, kind) for items, _, kind in laid):
         order = row_order([rows for _, rows, _ in laid], layout.kv_heads * layout.row_stride, layout.row_stride,
                           buckets)

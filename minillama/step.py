@@ -91,7 +91,7 @@ class Step:
 
     def key(self) -> tuple:
         """The bucket: every input's shape and dtype. Steps with one key issue the same launches."""
-        return tuple((tuple(t.shape), t.dtype) for t in self.tensors())
+        return (self.plan.rows, *((tuple(t.shape), t.dtype) for t in self.tensors()))
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "Step":
         """This step over other tensors of the same shapes (a captured step's static buffers)."""
@@ -113,6 +113,9 @@ class Step:
                     self.wanted)
 
 
+ATTENTION_ROWS = 16  # the least bucket of attention's rows (`lay_out`)
+
+
 def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
             segments: torch.Tensor, logits_rows: torch.Tensor | None, buckets: bool) -> Step:
     """The host half of a pass (`Llama.lay_out`): give the N new tokens cache slots and lay the step out (see
@@ -124,7 +127,11 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
     rows = (bucket(whole) if buckets else whole) * unit
     g = config.num_attention_heads // config.num_key_value_heads
     slots = cache.append(segments, positions)  # (n,) a slot for each new token
-    plan = plan_attention(cache, segments, positions, g, rows, kernels.tiles_for(device).attention,
+    # Attention's rows need no whole linear tiles, only a bucket of their own (its ops on them are row-wise
+    # and exact): a decode step of 64 tokens in a 256-row tile attends over 64 rows, not 256.
+    attended = max(n, 1) if not buckets else bucket(max(n, 1), ATTENTION_ROWS)
+    attended = min(rows, attended) if kernels.invariant else rows
+    plan = plan_attention(cache, segments, positions, g, attended, kernels.tiles_for(device).attention,
                           dense=not kernels.invariant, window=config.sliding_window, buckets=buckets)
     wanted = torch.arange(n) if logits_rows is None else logits_rows.cpu()
     logits = wanted.shape[0]

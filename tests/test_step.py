@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillama.plan as plan_module
+import minillama.step as step_module
 from minillama.attention import blocked_attention
 from minillama.audit import host_reads
 from minillama.generate import SamplingParams, generate
@@ -151,6 +152,22 @@ def test_a_bucket_never_changes_a_real_rows_bits(dtype):
     assert plain[0][0][0] != bucketed[0][0][0]  # the prefill's rows were padded to the bucket
     assert all(k1 != k2 for (k1, _), (k2, _) in zip(plain, bucketed))  # and every step's items or terms
     for (_, a), (_, b) in zip(plain, bucketed):
+        assert torch.equal(a, b)
+
+
+def test_padding_rows_skip_attention_and_change_no_bit(monkeypatch):
+    """A step of a few tokens in a 256-row linear tile (a GPU's) attends over a bucket of its own rows
+    (AttentionPlan.rows: 16 for 5 tokens, 128 for 85), not the tile's 256; its logits are those of the same
+    steps attending over every padded row (ATTENTION_ROWS that large: the layout before plan.rows)."""
+    model = tiny_model(tiny_config(), tiles=CUDA_TILES)
+    lay, steps = model.lay_out, []
+    model.lay_out = lambda *a, **k: steps.append(lay(*a, **k)) or steps[-1]
+    trimmed = _steps_in_lockstep(model)[1]  # [(key, logits)] of the steps laid out in buckets
+    assert [(s.plan.rows, s.tokens.shape[0]) for s in steps[-4:]] == [(128, 256)] + [(16, 256)] * 3
+    monkeypatch.setattr(step_module, "ATTENTION_ROWS", 1 << 20)
+    full = _steps_in_lockstep(model)[1]
+    assert [s.plan.rows for s in steps[-4:]] == [256] * 4  # every padded row attended
+    for (_, a), (_, b) in zip(trimmed, full):
         assert torch.equal(a, b)
 
 
