@@ -129,12 +129,14 @@ def _candidates() -> dict[str, Any]:
     from ..invariant import CUDA_TILES as t
 
     replace, a = dataclasses.replace, t.attention
+    whole64, partial8 = ItemTiles(rows=64, batch=256, chunk=8192), ItemTiles(rows=8, batch=1024, chunk=16384)
     return {"default": t,
             "rows128": replace(t, rows=128),
-            "rows512": replace(t, rows=512),
-            "whole128": replace(t, attention=replace(a, whole=ItemTiles(rows=128, batch=128, chunk=8192))),
-            "partial16": replace(t, attention=replace(a, partial=ItemTiles(rows=16, batch=512, chunk=16384))),
-            "keep_all": replace(t, attention=replace(a, keep=1 << 20))}
+            "whole64_partial8": replace(t, attention=replace(a, whole=whole64, partial=partial8)),  # until 2026-11-27
+            "whole64": replace(t, attention=replace(a, whole=whole64)),
+            "partial8": replace(t, attention=replace(a, partial=partial8)),
+            "whole256": replace(t, attention=replace(a, whole=ItemTiles(rows=256, batch=64, chunk=8192))),
+            "partial32": replace(t, attention=replace(a, partial=ItemTiles(rows=32, batch=256, chunk=16384)))}
 
 
 def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log) -> dict[str, Any]:
