@@ -277,11 +277,6 @@ def _kinds(plan: AttentionPlan, tiles: AttentionTiles) -> list[tuple[Items, Item
     return [(plan.whole, tiles.whole), *small, (plan.partial, tiles.partial)]
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """A kind's pieces' tensors (`_pieces`) as one; one piece's as it is (a GPU's and the fused path's only one)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
                       tiles: AttentionTiles) -> torch.Tensor:
     """Every item at once; each row's terms then gathered by `plan.order` and added in J fixed steps.
@@ -292,10 +287,10 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     kinds = [(items, kind.batch, _pieces(items, max(items.count, 1))) for items, kind in _kinds(plan, tiles)]
     scores = [[_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run) for lo, hi, run in pieces]
               for items, batch, pieces in kinds]  # each kind's pieces' scores (one piece: a GPU's, the fused path's)
-    row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
-    for (items, _, _), parts in zip(kinds, scores):
-        row_max.scatter_reduce_(0, items.rows.reshape(-1), _joined([_peaks(p) for p in parts]).reshape(-1), "amax")
-    row_max = _finite(row_max)
+    # Pass 1: each row's maximum over its items' peaks, gathered by `plan.order` like its terms (a peak for
+    # every term, numbered alike; the zero term's is -inf): a gather and a max rather than atomic scatters.
+    peaks = torch.cat([*(_peaks(p).reshape(-1) for parts in scores for p in parts), queries.new_full((1,), -math.inf)])
+    row_max = _finite(peaks.index_select(0, plan.order.reshape(-1)).view(plan.order.shape).amax(dim=1))
     terms = [_terms(part, row_max, items.rows[lo:hi], values, items, lo, hi, batch, run).view(-1, d + 1)
              for (items, batch, pieces), parts in zip(kinds, scores) for part, (lo, hi, run) in zip(parts, pieces)]
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
