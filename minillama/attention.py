@@ -226,16 +226,28 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return sums[..., :d] / sums[..., d:].clamp_min(torch.finfo(acc).tiny)
 
 
+def _run_blocks(keys: torch.Tensor, values: torch.Tensor, items: Items, dtype: torch.dtype) -> dict[int, tuple]:
+    """Each run's (Items.runs) key block (B, D) and value block transposed (D, B), by its first item: gathered
+    for all of a kind's runs at once, two gathers a layer rather than two or three a run."""
+    if not items.runs:
+        return {}
+    slots = items.keys[[lo for lo, _, _ in items.runs]].reshape(-1)  # (runs * B,)
+    k = keys.index_select(0, slots).view(len(items.runs), KEY_BLOCK, -1).to(dtype)
+    v_t = values.index_select(0, slots).view(len(items.runs), KEY_BLOCK, -1).to(dtype).transpose(1, 2).contiguous()
+    return {lo: (k[i], v_t[i]) for i, (lo, _, _) in enumerate(items.runs)}
+
+
 def _scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, items: Items, lo: int, hi: int,
-            batch: int, fused: bool, run: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            batch: int, fused: bool, run: int | None = None, block: tuple | None = None
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Pass 1 of items lo .. hi - 1: their (I, T, B) scores, hidden keys at -inf; or, fused, their softmax
-    and log-sum-exp (`fused_items`). A `run` (Items.runs: its first flat row, or -1) meets one key block: one
-    product, its keys read once, its query rows one slice where they follow one another."""
+    and log-sum-exp (`fused_items`). A `run` (Items.runs: its first flat row, or -1) meets one key block
+    (`block`, `_run_blocks`): one product, its query rows one slice where they follow one another."""
     hidden = None if items.hidden is None else items.hidden[lo:hi]
     if run is not None:
         rows = items.rows[lo:hi]
         q = queries[run:run + rows.numel()].view(*rows.shape, -1) if run >= 0 else _gather(queries, rows)
-        return run_scores(q, keys.index_select(0, items.keys[lo]).to(queries.dtype))
+        return run_scores(q, block[0])
     q, k = _gather(queries, items.rows[lo:hi]), _gather(keys, items.keys[lo:hi]).to(queries.dtype)
     if fused:
         return fused_items(q, k, _gather(values, items.keys[lo:hi]).to(queries.dtype), batch, hidden)
@@ -249,7 +261,7 @@ def _peaks(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: torch.Tensor, rows: torch.Tensor,
            values: torch.Tensor, items: Items, lo: int, hi: int, batch: int, run: int | None = None,
-           into: torch.Tensor | None = None) -> torch.Tensor | None:
+           into: torch.Tensor | None = None, block: tuple | None = None) -> torch.Tensor | None:
     """(I, T, D + 1) each item's weighted values and, in column D, its softmax sum; scores is overwritten. A
     run whose rows are one slice of the sums may add its terms `into` that slice instead (one addition each)."""
     if run is not None and run >= 0:  # a run's rows one slice
@@ -260,7 +272,7 @@ def _terms(scores: torch.Tensor | tuple[torch.Tensor, torch.Tensor], row_max: to
         return _fused_terms(*scores, item_max)
     e = scores.sub_(item_max.unsqueeze(-1)).exp_()  # (I, T, B)
     if run is not None:
-        weighted = run_values(e, values.index_select(0, items.keys[lo]).to(e.dtype))  # (I, T, D)
+        weighted = run_values(e, block[1])  # (I, T, D)
         if into is None:
             return torch.cat([weighted, run_row_sums(e)], dim=-1)
         into[:, :-1] += weighted.view(into.shape[0], -1)
@@ -284,15 +296,18 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     Nothing here depends on a value of the pass, only on its plan's shapes: the step a GPU captures.
     """
     d = queries.shape[1]
-    kinds = [(items, kind.batch, _pieces(items, max(items.count, 1))) for items, kind in _kinds(plan, tiles)]
-    scores = [[_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run) for lo, hi, run in pieces]
-              for items, batch, pieces in kinds]  # each kind's pieces' scores (one piece: a GPU's, the fused path's)
+    kinds = [(items, kind.batch, _pieces(items, max(items.count, 1)), _run_blocks(keys, values, items, queries.dtype))
+             for items, kind in _kinds(plan, tiles)]
+    # each kind's pieces' scores (one piece: a GPU's, the fused path's)
+    scores = [[_scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run, blocks.get(lo))
+               for lo, hi, run in pieces] for items, batch, pieces, blocks in kinds]
     # Pass 1: each row's maximum over its items' peaks, gathered by `plan.order` like its terms (a peak for
     # every term, numbered alike; the zero term's is -inf): a gather and a max rather than atomic scatters.
     peaks = torch.cat([*(_peaks(p).reshape(-1) for parts in scores for p in parts), queries.new_full((1,), -math.inf)])
     row_max = _finite(peaks.index_select(0, plan.order.reshape(-1)).view(plan.order.shape).amax(dim=1))
-    terms = [_terms(part, row_max, items.rows[lo:hi], values, items, lo, hi, batch, run).view(-1, d + 1)
-             for (items, batch, pieces), parts in zip(kinds, scores) for part, (lo, hi, run) in zip(parts, pieces)]
+    terms = [_terms(part, row_max, items.rows[lo:hi], values, items, lo, hi, batch, run, block=blocks.get(lo))
+             .view(-1, d + 1) for (items, batch, pieces, blocks), parts in zip(kinds, scores)
+             for part, (lo, hi, run) in zip(parts, pieces)]
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
     ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
     sums = queries.new_zeros(queries.shape[0], d + 1)
@@ -320,15 +335,15 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores for pass 2, the first always and more up to `AttentionTiles.hold` items of a kind; pass 2 computes
     the rest again (the same products, the same bits) rather than hold them all."""
     d = queries.shape[1]
-    kinds = [(items, kind.batch, _pieces(items, items.count if 0 < items.count <= tiles.keep else kind.chunk))
-             for items, kind in _kinds(plan, tiles)]  # whole, then partial
+    kinds = [(items, kind.batch, _pieces(items, items.count if 0 < items.count <= tiles.keep else kind.chunk),
+              _run_blocks(keys, values, items, queries.dtype)) for items, kind in _kinds(plan, tiles)]  # whole, partial
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     held = []  # each kind's first pieces' scores: its first piece, and more as far as `hold` allows
-    for items, batch, pieces in kinds:
+    for items, batch, pieces, blocks in kinds:
         held.append([])
         for n, (lo, hi, run) in enumerate(pieces):
-            piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
+            piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run, blocks.get(lo))
             if run is not None and run >= 0:  # a run's rows one slice
                 peak = row_max[run:run + piece_scores.shape[0] * piece_scores.shape[1]]
                 torch.maximum(peak, _peaks(piece_scores).view(-1), out=peak)
@@ -339,18 +354,18 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     row_max = _finite(row_max)
 
     sums = queries.new_zeros(queries.shape[0], d + 1)  # pass 2: weighted values and, in column D, the softmax sum
-    for (items, batch, pieces), kept in zip(kinds, held):
+    for (items, batch, pieces, blocks), kept in zip(kinds, held):
         for n, (lo, hi, run) in enumerate(pieces):
             if n < len(kept):  # held: its memory goes as soon as its terms are taken
                 piece_scores, kept[n] = kept[n], None
             else:
-                piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run)
+                piece_scores = _scores(queries, keys, values, items, lo, hi, batch, tiles.fused, run, blocks.get(lo))
             rows = items.rows[lo:hi]
             if run is not None and run >= 0:  # one block, its rows one slice of the sums
                 _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run,
-                       into=sums[run:run + rows.numel()])
+                       into=sums[run:run + rows.numel()], block=blocks[lo])
                 continue
-            terms = _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run)  # (I, T, D + 1)
+            terms = _terms(piece_scores, row_max, rows, values, items, lo, hi, batch, run, block=blocks.get(lo))
             for first, end in zip(items.bounds, items.bounds[1:]):  # one block after another
                 first, end = max(first, lo), min(end, hi)
                 if first < end:

@@ -47,9 +47,10 @@ def run_scores(q: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     return onednn_linear(q.reshape(-1, q.shape[2]), block).view(q.shape[0], q.shape[1], block.shape[0])
 
 
-def run_values(e: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """(n, T, D) a run's weights e (n, T, B) times its one value block (B, D): one oneDNN product."""
-    return onednn_linear(e.reshape(-1, e.shape[2]), block.t().contiguous()).view(e.shape[0], e.shape[1], block.shape[1])
+def run_values(e: torch.Tensor, block_t: torch.Tensor) -> torch.Tensor:
+    """(n, T, D) a run's weights e (n, T, B) times its one value block, given transposed (D, B) and contiguous
+    (oneDNN's weight layout): one oneDNN product."""
+    return onednn_linear(e.reshape(-1, e.shape[2]), block_t).view(e.shape[0], e.shape[1], block_t.shape[0])
 
 
 def run_row_sums(e: torch.Tensor) -> torch.Tensor:
@@ -75,7 +76,7 @@ def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torc
         with unwatched(), torch.no_grad():
             batches = _calls(q, k.expand(whole, -1, -1).contiguous(), v.expand(whole, -1, -1).contiguous(), e,
                              kind.batch)
-            run = run_scores(q[:n], k), run_values(e[:n], v), run_row_sums(e[:n])
+            run = run_scores(q[:n], k), run_values(e[:n], v.t().contiguous()), run_row_sums(e[:n])
             _PROVEN[key] = (1,) if all(torch.equal(r, full[:n]) for r, full in zip(run, batches)) else ()
     return bool(_PROVEN[key])
 
