@@ -707,6 +707,7 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     out = tmp_path / "check.json"
     assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["source_sha256"] == gpu_check.source_digest() and len(data["source_sha256"]) == 64
     tests = data["steps"]["tests"]["result"]
     assert tests["exit"] == 0 and tests["passed"] > 0 and not tests.get("failed")
     bench = data["steps"]["bench tiny float32"]["result"]

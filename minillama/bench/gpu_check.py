@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import re
@@ -39,6 +40,7 @@ import torch
 
 from ..errors import run_command
 from ..files import json_text, make_dir, write_file
+from ..oracle.record import git_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_model.py", "tests/test_cache.py",
@@ -46,6 +48,14 @@ DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_m
                 "tests/test_family.py", "tests/test_step.py"]
 # (shape, dtype) of the parity checks and the bench.
 CASES = (("smollm2", "float32"), ("llama3-8b", "bfloat16"))
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """SHA-256 over the package's Python sources (path and bytes of each, in path order)."""
+    h = hashlib.sha256()
+    for path in sorted((root / "minillama").rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def run_tests(device: str, timeout_s: float, files: Sequence[str] = DEVICE_TESTS, workers: int = 0) -> dict[str, Any]:
@@ -92,10 +102,11 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: 
           log=print) -> dict[str, Any]:
     make_dir(out.parent)
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else device
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() \
-        or os.environ.get("MINILLAMA_COMMIT", "")  # a copy of the tree without its .git: the caller names it
+    commit = git_commit() or os.environ.get("MINILLAMA_COMMIT", "")  # no .git there: the caller names it
+    # The code that ran, whatever the copy's git metadata says (a copied tree may carry a stale .git, seen
+    # on the H200: "+dirty" then flags it): `source_digest()` of a checkout says whether it is that code.
     result: dict[str, Any] = {"device_name": name, "device": device, "torch": torch.__version__, "commit": commit,
-                              "quick": quick, "steps": {}}
+                              "source_sha256": source_digest(), "quick": quick, "steps": {}}
 
     def step(key: str, fn) -> None:
         t0 = time.perf_counter()
