@@ -81,6 +81,35 @@ def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torc
     return bool(_PROVEN[key])
 
 
+def scan_sums(ordered: torch.Tensor) -> torch.Tensor:
+    """(rows, D + 1) each row's J terms of `ordered` (rows, J, D + 1) added in order as one scan, +0 after
+    (a scan that starts from its first term rather than from +0 keeps a -0 that the additions would not)."""
+    return ordered.cumsum(dim=1)[:, -1] + 0.0
+
+
+def proven_scan(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one `cumsum` over the terms of `ordered` (rows, J, D + 1), plus +0, gives each row's last sum
+    exactly the bits of J additions in order onto +0 (`attention._add_in_row_order`), shown once per process,
+    device, dtype and shape on random terms with zeros and -0 among them. Never on a CPU, whose `cumsum`
+    adds float32 in double; on a GPU the proof runs in the host half, before any step of that shape."""
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return False
+    key = ("scan", shape, dtype, device)
+    if key not in _PROVEN:
+        g = torch.Generator().manual_seed(shape[1])
+        x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) ** 8 * 1e3
+        x[::3, ::2] = 0.0
+        x[1::3, ::3] = -0.0
+        x = x.to(device=device, dtype=dtype)
+        with unwatched(), torch.no_grad():
+            loop = x.new_zeros(shape[0], shape[2])
+            for j in range(shape[1]):
+                loop = loop + x[:, j]
+            scan = scan_sums(x)
+            _PROVEN[key] = (1,) if torch.equal(loop, scan) and torch.equal(loop.signbit(), scan.signbit()) else ()
+    return bool(_PROVEN[key])
+
+
 def _items(kind: ItemTiles, d: int) -> tuple[torch.Tensor, ...]:
     """A whole batch of random items of the kind: q (n, T, D), k and v (n, B, D), e (n, T, B) in exp's range."""
     n, t, b = kind.batch, kind.rows, KEY_BLOCK

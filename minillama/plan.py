@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
-from .batched import proven_batches, proven_rows, proven_run
+from .batched import proven_batches, proven_rows, proven_run, proven_scan
 from .cache import PAD_SLOT, KVCache
 from .invariant import last_tile
 
@@ -109,6 +109,8 @@ class AttentionPlan:
     order: torch.Tensor | None = None
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
+    # Where `order` is: whether its J additions go as one proven scan (batched.proven_scan; a GPU's).
+    scan: bool = False
     # The token rows attention runs, R / G: the pass's real tokens, bucketed (step.lay_out). The model's
     # other padding rows skip attention (their output is zero, as a row that sees nothing gets). None: all.
     rows: int | None = None
@@ -151,6 +153,8 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
         order = row_order([rows for _, rows, _ in laid], layout.kv_heads * layout.row_stride, layout.row_stride,
                           buckets)
         plan.order = torch.from_numpy(order).to(cache.k.device)
+        d, acc = cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32)
+        plan.scan = proven_scan((order.shape[0], order.shape[1], d + 1), acc, cache.k.device)
     if dense:
         chain_of = {sid: cache.chain(sid) for sid in dict.fromkeys(segment_list)}
         visible = _dense_visibility(cache, chain_of, segment_list, positions.cpu(), window)

@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import minillama.attention as attention_module
 import minillama.plan as plan_module
 import minillama.step as step_module
 from minillama.attention import blocked_attention
@@ -120,6 +121,41 @@ def test_row_order_adds_the_terms_of_block_order(qs, doc, decode, tiles, window,
     in_row_order = blocked_attention(q, cache.k[0], cache.v[0], plan, big)
     by_block = blocked_attention(q, cache.k[0], cache.v[0], dataclasses.replace(plan, order=None), big)
     assert torch.equal(in_row_order, by_block)
+
+
+def _row_order_against_by_block(scan: bool) -> tuple[bool, bool]:
+    """A decode step's attention (3 questions on a 150-token document, 7 terms a row) with `plan.scan` as given
+    (its row-order additions as one scan): (the plan's own scan, row order == block order to the bit)."""
+    config = tiny_config(kv_heads=2, heads=4, head_dim=8)
+    cache, segs, poss = layout(config, 150, [9, 30, 70], [], decode=True)
+    big = dataclasses.replace(SMALL_TILES.attention, keep=1 << 20)
+    plan = plan_attention(cache, segs, poss, 2, 16, big, buckets=True)
+    q = fill(cache, 16, 2, 0)
+    in_row_order = blocked_attention(q, cache.k[0], cache.v[0], dataclasses.replace(plan, scan=scan), big)
+    return plan.scan, torch.equal(in_row_order, blocked_attention(q, cache.k[0], cache.v[0],
+                                                                  dataclasses.replace(plan, order=None), big))
+
+
+def test_a_scan_adds_the_terms_only_where_proven(monkeypatch):
+    """The row order's J additions go as one `cumsum` only where the process proved it gives their bits
+    (batched.proven_scan: a GPU's); a CPU's `cumsum` adds float32 in double, so it is refused there, and
+    taken unproven it breaks block order's bits (the negative control). With a stand-in scan that adds in
+    order, the scanned path gives block order's bits."""
+    proven, same = _row_order_against_by_block(scan=False)
+    assert same
+    if DEVICE.type == "cpu":
+        assert not proven and not _row_order_against_by_block(scan=True)[1]  # unproven: other bits
+
+        def in_order(ordered):
+            calls.append(ordered.shape)
+            out = ordered.new_zeros(ordered.shape[0], ordered.shape[2])
+            for j in range(ordered.shape[1]):
+                out = out + ordered[:, j]
+            return out
+
+        calls = []
+        monkeypatch.setattr(attention_module, "scan_sums", in_order)
+        assert _row_order_against_by_block(scan=True)[1] and calls
 
 
 def _steps_in_lockstep(model, steps=3):
