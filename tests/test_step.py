@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minillama.attention as attention_module
+import minillama.batched as batched
 import minillama.plan as plan_module
 import minillama.step as step_module
 from minillama.attention import blocked_attention
@@ -145,6 +146,7 @@ def test_a_scan_adds_the_terms_only_where_proven(monkeypatch):
     assert same
     if DEVICE.type == "cpu":
         assert not proven and not _row_order_against_by_block(scan=True)[1]  # unproven: other bits
+        assert not batched.scan_matches((579, 9, 65), torch.float32, DEVICE)  # the proof sees the CPU's sums
 
         def in_order(ordered):
             calls.append(ordered.shape)
@@ -156,6 +158,8 @@ def test_a_scan_adds_the_terms_only_where_proven(monkeypatch):
         calls = []
         monkeypatch.setattr(attention_module, "scan_sums", in_order)
         assert _row_order_against_by_block(scan=True)[1] and calls
+        monkeypatch.setattr(batched, "scan_sums", in_order)
+        assert batched.scan_matches((579, 9, 65), torch.float32, DEVICE)  # and passes a scan that adds in order
 
 
 def _steps_in_lockstep(model, steps=3):
