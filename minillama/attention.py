@@ -56,7 +56,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .batched import batched_products, batched_row_sums, run_row_sums, run_scores, run_values, scan_sums
+from .batched import (batched_products, batched_row_sums, run_row_sums, run_scores, run_values, scan_sums,
+                      sums_in_order)
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from .cache import PAD_SLOT
 from .plan import AttentionPlan, Items
@@ -310,12 +311,9 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
              for part, (lo, hi, run) in zip(parts, pieces)]
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
     ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
-    if plan.scan:  # the same additions as one scan, where proven (batched.proven_scan: a GPU's, one launch)
-        return scan_sums(ordered)
-    sums = queries.new_zeros(queries.shape[0], d + 1)
-    for j in range(ordered.shape[1]):  # pass 2's additions: each row's j-th term, in every row at once
-        sums = sums + ordered[:, j]
-    return sums
+    # Pass 2's additions: each row's j-th term, in every row at once; as one scan where proven to give the
+    # same bits (batched.proven_scan: a GPU's, one launch).
+    return scan_sums(ordered) if plan.scan else sums_in_order(ordered)
 
 
 def _pieces(items: Items, chunk: int) -> list[tuple[int, int, int | None]]:

@@ -81,6 +81,15 @@ def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torc
     return bool(_PROVEN[key])
 
 
+def sums_in_order(ordered: torch.Tensor) -> torch.Tensor:
+    """(rows, D + 1) each row's J terms of `ordered` (rows, J, D + 1) added in order onto +0, J additions of
+    every row at once (attention's row order)."""
+    sums = ordered.new_zeros(ordered.shape[0], ordered.shape[2])
+    for j in range(ordered.shape[1]):
+        sums = sums + ordered[:, j]
+    return sums
+
+
 def scan_sums(ordered: torch.Tensor) -> torch.Tensor:
     """(rows, D + 1) each row's J terms of `ordered` (rows, J, D + 1) added in order as one scan, +0 after
     (a scan that starts from its first term rather than from +0 keeps a -0 that the additions would not)."""
@@ -102,18 +111,15 @@ def proven_scan(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.d
 
 
 def scan_matches(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> bool:
-    """`scan_sums` against J additions in order onto +0, bit for bit and sign for sign, on random terms of
-    `shape` with zeros and -0 among them."""
+    """`scan_sums` against `sums_in_order`, bit for bit and sign for sign, on random terms of `shape` with
+    zeros and -0 among them."""
     g = torch.Generator(device=device).manual_seed(shape[1])
     x = torch.randn(shape, generator=g, device=device) * torch.rand(shape, generator=g, device=device) ** 8 * 1e3
     x[::3, ::2] = 0.0
     x[1::3, ::3] = -0.0
     x = x.to(dtype)
     with unwatched(), torch.no_grad():
-        loop = x.new_zeros(shape[0], shape[2])
-        for j in range(shape[1]):
-            loop = loop + x[:, j]
-        scan = scan_sums(x)
+        loop, scan = sums_in_order(x), scan_sums(x)
         return torch.equal(loop, scan) and torch.equal(loop.signbit(), scan.signbit())
 
 

@@ -150,10 +150,7 @@ def test_a_scan_adds_the_terms_only_where_proven(monkeypatch):
 
         def in_order(ordered):
             calls.append(ordered.shape)
-            out = ordered.new_zeros(ordered.shape[0], ordered.shape[2])
-            for j in range(ordered.shape[1]):
-                out = out + ordered[:, j]
-            return out
+            return batched.sums_in_order(ordered)
 
         calls = []
         monkeypatch.setattr(attention_module, "scan_sums", in_order)
