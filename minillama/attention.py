@@ -312,8 +312,8 @@ def _add_in_row_order(queries: torch.Tensor, keys: torch.Tensor, values: torch.T
     terms = torch.cat([*terms, queries.new_zeros(1, d + 1)])  # (terms + 1, D + 1): the last one is zero
     ordered = terms.index_select(0, plan.order.reshape(-1)).view(*plan.order.shape, d + 1)  # (rows, J, D + 1)
     # Pass 2's additions: each row's j-th term, in every row at once; as one scan where proven to give the
-    # same bits (batched.proven_scan: a GPU's, one launch).
-    return scan_sums(ordered) if plan.scan else sums_in_order(ordered)
+    # same bits (batched.proven_scan: a GPU's eager scan, one launch; never a compiled one, which is unproven).
+    return scan_sums(ordered) if plan.scan and not torch.compiler.is_compiling() else sums_in_order(ordered)
 
 
 def _pieces(items: Items, chunk: int) -> list[tuple[int, int, int | None]]:

@@ -12,7 +12,7 @@ import torch
 
 from .blocks import KEY_BLOCK, ItemTiles
 from .precision import onednn_linear, uses_onednn
-from .proofs import provable, unwatched
+from .proofs import opaque, provable, unwatched
 
 
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
@@ -21,24 +21,55 @@ def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tens
     a: (I, T, K), b: (I, K, N), I a multiple of `batch` (the plan pads with dummy items) but for a short last
     batch the plan chose where proven (`proven_batches`). Returns (I, T, N). The batch count is part of a
     product's signature: a backend may pick another kernel for another count (cuBLAS does for a batch of
-    one), so it never follows the size of the pass.
+    one), so it never follows the size of the pass. Under torch.compile the calls are one opaque op
+    (`_products_op`), which Inductor runs as it is rather than rewrite with its neighbours.
     """
+    return _products_op(a, b, batch) if opaque() else _products(a, b, batch)
+
+
+def _products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
     out = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
     for start in range(0, a.shape[0], batch):
         torch.bmm(a[start:start + batch], b[start:start + batch], out=out[start:start + batch])
     return out
 
 
+@torch.library.custom_op("minillama::batched_products", mutates_args=())
+def _products_op(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
+    return _products(a, b, batch)
+
+
+@_products_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+
+
 def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
     """e.sum(-1, keepdim=True) for e (I, T, B), issued as sums over exactly `batch` items each.
 
     A reduction's kernel, like a product's, may follow the shape it is given (a GPU's splits a row across
-    more threads when there are fewer rows), so it too never sees the size of the pass.
+    more threads when there are fewer rows), so it too never sees the size of the pass. Under torch.compile
+    it is one opaque op (`_row_sums_op`): Inductor calls these sums as they are rather than write a
+    reduction of its own, whose order may follow the size of the pass.
     """
+    return _row_sums_op(e, batch) if opaque() else _row_sums(e, batch)
+
+
+def _row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
     out = e.new_empty(e.shape[0], e.shape[1], 1)
     for start in range(0, e.shape[0], batch):
         torch.sum(e[start:start + batch], dim=-1, keepdim=True, out=out[start:start + batch])
     return out
+
+
+@torch.library.custom_op("minillama::batched_row_sums", mutates_args=())
+def _row_sums_op(e: torch.Tensor, batch: int) -> torch.Tensor:
+    return _row_sums(e, batch)
+
+
+@_row_sums_op.register_fake
+def _(e: torch.Tensor, batch: int) -> torch.Tensor:
+    return e.new_empty(e.shape[0], e.shape[1], 1)
 
 
 def run_scores(q: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

@@ -217,14 +217,17 @@ class KVCache:
                 return 0
             sid = parent
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (N, Hkv, D) for the tokens that were given `slots` (SPILL_SLOT for padding tokens)."""
-        self.k[layer][:, slots] = k.transpose(0, 1).to(self.k.dtype)
-        self.v[layer][:, slots] = v.transpose(0, 1).to(self.v.dtype)
-
     def chain_slots(self, sid: int) -> list[int]:
         """Slots of every token `sid` can see when at its last position, indexed by position."""
         out: list[int] = []
         for c in self.chain(sid):
             out.extend(self.segments[c].slots)
         return out
+
+
+def write_layer(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """One layer's cache (Hkv, S, D) takes k, v: (N, Hkv, D) of the tokens that were given `slots` (SPILL_SLOT
+    for padding tokens)."""
+    k_cache[:, slots] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, slots] = v.transpose(0, 1).to(v_cache.dtype)

@@ -90,6 +90,10 @@ def add_model_options(group: Any) -> None:
     group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                        help="on CUDA, run every step eagerly rather than capture each step shape once as a CUDA "
                             "graph and replay it (the same bits either way; graphs are never used on a CPU)")
+    group.add_argument("--compile", action="store_true",
+                       help="run each step's layers through torch.compile (compiled once per step shape, kept on "
+                            "disk): parallel == independent still holds, but compiled answers are not the bits of "
+                            "uncompiled ones (docs/gpu.md)")
 
 
 def sampling(args: argparse.Namespace) -> SamplingParams:
@@ -136,7 +140,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
         read = jobs if jobs is not None else read_jobs(args, model_context(args.model))
         loaded = load_checkpoint(args.model, parallel.load_device(args, here), getattr(torch, args.dtype),
                                  parallel.sharding(args, here), invariant=not args.plain_kernels,
-                                 cuda_graphs=args.cuda_graphs)
+                                 cuda_graphs=args.cuda_graphs, compiled=args.compile)
         why = too_long(loaded.tokenizer, read, loaded.context_length)  # before tokenizing anything
         if why is not None:
             raise BadInput(why)
@@ -231,6 +235,9 @@ def check_options(args: argparse.Namespace) -> None:
         precision.cpu_gemm()
     except ValueError as e:
         raise BadInput(str(e)) from None
+    if args.compile and (args.tp > 1 or args.procs > 1 or distributed.launched()):
+        raise BadInput("--compile runs in one process (a tensor-parallel rank's steps run eagerly); drop it or --tp, "
+                       "--procs and torchrun")
     distributed.check_options(args)
     if args.procs > 1:
         from .distributed.launch import check_procs
@@ -239,10 +246,11 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invariant: bool = True,
-                    cuda_graphs: bool = True) -> api.LoadedModel:
+                    cuda_graphs: bool = True, compiled: bool = False) -> api.LoadedModel:
     """The model of --model. shard: a tensor-parallel rank's (distributed.parallel.sharding): only its parts
     are read; `invariant=False` (--plain-kernels) switches the batch-invariant kernels off; `cuda_graphs=False`
-    (--no-cuda-graphs) runs every step eagerly (step.py)."""
+    (--no-cuda-graphs) runs every step eagerly; `compiled` (--compile) runs the steps' layers through
+    torch.compile (step.py)."""
     from .tokenizer import TokenizerError
     from .weights import WeightsError, load_model
 
@@ -256,6 +264,7 @@ def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invar
         model.llama.invariant = invariant
         if not cuda_graphs:
             model.llama.steps.captured = False
+        model.llama.steps.compiled = compiled
         return model
     except (WeightsError, TokenizerError) as e:
         raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None

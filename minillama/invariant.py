@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
-from .proofs import proven_long, proven_short, proven_units
+from .proofs import opaque, proven_long, proven_short, proven_units
 
 if TYPE_CHECKING:
     from .config import LlamaConfig
@@ -193,7 +193,13 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     one product of the smallest `short` row count that holds them and that `proven_short` has shown gives
     the whole tile's bits for this slice, else as a whole tile; runs of whole tiles go as one product of the
     longest `long` row count that fits and that `proven_long` has shown gives each tile's bits, longest first.
+
+    Under torch.compile it is one opaque op (`_linear_op`) that runs this function as it is: Inductor would
+    otherwise rewrite a product with its neighbours (a residual added after `mm` became one `addmm` for
+    some numbers of rows and not others: other bits, seen on a CPU).
     """
+    if opaque():
+        return _linear_op(x, weight, tile, list(short), list(long))
     *lead, k = x.shape
     n = weight.shape[0]
     calc = compute_dtype(x.device, x.dtype)
@@ -248,6 +254,16 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     return _output(out, m, x.dtype, lead)
 
 
+@torch.library.custom_op("minillama::tiled_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, tile: int, short: list[int], long: list[int]) -> torch.Tensor:
+    return tiled_linear(x, weight, tile, tuple(short), tuple(long))
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, tile: int, short: list[int], long: list[int]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _products(whole: int, tile: int, runs: tuple[int, ...], last: int) -> list[tuple[int, int]]:
     """(first row, rows) of each product of a pass: its `whole` tiles in runs of the longest proven row
     counts that fit, the tiles left one by one, then its last tile of `last` rows (0: none)."""
@@ -278,13 +294,30 @@ def tiled_mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
 
     A reduction is issued with a fixed shape for the same reason a product is: a GPU's reduction kernel
     chooses how many threads share a row from the number of rows (on an H100 a row of 576 floats is summed
-    in another order for 8 rows than for 1), so a row's bits would follow the size of the pass.
+    in another order for 8 rows than for 1), so a row's bits would follow the size of the pass. Under
+    torch.compile it is one opaque op (`_mean_square_op`): Inductor, left to write the reduction itself
+    fused with its neighbours, sums a row in another order for another number of rows (seen on a CPU at
+    SmolLM2's shape).
     """
+    return _mean_square_op(x, tile) if opaque() else _mean_square(x, tile)
+
+
+def _mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
     sq, m = _whole_tiles(x.pow(2), tile)  # (M_pad, K)
     out = sq.new_empty(sq.shape[0], 1)
     for i in range(0, sq.shape[0], tile):
         torch.mean(sq[i:i + tile], dim=-1, keepdim=True, out=out[i:i + tile])
     return out[:m].reshape(*x.shape[:-1], 1)
+
+
+@torch.library.custom_op("minillama::tiled_mean_square", mutates_args=())
+def _mean_square_op(x: torch.Tensor, tile: int) -> torch.Tensor:
+    return _mean_square(x, tile)
+
+
+@_mean_square_op.register_fake
+def _(x: torch.Tensor, tile: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], 1)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

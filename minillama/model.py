@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import blocked_attention, masked_attention
-from .cache import KVCache
+from .cache import KVCache, write_layer
 from .config import LlamaConfig
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
 from .plan import AttentionPlan
@@ -94,10 +94,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """x: (N, hidden); cos, sin: (N, D), sin signed (rope.signed_sin); slots: (N,) the cache slot of each
-        row (cache.SPILL_SLOT for padding rows). Returns (N, hidden)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """x: (N, hidden); cos, sin: (N, D), sin signed (rope.signed_sin); k_cache, v_cache: (Hkv, S, D) this
+        layer's cache; slots: (N,) the cache slot of each row (cache.SPILL_SLOT for padding rows). Returns
+        (N, hidden). Nothing here names the layer: every layer runs one function (a compiled step compiles it
+        once, step.py)."""
         n, hkv, d = x.shape[0], self.n_kv, self.head_dim
         g = self.n_heads // hkv
         q = self.q_proj(x).view(n, self.n_heads, d)
@@ -106,16 +108,16 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_folded(q, cos, sin), apply_rope_folded(k, cos, sin)
-        cache.write(self.layer, slots, k, v)
+        write_layer(k_cache, v_cache, slots, k, v)
         # Query head h = j * G + i uses KV head j (HF's repeat_kv); row m * G + i of KV head j is token m. The
         # first m = plan.rows tokens attend (AttentionPlan.rows); the other padding rows get zeros.
         m = n if plan.rows is None else plan.rows
         rows = q[:m].view(m, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, m * g, d)  # (Hkv, R, D)
         if self.kernels.invariant:
-            out = blocked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan,
+            out = blocked_attention(rows, k_cache, v_cache, plan,
                                     self.kernels.tiles_for(x.device).attention)  # (Hkv, R, D)
         else:
-            out = masked_attention(rows, cache.k[self.layer], cache.v[self.layer], plan)
+            out = masked_attention(rows, k_cache, v_cache, plan)
         out = out.to(x.dtype).view(hkv, m, g, d).permute(1, 0, 2, 3).reshape(m, self.n_heads * d)  # (M, H * D)
         return self.o_proj(F.pad(out, (0, 0, 0, n - m)) if m < n else out)  # (N, H * D)
 
@@ -128,8 +130,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = MLP(config, kernels)
 
-    def forward(self, x, cos, sin, cache, slots, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, plan)
+    def forward(self, x, cos, sin, k_cache, v_cache, slots, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, slots, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -269,13 +271,13 @@ class Llama(nn.Module):
                              f"({self.config.max_position_embeddings})")
 
         step = self.lay_out(cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
-                            buckets=self.steps.capturing(self.device))
+                            buckets=self.steps.bucketed(self.device), at_once=self.steps.compiled)
         return self.steps.run(self.run_step, cache, step)
 
     def lay_out(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
-                logits_rows: torch.Tensor | None, buckets: bool) -> Step:
+                logits_rows: torch.Tensor | None, buckets: bool, at_once: bool = False) -> Step:
         """The host half of a pass (step.lay_out): positions and segments on the host, a `Step` out."""
-        return lay_out(self.config, self.kernels, cache, tokens, positions, segments, logits_rows, buckets)
+        return lay_out(self.config, self.kernels, cache, tokens, positions, segments, logits_rows, buckets, at_once)
 
     @torch.no_grad()
     def run_step(self, cache: KVCache, step: Step) -> torch.Tensor:
@@ -283,8 +285,9 @@ class Llama(nn.Module):
         x = self.model.embed_tokens(step.tokens)  # (rows, hidden)
         cos, sin = self._rope_table(x.dtype)
         cos, sin = cos[step.positions], sin[step.positions]
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, step.slots, step.plan)
+        block = self.steps.block  # each layer's function: the module's forward, or it compiled (step.py)
+        for i, layer in enumerate(self.model.layers):
+            x = block(layer, x, cos, sin, cache.k[i], cache.v[i], step.slots, step.plan)
         return self.lm_head(self.model.norm(x.index_select(0, step.logits_rows)))
 
     def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,12 +126,13 @@ def bucket(count: int, unit: int = 1) -> int:
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
                    n_rows: int, tiles: AttentionTiles, dense: bool = False, window: int | None = None,
-                   buckets: bool = False) -> AttentionPlan:
+                   buckets: bool = False, at_once: bool = False) -> AttentionPlan:
     """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
 
     `n_rows` >= N is the padded token count the model runs (model.py says why); `window`: the sliding
     window (config.sliding_window), None for none; `buckets`: round every count up to a bucket (`bucket`), so
-    that steps of one bucket have one shape (the padded rows of a dense plan see the padding slot only).
+    that steps of one bucket have one shape (the padded rows of a dense plan see the padding slot only);
+    `at_once`: every item held at once (row order) however many, as a compiled step needs (step.py).
     """
     segment_list, position_list = segments.tolist(), positions.tolist()
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
@@ -149,7 +150,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     laid.append((partial, partial_rows, tiles.partial))
     plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial, small=small,
                          rows=n_rows)
-    if all(tiles.held_at_once(items.count, kind) for items, _, kind in laid):
+    if at_once or all(tiles.held_at_once(items.count, kind) for items, _, kind in laid):
         order = row_order([rows for _, rows, _ in laid], layout.kv_heads * layout.row_stride, layout.row_stride,
                           buckets)
         plan.order = torch.from_numpy(order).to(cache.k.device)

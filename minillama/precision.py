@@ -132,8 +132,10 @@ def cpu_gemm() -> str:
 @torch.compiler.assume_constant_result
 def uses_onednn(device: torch.device, calc: torch.dtype) -> bool:
     """Whether products computing in `calc` on `device` run in oneDNN's linear (a CPU in float32 that picks
-    it, `cpu_gemm`); the tiled and the plain products ask the same question."""
-    return device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
+    it, `cpu_gemm`), outside `torch.compile`, which cannot lower it (it takes `torch.mm`); the tiled and the
+    plain products ask the same question."""
+    return (device.type == "cpu" and calc == torch.float32 and cpu_gemm() == "onednn"
+            and not torch.compiler.is_compiling())
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

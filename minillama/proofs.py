@@ -81,6 +81,16 @@ def proven_units(weight: torch.Tensor, bounds: list[tuple[int, int]], rows: tupl
     return bool(_PROVEN[key])
 
 
+OPAQUE = True  # `opaque`'s switch: the tests' negative control turns it off
+
+
+def opaque() -> bool:
+    """Whether the fixed-signature products and order-dependent reductions go as opaque ops, run as they are:
+    under torch.compile, whose Inductor would otherwise fuse them with their neighbours and rewrite them
+    (their bits would then follow the size of the pass)."""
+    return OPAQUE and torch.compiler.is_compiling()
+
+
 def provable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a proof can stand for products of this dtype on this device (here, and attention's in
     batched.py): on a CPU (a GPU's steps read nothing back, step.py), in float32 (a 16-bit product's rounding

@@ -24,6 +24,7 @@ that storage, zeroed (a fresh cache's state), and replays those graphs rather th
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -117,9 +118,10 @@ ATTENTION_ROWS = 16  # the least bucket of attention's rows (`lay_out`)
 
 
 def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-            segments: torch.Tensor, logits_rows: torch.Tensor | None, buckets: bool) -> Step:
+            segments: torch.Tensor, logits_rows: torch.Tensor | None, buckets: bool, at_once: bool = False) -> Step:
     """The host half of a pass (`Llama.lay_out`): give the N new tokens cache slots and lay the step out (see
-    the module's docstring) for a model of `config` with `kernels`; positions and segments are on the host."""
+    the module's docstring) for a model of `config` with `kernels`; positions and segments are on the host.
+    `at_once`: attention holds every item of the pass at once, however many (a compiled step's layout)."""
     n = tokens.shape[0]
     device = cache.k.device
     unit = kernels.row_unit(device, config)  # the kernels' own padding: whole (or short) tiles of rows
@@ -132,7 +134,8 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
     attended = max(n, 1) if not buckets else bucket(max(n, 1), ATTENTION_ROWS)
     attended = min(rows, attended) if kernels.invariant else rows
     plan = plan_attention(cache, segments, positions, g, attended, kernels.tiles_for(device).attention,
-                          dense=not kernels.invariant, window=config.sliding_window, buckets=buckets)
+                          dense=not kernels.invariant, window=config.sliding_window, buckets=buckets,
+                          at_once=at_once)
     wanted = torch.arange(n) if logits_rows is None else logits_rows.cpu()
     logits = wanted.shape[0]
     padded_logits = bucket(logits) if buckets else logits
@@ -202,15 +205,59 @@ class CapturedSteps:
             self.cache = None
 
 
+COMPILED_SHAPES = 256  # the most step shapes (buckets) one compiled model takes before it refuses another
+
+
+def run_block(block: torch.nn.Module, *args: Any) -> torch.Tensor:
+    """A decoder layer's forward: (block, x, cos, sin, k_cache, v_cache, slots, plan) -> x (model.Block)."""
+    return block(*args)
+
+
+def compile_block() -> Callable[..., torch.Tensor]:
+    """`run_block` through `torch.compile`: one graph (no break) and static shapes, so one compiled graph per
+    bucket serves every layer (a layer's weights and cache are its inputs; nothing in it names the layer).
+    Inductor's batch-invariant reductions are asked for where this torch has them. A shape past
+    `COMPILED_SHAPES` raises rather than falls back to eager ops, whose bits are not the compiled ones.
+    Compiled code is kept on disk ($TORCHINDUCTOR_CACHE_DIR; unset, minillama's cache directory), so that a
+    second process loads each shape rather than compiles it cold."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .weights.default import user_cache_dir
+
+    # torch sets the variable to its default (a temporary directory) when it is first imported
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+    options = {"batch_invariant": True} if hasattr(inductor_config, "batch_invariant") else {}
+    compiled = torch.compile(run_block, fullgraph=True, dynamic=False, options=options)
+    limits = {name: value for name, value in (("recompile_limit", COMPILED_SHAPES),
+                                              ("fail_on_recompile_limit_hit", True)) if hasattr(dynamo_config, name)}
+
+    def run(block: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, *rest: Any) -> torch.Tensor:
+        # The cache's slot count is the one size compiled as a symbol: a cache of any capacity takes the same
+        # graphs (a slot is only gathered and written, never summed over).
+        torch._dynamo.mark_dynamic(k_cache, 1)
+        torch._dynamo.mark_dynamic(v_cache, 1)
+        with dynamo_config.patch(limits):
+            return compiled(block, x, cos, sin, k_cache, v_cache, *rest)
+    return run
+
+
 class Steps:
     """How a model runs its steps: eagerly, or captured per bucket (`captured`: None, the default, captures
     on CUDA in one process; False never; True asks for it). `capture` is how (CUDA graphs; a test may give
-    a stand-in that replays by running the step again, to check the buffers on a CPU)."""
+    a stand-in that replays by running the step again, to check the buffers on a CPU). `compiled`: every step
+    runs its layers through `torch.compile` (`compile_block`), laid out in buckets with its attention items
+    held at once, captured or not as above; off by default."""
 
     def __init__(self, kernels: Kernels):
         self.kernels = kernels  # the model's: a tensor-parallel rank's collectives run eagerly
         self.captured: bool | None = None
         self.capture: Callable = cuda_graph
+        self.compiled = False
+        self._compiled_block: Callable | None = None
         # Each live cache's captured steps, in a box that follows it when it grows (a new storage).
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
         self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
@@ -224,6 +271,19 @@ class Steps:
         if self.captured:
             raise ValueError(f"captured steps need a CUDA device; the model is on {device.type}")
         return False
+
+    @property
+    def block(self) -> Callable[..., torch.Tensor]:
+        """How the device half runs each decoder layer: `run_block`, or it compiled (`compile_block`)."""
+        if not self.compiled:
+            return run_block
+        if self._compiled_block is None:
+            self._compiled_block = compile_block()
+        return self._compiled_block
+
+    def bucketed(self, device: torch.device) -> bool:
+        """Whether steps on `device` are laid out in buckets: where they are captured or compiled."""
+        return self.compiled or self.capturing(device)
 
     def forget(self) -> None:
         """Drop the spare storage and its graphs: the weights they read have moved (`Llama.column_major_`)."""
@@ -258,6 +318,8 @@ class Steps:
 
     def run(self, run_step: Callable[[KVCache, Step], torch.Tensor], cache: KVCache, step: Step) -> torch.Tensor:
         """The step's logits (step.wanted, vocab); `run_step` is the model's device half (`Llama.run_step`)."""
+        if self.compiled and not step.capturable:  # lay_out(at_once=True) holds every pass's items at once
+            raise ValueError("a compiled step must hold its attention items at once (lay_out's at_once)")
         if not (self.capturing(cache.k.device) and step.capturable):
             return run_step(cache, step)[:step.wanted]
         box = self._by_cache.get(cache)
@@ -267,5 +329,5 @@ class Steps:
             box[:] = [captured := CapturedSteps(cache, self.capture)]
         else:
             captured = box[0]
-        kernels = (self.kernels.invariant, self.kernels.tiles, self.kernels.units)
+        kernels = (self.kernels.invariant, self.kernels.tiles, self.kernels.units, self.compiled)
         return captured.run(run_step, cache, step, kernels)[:step.wanted].clone()

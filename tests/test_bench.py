@@ -705,7 +705,7 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     from minillama.bench import gpu_check
 
     out = tmp_path / "check.json"
-    assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out), "--compiled"]) == 0
     data = json.loads(out.read_text())
     assert data["source_sha256"] == gpu_check.source_digest() and len(data["source_sha256"]) == 64
     tests = data["steps"]["tests"]["result"]
@@ -714,5 +714,6 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     by_kernels = {(r["kernels"], r["sampled"]): r["steps_differing"] for r in bench["parity"]}
     assert by_kernels[("invariant", False)] == by_kernels[("invariant", True)] == 0
     assert by_kernels[("plain", False)] > 0
-    assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent"}
-    assert {"exact_over_plain", "parallel_over_floor"} <= set(bench["targets"])
+    assert by_kernels[("invariant, compiled", False)] == by_kernels[("invariant, compiled", True)] == 0
+    assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent", "parallel_compiled"}
+    assert {"exact_over_plain", "parallel_over_floor", "compiled_over_parallel"} <= set(bench["targets"])

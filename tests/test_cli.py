@@ -204,6 +204,7 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
         "unknown option": [*m, *doc, *qs, "--temp", "0.5"],
         "meta device": [*m, *doc, *qs, "--device", "meta"],
         "negative max-memory": [*m, *doc, *qs, "--max-memory", "-1"],
+        "compile with tp": [*m, *doc, *qs, "--compile", "--tp", "2"],
     }
 
 
@@ -214,7 +215,7 @@ CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "em
          "negative max-new-tokens", "max-new-tokens not int", "nan temperature", "negative temperature",
          "infinite temperature", "top-p zero", "top-p above one", "negative top-k", "unknown mode",
          "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
-         "unknown option", "meta device", "negative max-memory"]
+         "unknown option", "meta device", "negative max-memory", "compile with tp"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -232,7 +233,8 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "no questions": "no questions", "prompt too long": f"context is {CONTEXT}",
               "corrupt model": "corrupt", "nan temperature": "--temperature", "top-p zero": "--top-p",
               "negative max-new-tokens": "--max-new-tokens", "unknown mode": "turbo",
-              "jsonl not json": "line 2", "jsonl unknown key": "'id'", "missing model": "no-model"}
+              "jsonl not json": "line 2", "jsonl unknown key": "'id'", "missing model": "no-model",
+              "compile with tp": "--compile runs in one process"}
     cases = bad_cases(ckpt, files)
     for case, words in expect.items():
         cli.main([str(a) for a in cases[case]])

@@ -110,6 +110,8 @@ def _main(argv: Sequence[str] | None) -> int:
                    "and float16 side by side, with the path each dtype's products took")
     d.add_argument("--parity", action="store_true", help="first check parallel against independent, every step's "
                    "logits bit for bit, with the invariant and the plain kernels (bench/parity.py)")
+    d.add_argument("--compiled", action="store_true", help="also parallel with each step's layers through "
+                   "torch.compile (parallel_compiled; its first_s holds the compiles), and, with --parity, its parity")
     d.add_argument("--tiny", action="store_true", help="every size divided down: seconds on a CPU (tests)")
     d.add_argument("--tp", type=int, default=1, help="tensor parallel over this many ranks (start them with torchrun "
                    "--nproc-per-node N); minillama's methods only (default: 1)")
@@ -250,11 +252,14 @@ def _shape_main(a: argparse.Namespace) -> int:
         raise BadInput("--compare-dtypes runs in one process; drop --tp")
     if a.parity and a.tp > 1:
         raise BadInput("--parity runs in one process; drop --tp")
+    if a.compiled and a.tp > 1:
+        raise BadInput("--compiled: a tensor-parallel rank's steps run eagerly; drop --tp")
     if a.threads:
         torch.set_num_threads(a.threads)
     hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
     data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, a.sample or 4, hf,
-                      log=lambda s: print(s, flush=True), tp=a.tp, dtypes=a.compare_dtypes, parity_check=a.parity)
+                      log=lambda s: print(s, flush=True), tp=a.tp, dtypes=a.compare_dtypes, parity_check=a.parity,
+                      compiled=a.compiled)
     if data is None:  # a tensor-parallel rank other than 0: rank 0 reports
         return 0
     data["meta"]["command"] = " ".join(["python -m minillama.bench", *sys.argv[1:]])

@@ -14,6 +14,8 @@ one run, round-robin repeats, medians:
 - `hf_batched`      HF transformers `generate`, left-padded, sdpa, the same weights and dtype, the same ids
                     (when transformers is importable)
 - `parallel_eager`  on CUDA, `parallel` with every step run eagerly rather than captured (step.py)
+- `parallel_compiled` with `--compiled`: `parallel` with each step's layers through torch.compile (step.py);
+                    its `first_s`, the untimed warm-up, holds the compiles
 
 The same run measures the device's GEMM rate (a square matmul in the run's dtype) and memory bandwidth
 (a large copy) and reports each method against the roofline floor of the work: the prefill's FLOPs at the
@@ -154,14 +156,15 @@ def floor_s(config: LlamaConfig, prompts: list[list[int]], docs: list[int], g: i
 
 
 def _run_minillama(model: Any, prompts: list[list[int]], docs: list[int], g: int, mode: str,
-                   invariant: bool, captured: bool | None = None) -> list[list[int]]:
-    """Token ids of every prompt; `captured`: the steps' capture setting for this run (None: the default)."""
-    saved = model.invariant, model.steps.captured
-    model.invariant, model.steps.captured = invariant, captured
+                   invariant: bool, captured: bool | None = None, compiled: bool = False) -> list[list[int]]:
+    """Token ids of every prompt; `captured`: the steps' capture setting for this run (None: the default);
+    `compiled`: the steps' layers through torch.compile (step.py)."""
+    saved = model.invariant, model.steps.captured, model.steps.compiled
+    model.invariant, model.steps.captured, model.steps.compiled = invariant, captured, compiled
     try:
         out = generate(model, prompts, SamplingParams(max_new_tokens=g, ignore_eos=True), mode=mode, docs=docs)
     finally:
-        model.invariant, model.steps.captured = saved
+        model.invariant, model.steps.captured, model.steps.compiled = saved
     return [a.token_ids for a in out]
 
 
@@ -195,12 +198,12 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
             out = _run_hf(hf, ps, g, device)
         else:
             out = _run_minillama(model, ps, ds, g, "independent" if m == "independent" else "parallel",
-                                 invariant=m != "parallel_plain", captured=False if m == "parallel_eager" else None)
+                                 invariant=m != "parallel_plain", captured=False if m == "parallel_eager" else None,
+                                 compiled=m == "parallel_compiled")
         _sync(device)
         return time.perf_counter() - t0, out
 
-    for m in methods:  # warm-up: kernels chosen, caches allocated; not timed
-        once(m)
+    first = {m: once(m)[0] for m in methods}  # warm-up: kernels chosen (or compiled), caches allocated
     times: dict[str, list[float]] = {m: [] for m in methods}
     answers: dict[str, list[list[int]]] = {}
     for r in range(repeats):
@@ -218,6 +221,7 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
         same = sum(par.get(i) == a for i, a in zip(idx[m], answers[m])) if par else None
         records.append({**dataclasses.asdict(task), "case": task.describe(), "method": m, "questions_run": len(idx[m]), "scaled_by": scale,
                         "repeats": repeats, "wall_s": wall, "wall_s_all": [t * scale for t in times[m]],
+                        "first_s": first[m] * scale,
                         "generated_tokens": n * g, "tokens_per_s": n * g / wall, "x_floor": wall / fl["floor_s"],
                         "same_tokens_as_parallel": same, **fl, "weight_bytes": weight_bytes})
     return records
@@ -259,23 +263,25 @@ def dtype_table(records: list[dict[str, Any]]) -> str:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| case | method | questions run | wall s | generated tok/s | x roofline floor | same tokens as parallel |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | method | questions run | wall s | first run s | generated tok/s | x roofline floor | "
+             "same tokens as parallel |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
         ran = f"{r['questions_run']} of {r['questions']}, x{r['scaled_by']:g}" if r["scaled_by"] != 1 else \
             str(r["questions"])
-        lines.append(f"| {r['case']} | {r['method']} | {ran} | {r['wall_s']:.3f} | {r['tokens_per_s']:.0f} | "
+        first = f"{r['first_s']:.3f}" if "first_s" in r else "-"  # results from before the warm-up was kept
+        lines.append(f"| {r['case']} | {r['method']} | {ran} | {r['wall_s']:.3f} | {first} | {r['tokens_per_s']:.0f} | "
                      f"{r['x_floor']:.1f} | {r['same_tokens_as_parallel']}/{r['questions_run']} |")
     return "\n".join(lines)
 
 
 def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables: bool, repeats: int, sample: int,
                use_hf: bool, log: Callable[[str], None] = print, tp: int = 1,
-               dtypes: bool = False, parity_check: bool = False) -> dict[str, Any] | None:
+               dtypes: bool = False, parity_check: bool = False, compiled: bool = False) -> dict[str, Any] | None:
     """The whole run: rates, the headline with every method, the paper's tables with parallel alone.
     tp > 1: this is one rank of torchrun's; the model is sharded (distributed/tp.py), rank 0 returns the
     results and the others None. `dtypes`: also the headline's `parallel` in every dtype (`dtype_sweep`).
-    `parity_check`: first, parallel against independent logits bit for bit (bench/parity.py)."""
+    `parity_check`: first, parallel against independent logits bit for bit (bench/parity.py); `compiled`:
+    the headline also with compiled steps (`parallel_compiled`), and the parity check too."""
     dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
     here = None
@@ -306,9 +312,10 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     checked = []
     if parity_check:
         sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}
-        checked = parity(model, log=log, **sizes)
+        checked = parity(model, log=log, compiled=compiled, **sizes)
     methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ()) + \
-        (("parallel_eager",) if model.steps.capturing(model.device) else ())  # what capturing the steps gains
+        (("parallel_eager",) if model.steps.capturing(model.device) else ()) + \
+        (("parallel_compiled",) if compiled else ())
     records = run_task(shrink(HEADLINE), model, hf, device, methods, repeats, sample, rates, log)
     if tables:
         for t in PAPER_TABLES:

@@ -7,8 +7,10 @@ In order, each step recorded whatever the others do:
 
 1. `parity` (bench/parity.py) at SmolLM2's shape in float32 and Llama-3-8B's in bfloat16: parallel against
    independent, every step's logits, invariant and plain kernels, and captured steps against eager ones;
+   with `--compiled`, the same with compiled steps (step.py);
 2. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
-   parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run;
+   parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run
+   (with `--compiled`, parallel with compiled steps too, compiled from cold in a fresh cache directory);
 3. the targets the GPU work is measured by, as ratios from that one run;
 4. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`_candidates`), side by
    side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
@@ -45,7 +47,7 @@ from ..oracle.record import git_commit
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_model.py", "tests/test_cache.py",
                 "tests/test_generate.py", "tests/test_invariant.py", "tests/test_signatures.py",
-                "tests/test_family.py", "tests/test_step.py"]
+                "tests/test_family.py", "tests/test_step.py", "tests/test_compile.py"]
 # (shape, dtype) of the parity checks and the bench.
 CASES = (("smollm2", "float32"), ("llama3-8b", "bfloat16"))
 
@@ -95,19 +97,37 @@ def targets(bench: dict[str, Any]) -> dict[str, Any]:
         out["hf_over_parallel"] = by["hf_batched"]["wall_s"] / by["parallel"]["wall_s"]
     if "parallel" in by and "parallel_eager" in by:
         out["eager_over_captured"] = by["parallel_eager"]["wall_s"] / by["parallel"]["wall_s"]
+    if "parallel" in by and "parallel_compiled" in by:
+        out["compiled_over_parallel"] = by["parallel_compiled"]["wall_s"] / by["parallel"]["wall_s"]
+        out["compiled_first_run_s"] = by["parallel_compiled"]["first_s"]
     return out
 
 
 def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: float = 0.0,
-          log=print) -> dict[str, Any]:
+          log=print, compiled: bool = False) -> dict[str, Any]:
     make_dir(out.parent)
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else device
     commit = git_commit() or os.environ.get("MINILLAMA_COMMIT", "")  # no .git there: the caller names it
     # The code that ran, whatever the copy's git metadata says (a copied tree may carry a stale .git, seen
     # on the H200: "+dirty" then flags it): `source_digest()` of a checkout says whether it is that code.
     result: dict[str, Any] = {"device_name": name, "device": device, "torch": torch.__version__, "commit": commit,
-                              "source_sha256": source_digest(), "quick": quick, "steps": {}}
+                              "source_sha256": source_digest(), "quick": quick, "compiled": compiled, "steps": {}}
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if compiled:  # compiles from cold: a fresh cache directory, so `first_s` holds every compile of the run
+        import tempfile
 
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="minillama-inductor-")
+    try:
+        return _steps(device, quick, out, test_timeout_s, budget_s, log, compiled, result)
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+
+
+def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: float, log, compiled: bool,
+           result: dict[str, Any]) -> dict[str, Any]:
     def step(key: str, fn) -> None:
         t0 = time.perf_counter()
         try:
@@ -123,7 +143,7 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: 
     for shape, dtype in CASES:
         if quick:
             shape = "tiny"
-        step(f"bench {shape} {dtype}", lambda s=shape, d=dtype: _bench(s, d, device, quick, log))
+        step(f"bench {shape} {dtype}", lambda s=shape, d=dtype: _bench(s, d, device, quick, log, compiled))
         if quick:
             break
     shape, dtype = ("tiny", "float32") if quick else CASES[-1]
@@ -205,11 +225,11 @@ def _profile(run, device: torch.device, top: int = 30) -> dict[str, str]:
             "by_host_time": ka.table(sort_by="self_cpu_time_total", row_limit=top)}
 
 
-def _bench(shape: str, dtype: str, device: str, quick: bool, log) -> dict[str, Any]:
+def _bench(shape: str, dtype: str, device: str, quick: bool, log, compiled: bool = False) -> dict[str, Any]:
     from .device import shape_main
 
     data = shape_main(shape, device, dtype, tiny=quick, tables=False, repeats=1 if quick else 3,
-                      sample=2 if quick else 4, use_hf=True, log=log, parity_check=True)
+                      sample=2 if quick else 4, use_hf=True, log=log, parity_check=True, compiled=compiled)
     return {**data, "targets": targets(data)}
 
 
@@ -222,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.add_argument("--test-timeout", type=float, default=300.0, help="seconds for the test run at most (default: 300)")
         ap.add_argument("--budget", type=float, default=0.0,
                         help="seconds for the whole check: the tests, run last, get what is left (default: no bound)")
+        ap.add_argument("--compiled", action="store_true",
+                        help="the parity checks and the bench also with compiled steps, compiled from cold")
         a = ap.parse_args(argv)
         if a.device.startswith("cuda") and not torch.cuda.is_available():
             from ..errors import BadInput
@@ -229,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else a.device
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         out = Path(a.out) if a.out else ROOT / "docs" / "bench" / "gpu" / f"{slug}-check.json"
-        check(a.device, a.quick, out, a.test_timeout, a.budget)
+        check(a.device, a.quick, out, a.test_timeout, a.budget, compiled=a.compiled)
         print(f"gpu_check: wrote {out}")
         return 0
 

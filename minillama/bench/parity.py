@@ -27,56 +27,64 @@ def workload(vocab: int, doc_tokens: int, questions: int, lengths: tuple[int, in
             for _ in range(questions)]
 
 
-def compare(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool, invariant: bool) -> dict[str, Any]:
-    """One comparison: how many of the questions' steps have other logits bits, packed against alone."""
+def compare(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool, invariant: bool,
+            compiled: bool = False) -> dict[str, Any]:
+    """One comparison: how many of the questions' steps have other logits bits, packed against alone;
+    `compiled`: both runs' steps through torch.compile (step.py)."""
     params = SamplingParams(max_new_tokens=new_tokens, keep_logits=True, ignore_eos=True,
                             temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=7)
-    saved, model.invariant = model.invariant, invariant
+    saved = model.invariant, model.steps.compiled
+    model.invariant, model.steps.compiled = invariant, compiled
     try:
         alone = generate(model, prompts, params, mode="independent")
         packed = generate(model, prompts, params, mode="parallel")
     finally:
-        model.invariant = saved
+        model.invariant, model.steps.compiled = saved
     pairs = [(x, y) for a, b in zip(alone, packed) for x, y in zip(a.logits, b.logits)]
-    return {"sampled": sampled, "kernels": "invariant" if invariant else "plain", "questions": len(prompts),
+    kernels = ("invariant" if invariant else "plain") + (", compiled" if compiled else "")
+    return {"sampled": sampled, "kernels": kernels, "questions": len(prompts),
             "steps": len(pairs), "steps_differing": sum(not torch.equal(x, y) for x, y in pairs),
             "max_abs_diff": max((float((x.float() - y.float()).abs().max()) for x, y in pairs), default=0.0),
             "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(alone, packed))}
 
 
-def compare_captured(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool) -> dict[str, Any]:
-    """Captured steps against eager ones (step.py), the parallel run's every step's logits: 0 steps may differ."""
+def compare_captured(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool,
+                     compiled: bool = False) -> dict[str, Any]:
+    """Captured steps against eager ones (step.py), the parallel run's every step's logits: 0 steps may differ;
+    `compiled`: both runs' steps through torch.compile."""
     params = SamplingParams(max_new_tokens=new_tokens, keep_logits=True, ignore_eos=True,
                             temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=7)
-    saved = model.steps.captured
+    saved = model.steps.captured, model.steps.compiled
     try:
-        model.steps.captured = False
+        model.steps.captured, model.steps.compiled = False, compiled
         eager = generate(model, prompts, params, mode="parallel")
         model.steps.captured = True
         captured = generate(model, prompts, params, mode="parallel")
     finally:
-        model.steps.captured = saved
+        model.steps.captured, model.steps.compiled = saved
     pairs = [(x, y) for a, b in zip(eager, captured) for x, y in zip(a.logits, b.logits)]
-    return {"sampled": sampled, "kernels": "captured vs eager", "questions": len(prompts), "steps": len(pairs),
+    kernels = "captured vs eager" + (", compiled" if compiled else "")
+    return {"sampled": sampled, "kernels": kernels, "questions": len(prompts), "steps": len(pairs),
             "steps_differing": sum(not torch.equal(x, y) for x, y in pairs),
             "max_abs_diff": max((float((x.float() - y.float()).abs().max()) for x, y in pairs), default=0.0),
             "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(eager, captured))}
 
 
 def parity(model: Any, doc_tokens: int = 554, questions: int = 16, lengths: tuple[int, int] = (6, 20),
-           new_tokens: int = 8, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Greedy and sampled, invariant and plain kernels: four comparisons on one workload."""
+           new_tokens: int = 8, log: Callable[[str], None] = print, compiled: bool = False) -> list[dict[str, Any]]:
+    """Greedy and sampled, invariant and plain kernels: four comparisons on one workload (and on CUDA captured
+    steps against eager ones); `compiled`: the invariant ones again with compiled steps."""
     prompts = workload(model.config.vocab_size, doc_tokens, questions, lengths)
     records = []
     for sampled in (False, True):
-        for invariant in (True, False):
-            r = compare(model, prompts, new_tokens, sampled, invariant)
+        for invariant, compile_ in [(True, False), (False, False)] + ([(True, True)] if compiled else []):
+            r = compare(model, prompts, new_tokens, sampled, invariant, compile_)
             log(f"  parity, {'sampled' if sampled else 'greedy'}, {r['kernels']} kernels: "
                 f"{r['steps_differing']} of {r['steps']} steps differ")
             records.append(r)
-        if model.device.type == "cuda":  # where steps are captured: captured against eager too
-            r = compare_captured(model, prompts, new_tokens, sampled)
-            log(f"  captured against eager, {'sampled' if sampled else 'greedy'}: "
+        for compile_ in [False] + ([True] if compiled else []) if model.device.type == "cuda" else []:
+            r = compare_captured(model, prompts, new_tokens, sampled, compile_)  # where steps are captured
+            log(f"  {r['kernels']}, {'sampled' if sampled else 'greedy'}: "
                 f"{r['steps_differing']} of {r['steps']} steps differ")
             records.append(r)
     return records

@@ -119,7 +119,7 @@ def _main(argv: Sequence[str] | None) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sock = bind(args.host, args.port)
     model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype), invariant=not args.plain_kernels,
-                            cuda_graphs=args.cuda_graphs)
+                            cuda_graphs=args.cuda_graphs, compiled=args.compile)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,

@@ -43,8 +43,13 @@ def weights_dir() -> Path:
     root = Path(__file__).resolve().parents[2]  # minillama/weights/default.py -> the checkout
     if (root / "pyproject.toml").is_file():
         return root / "weights"
+    return user_cache_dir()
+
+
+def user_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/minillama, or ~/.cache/minillama (XDG: a relative $XDG_CACHE_HOME is invalid and is
+    ignored)."""
     cache = os.environ.get("XDG_CACHE_HOME")
-    # XDG: a relative $XDG_CACHE_HOME is invalid and is ignored.
     base = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
     return base / "minillama"
 

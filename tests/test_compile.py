@@ -1,0 +1,153 @@
+"""Compiled steps (step.py, `model.steps.compiled`): each layer through torch.compile, one graph per bucket.
+
+Compiled arithmetic is not eager arithmetic (Inductor fuses the elementwise ops and reduces in its own
+order), so compiled answers are not the bits of uncompiled ones; what must hold is the guarantee itself,
+among compiled steps: parallel == independent and prefill == decode, to the bit, captured or not. Every
+pass of a compiled model is compiled (its attention items held at once), so no eager pass mixes other bits
+into the cache. Compiles are slow on a CPU (tens of seconds for the first shape), so these tests share one
+workload, whose shapes each process compiles once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import minillama.proofs as proofs
+import minillama.step as step_module
+from minillama.generate import SamplingParams, generate
+from minillama.weights.default import user_cache_dir
+from test_parity import assert_same_answers
+from test_step import Rerun, _captured
+from tiny import DEVICE, tiny_config, tiny_model
+
+DOC = [(7 * i) % 50 + 3 for i in range(90)]  # a document of two key blocks and part of a third
+PROMPTS = [DOC + [5, 6, 7, 8, 9, 10, 11, 3], DOC + [5, 6, 7, 8, 9, 10, 12, 13, 4], DOC + [5, 6, 7, 8, 9, 10, 14]]
+
+
+def _params(temperature: float) -> SamplingParams:
+    return SamplingParams(max_new_tokens=5, temperature=temperature, seed=3, keep_logits=True, ignore_eos=True)
+
+
+def _compiled(model):
+    model.steps.compiled = True
+    return model
+
+
+def _compiled_calls(monkeypatch) -> list[int]:
+    """Counts the calls of compiled layers (compile_block's function), one entry per call."""
+    calls: list[int] = []
+    compile_block = step_module.compile_block
+
+    def counting():
+        run = compile_block()
+        return lambda *args: calls.append(1) or run(*args)
+
+    monkeypatch.setattr(step_module, "compile_block", counting)
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_compiled_steps_keep_parallel_equal_to_independent(monkeypatch, temperature):
+    calls = _compiled_calls(monkeypatch)
+    model = _compiled(tiny_model(tiny_config()))
+    params = _params(temperature)
+    parallel = generate(model, PROMPTS, params, mode="parallel")
+    alone = generate(model, PROMPTS, params, mode="independent")
+    assert len(calls) >= 2 * 5 * model.config.num_hidden_layers  # every step's layers ran compiled
+    assert_same_answers(alone, parallel)
+    # The negative control: the same workload with eager steps has other bits, so that a run mixing eager and
+    # compiled passes (an eager prefill's cache under compiled decode steps) is caught by the check above.
+    model.steps.compiled = False
+    eager = generate(model, PROMPTS, params, mode="independent")
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_answers(eager, parallel)
+
+
+def test_products_and_reductions_stay_whole_under_compile(monkeypatch):
+    """Inductor would fuse a product with its neighbours: a residual added after a tile's `mm` became one
+    `addmm`, but only where the pass was exactly one tile, and `addmm` adds in another order. So under
+    compile every fixed-signature product and reduction is an opaque op (proofs.opaque) run as it is. The
+    negative control, with that off, breaks parity: a shape (256 features, 768 hidden, the CPU's tiles) at
+    which the fused `addmm` rounds otherwise."""
+    g = torch.Generator().manual_seed(0)
+    doc = torch.randint(3, 50, (100,), generator=g).tolist()
+    prompts = [doc + torch.randint(3, 50, (n,), generator=g).tolist() for n in (6, 11, 17)]
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    model = _compiled(tiny_model(tiny_config(layers=1, heads=4, kv_heads=2, head_dim=64), tiles=None))
+
+    def alone_and_packed():
+        return generate(model, prompts, params, mode="independent"), generate(model, prompts, params, mode="parallel")
+
+    assert_same_answers(*alone_and_packed())
+    monkeypatch.setattr(proofs, "OPAQUE", False)
+    with pytest.raises(AssertionError, match="differ"):
+        assert_same_answers(*alone_and_packed())
+
+
+def test_compiled_prefill_equals_decode():
+    """A token's logits when generated equal its logits in one teacher-forced pass over prompt + answer, both
+    compiled: the pass lays its items out in buckets and holds them at once, like every compiled pass."""
+    model = _compiled(tiny_model(tiny_config()))
+    for prompt, a in zip(PROMPTS, generate(model, PROMPTS, _params(0.0), mode="independent")):
+        forced = model(torch.tensor(prompt + a.token_ids[:-1]))[len(prompt) - 1:]
+        for step, (x, y) in enumerate(zip(a.logits, forced, strict=True)):
+            assert torch.equal(x, y), f"step {step}: logits differ by {(x - y).abs().max()}"
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on CUDA the parity check above runs real graphs of compiled steps")
+def test_captured_compiled_steps_replay_the_compiled_bits():
+    """The way a GPU runs a compiled model: compiled steps captured per bucket and replayed (here through the
+    CPU stand-in for a graph) give the bits of compiled steps run each time."""
+    plain = generate(_compiled(tiny_model(tiny_config())), PROMPTS, _params(0.8), mode="parallel")
+    capture = Rerun()
+    replayed = generate(_captured(_compiled(tiny_model(tiny_config())), capture), PROMPTS, _params(0.8),
+                        mode="parallel")
+    assert capture.captures >= 1 and capture.replays > capture.captures
+    assert_same_answers(plain, replayed)
+
+
+def test_a_compiled_model_refuses_a_shape_past_its_limit(monkeypatch):
+    """Past `COMPILED_SHAPES` graphs a step raises rather than run its layers eagerly (other bits)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the graphs earlier tests compiled (a layer's graph serves any model of its shapes)
+    monkeypatch.setattr(step_module, "COMPILED_SHAPES", 1)
+    model = _compiled(tiny_model(tiny_config()))
+    with pytest.raises(Exception, match="(?i)recompile"):
+        generate(model, PROMPTS, _params(0.0), mode="parallel")  # a prefill and a decode shape: two graphs
+
+
+def test_compiled_code_goes_to_minillamas_cache_directory(monkeypatch, tmp_path):
+    """Unset (or torch's temporary default), compiled code is kept in minillama's cache directory; a
+    directory the user chose is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    step_module.compile_block()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(user_cache_dir() / "inductor")
+    assert str(tmp_path) in os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    step_module.compile_block()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_a_second_compile_of_a_shape_is_read_from_disk(monkeypatch, tmp_path):
+    """After the in-process caches are dropped (as in a new process), the same shapes compile from the files
+    the first compile left in the cache directory: Inductor's graph cache hits, and nothing is compiled
+    cold."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    prompts = [DOC[:20] + [5, 6]]
+    generate(_compiled(tiny_model(tiny_config())), prompts, _params(0.0), mode="parallel")
+    assert any(tmp_path.iterdir())
+    torch._dynamo.reset()
+    counters.clear()
+    generate(_compiled(tiny_model(tiny_config())), prompts, _params(0.0), mode="parallel")
+    assert counters["inductor"]["fxgraph_cache_hit"] >= 1
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0
