@@ -12,7 +12,7 @@ import torch
 
 from .blocks import KEY_BLOCK, ItemTiles
 from .precision import onednn_linear, uses_onednn
-from .proofs import opaque, provable, unwatched
+from .proofs import opaque, opaque_op, provable, unwatched
 
 
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
@@ -21,8 +21,8 @@ def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tens
     a: (I, T, K), b: (I, K, N), I a multiple of `batch` (the plan pads with dummy items) but for a short last
     batch the plan chose where proven (`proven_batches`). Returns (I, T, N). The batch count is part of a
     product's signature: a backend may pick another kernel for another count (cuBLAS does for a batch of
-    one), so it never follows the size of the pass. Under torch.compile the calls are one opaque op
-    (`_products_op`), which Inductor runs as it is rather than rewrite with its neighbours.
+    one), so it never follows the size of the pass. Under torch.compile the calls are one opaque op, which
+    Inductor runs as it is rather than rewrite with its neighbours.
     """
     return _products_op(a, b, batch) if opaque() else _products(a, b, batch)
 
@@ -34,14 +34,8 @@ def _products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("minillama::batched_products", mutates_args=())
-def _products_op(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
-    return _products(a, b, batch)
-
-
-@_products_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
-    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+_products_op = opaque_op("batched_products", _products,
+                         lambda a, b, batch: a.new_empty(a.shape[0], a.shape[1], b.shape[2]))
 
 
 def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
@@ -49,8 +43,7 @@ def batched_row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
 
     A reduction's kernel, like a product's, may follow the shape it is given (a GPU's splits a row across
     more threads when there are fewer rows), so it too never sees the size of the pass. Under torch.compile
-    it is one opaque op (`_row_sums_op`): Inductor calls these sums as they are rather than write a
-    reduction of its own, whose order may follow the size of the pass.
+    it is one opaque op, run as it is: Inductor would write a reduction of its own.
     """
     return _row_sums_op(e, batch) if opaque() else _row_sums(e, batch)
 
@@ -62,14 +55,7 @@ def _row_sums(e: torch.Tensor, batch: int) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("minillama::batched_row_sums", mutates_args=())
-def _row_sums_op(e: torch.Tensor, batch: int) -> torch.Tensor:
-    return _row_sums(e, batch)
-
-
-@_row_sums_op.register_fake
-def _(e: torch.Tensor, batch: int) -> torch.Tensor:
-    return e.new_empty(e.shape[0], e.shape[1], 1)
+_row_sums_op = opaque_op("batched_row_sums", _row_sums, lambda e, batch: e.new_empty(e.shape[0], e.shape[1], 1))
 
 
 def run_scores(q: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
-from .proofs import opaque, proven_long, proven_short, proven_units
+from .proofs import opaque, opaque_op, proven_long, proven_short, proven_units
 
 if TYPE_CHECKING:
     from .config import LlamaConfig
@@ -193,10 +193,8 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     one product of the smallest `short` row count that holds them and that `proven_short` has shown gives
     the whole tile's bits for this slice, else as a whole tile; runs of whole tiles go as one product of the
     longest `long` row count that fits and that `proven_long` has shown gives each tile's bits, longest first.
-
-    Under torch.compile it is one opaque op (`_linear_op`) that runs this function as it is: Inductor would
-    otherwise rewrite a product with its neighbours (a residual added after `mm` became one `addmm` for
-    some numbers of rows and not others: other bits, seen on a CPU).
+    Under torch.compile it is one opaque op that runs this function as it is: Inductor would otherwise rewrite
+    a product with its neighbours (a residual added after `mm` became one `addmm` for some row counts only).
     """
     if opaque():
         return _linear_op(x, weight, tile, list(short), list(long))
@@ -254,14 +252,11 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     return _output(out, m, x.dtype, lead)
 
 
-@torch.library.custom_op("minillama::tiled_linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, tile: int, short: list[int], long: list[int]) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: list[int], long: list[int]) -> torch.Tensor:
     return tiled_linear(x, weight, tile, tuple(short), tuple(long))
 
 
-@_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, tile: int, short: list[int], long: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+_linear_op = opaque_op("tiled_linear", _linear, lambda x, weight, *_: x.new_empty(*x.shape[:-1], weight.shape[0]))
 
 
 def _products(whole: int, tile: int, runs: tuple[int, ...], last: int) -> list[tuple[int, int]]:
@@ -295,9 +290,7 @@ def tiled_mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
     A reduction is issued with a fixed shape for the same reason a product is: a GPU's reduction kernel
     chooses how many threads share a row from the number of rows (on an H100 a row of 576 floats is summed
     in another order for 8 rows than for 1), so a row's bits would follow the size of the pass. Under
-    torch.compile it is one opaque op (`_mean_square_op`): Inductor, left to write the reduction itself
-    fused with its neighbours, sums a row in another order for another number of rows (seen on a CPU at
-    SmolLM2's shape).
+    torch.compile it is one opaque op, run as it is: Inductor would write a reduction of its own.
     """
     return _mean_square_op(x, tile) if opaque() else _mean_square(x, tile)
 
@@ -310,14 +303,7 @@ def _mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
     return out[:m].reshape(*x.shape[:-1], 1)
 
 
-@torch.library.custom_op("minillama::tiled_mean_square", mutates_args=())
-def _mean_square_op(x: torch.Tensor, tile: int) -> torch.Tensor:
-    return _mean_square(x, tile)
-
-
-@_mean_square_op.register_fake
-def _(x: torch.Tensor, tile: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], 1)
+_mean_square_op = opaque_op("tiled_mean_square", _mean_square, lambda x, tile: x.new_empty(*x.shape[:-1], 1))
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,14 @@ def opaque() -> bool:
     return OPAQUE and torch.compiler.is_compiling()
 
 
+def opaque_op(name: str, fn: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]) -> Callable:
+    """`fn` (type-annotated) as the op minillama::name, which torch.compile calls as it is; `fake` gives the
+    shape and dtype of its output from its inputs' (a new tensor, never a view of an input)."""
+    op = torch.library.custom_op(f"minillama::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
 def provable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a proof can stand for products of this dtype on this device (here, and attention's in
     batched.py): on a CPU (a GPU's steps read nothing back, step.py), in float32 (a 16-bit product's rounding
