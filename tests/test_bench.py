@@ -717,3 +717,4 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     assert by_kernels[("invariant, compiled", False)] == by_kernels[("invariant, compiled", True)] == 0
     assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent", "parallel_compiled"}
     assert {"exact_over_plain", "parallel_over_floor", "compiled_over_parallel"} <= set(bench["targets"])
+    assert bench["targets"]["compiled_first_run_s"] == bench["meta"]["compiled_first_run_s"] > 0

@@ -111,7 +111,8 @@ def _main(argv: Sequence[str] | None) -> int:
     d.add_argument("--parity", action="store_true", help="first check parallel against independent, every step's "
                    "logits bit for bit, with the invariant and the plain kernels (bench/parity.py)")
     d.add_argument("--compiled", action="store_true", help="also parallel with each step's layers through "
-                   "torch.compile (parallel_compiled; its first_s holds the compiles), and, with --parity, its parity")
+                   "torch.compile (parallel_compiled; the first compiled run, timed apart, holds the compiles), and, "
+                   "with --parity, its parity")
     d.add_argument("--tiny", action="store_true", help="every size divided down: seconds on a CPU (tests)")
     d.add_argument("--tp", type=int, default=1, help="tensor parallel over this many ranks (start them with torchrun "
                    "--nproc-per-node N); minillama's methods only (default: 1)")
@@ -269,6 +270,8 @@ def _shape_main(a: argparse.Namespace) -> int:
     head = (f"random {m['shape']} weights, {m['device_name']}, {m['dtype']} ({m['products']}), torch {m['torch']}; GEMM "
             f"{m['gemm_tflops']:.2f} TFLOP/s, copy bandwidth {m['bandwidth_gbs']:.0f} GB/s; medians of "
             f"{data['records'][0]['repeats']} repeats; independent ran on a sample of the questions, its time scaled")
+    if "compiled_first_run_s" in m:
+        head += f"; the first compiled run (its compiles) took {m['compiled_first_run_s']:.1f} s"
     body = table(data["records"]) + (f"\n\n{dtype_table(data['dtypes'])}" if data["dtypes"] else "")
     if data["parity"]:
         body = f"{parity_table(data['parity'])}\n\n{body}"

@@ -15,7 +15,8 @@ one run, round-robin repeats, medians:
                     (when transformers is importable)
 - `parallel_eager`  on CUDA, `parallel` with every step run eagerly rather than captured (step.py)
 - `parallel_compiled` with `--compiled`: `parallel` with each step's layers through torch.compile (step.py);
-                    its `first_s`, the untimed warm-up, holds the compiles
+                    the process's first compiled run, timed apart (`meta.compiled_first_run_s`), holds the
+                    compiles of its shapes (from the disk cache where an earlier process left them)
 
 The same run measures the device's GEMM rate (a square matmul in the run's dtype) and memory bandwidth
 (a large copy) and reports each method against the roofline floor of the work: the prefill's FLOPs at the
@@ -309,6 +310,16 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     shrink = (lambda t: dataclasses.replace(t, doc_tokens=max(8, t.doc_tokens // 16), questions=max(2, t.questions // 16),
                                             question_tokens=max(2, t.question_tokens // 4),
                                             new_tokens=min(t.new_tokens, 3))) if tiny else (lambda t: t)
+    first_compile = {}
+    if compiled:  # the process's first compiled run, before anything else compiles: the compiles of its shapes
+        task = shrink(HEADLINE)
+        prompts, docs = task.build(config.vocab_size)
+        _sync(device)
+        t1 = time.perf_counter()
+        _run_minillama(model, prompts, docs, task.new_tokens, "parallel", invariant=True, compiled=True)
+        _sync(device)
+        first_compile["compiled_first_run_s"] = time.perf_counter() - t1
+        log(f"first compiled run of the headline (its compiles): {first_compile['compiled_first_run_s']:.1f} s")
     checked = []
     if parity_check:
         sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}
@@ -326,5 +337,6 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         return None  # rank 0 reports
     return {"meta": {"shape": shape, "device": str(device), "device_name": name, "dtype": dtype_name, "tiny": tiny,
                      "products": describe(device, dtype),
-                     "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates},
+                     "torch": torch.__version__, "threads": torch.get_num_threads(), "tp": tp, **rates,
+                     **first_compile},
             "records": records, "dtypes": by_dtype, "parity": checked}
