@@ -277,6 +277,8 @@ class Steps:
         """How the device half runs each decoder layer: `run_block`, or it compiled (`compile_block`)."""
         if not self.compiled:
             return run_block
+        if self.kernels.sharded:
+            raise ValueError("compiled steps run in one process: a tensor-parallel rank's steps run eagerly")
         if self._compiled_block is None:
             self._compiled_block = compile_block()
         return self._compiled_block

@@ -120,6 +120,13 @@ def test_a_compiled_model_refuses_a_shape_past_its_limit(monkeypatch):
         generate(model, PROMPTS, _params(0.0), mode="parallel")  # a prefill and a decode shape: two graphs
 
 
+def test_a_tensor_parallel_rank_refuses_compiled_steps():
+    model = _compiled(tiny_model(tiny_config()))
+    model.kernels.comm = object()  # what a rank holds in place of NoComm: real collectives
+    with pytest.raises(ValueError, match="compiled steps run in one process"):
+        model(torch.tensor([5, 6, 7]))
+
+
 def test_compiled_code_goes_to_minillamas_cache_directory(monkeypatch, tmp_path):
     """Unset (or torch's temporary default), compiled code is kept in minillama's cache directory; a
     directory the user chose is kept."""
