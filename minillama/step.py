@@ -19,6 +19,10 @@ buffers and replays. A graph reads the cache's memory where it was when captured
 cache's storage and are dropped when it grows. When a cache is done with (a generate call returns), its
 storage and graphs are kept as the model's spare: the next cache the model makes of no more slots is made on
 that storage, zeroed (a fresh cache's state), and replays those graphs rather than capture them again.
+
+Compiled steps (`Steps.compiled`, off by default). Each layer runs through torch.compile (`compile_block`);
+every pass is then laid out in buckets with its attention items held at once, so that no pass runs eagerly
+(compiled bits are not eager bits, and a cache must not mix them). Captured or not, as above.
 """
 
 from __future__ import annotations
@@ -205,7 +209,7 @@ class CapturedSteps:
             self.cache = None
 
 
-COMPILED_SHAPES = 256  # the most step shapes (buckets) one compiled model takes before it refuses another
+COMPILED_SHAPES = 256  # the most layer graphs (step shapes) a process compiles before a new shape raises
 
 
 def run_block(block: torch.nn.Module, *args: Any) -> torch.Tensor:
@@ -215,8 +219,10 @@ def run_block(block: torch.nn.Module, *args: Any) -> torch.Tensor:
 
 def compile_block() -> Callable[..., torch.Tensor]:
     """`run_block` through `torch.compile`: one graph (no break) and static shapes, so one compiled graph per
-    bucket serves every layer (a layer's weights and cache are its inputs; nothing in it names the layer).
-    Inductor's batch-invariant reductions are asked for where this torch has them. A shape past
+    bucket serves every layer (a layer's weights and cache are its inputs; nothing in it names the layer),
+    of any model of the same shapes. Its products and order-dependent reductions are opaque ops that run as
+    they do eagerly (proofs.opaque); Inductor fuses the elementwise work between them, and its
+    batch-invariant mode is asked for where this torch has it. A shape past
     `COMPILED_SHAPES` raises rather than falls back to eager ops, whose bits are not the compiled ones.
     Compiled code is kept on disk ($TORCHINDUCTOR_CACHE_DIR; unset, minillama's cache directory), so that a
     second process loads each shape rather than compiles it cold."""
