@@ -14,14 +14,16 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import minillama.proofs as proofs
 import minillama.step as step_module
 from minillama.generate import SamplingParams, generate
 from minillama.weights.default import user_cache_dir
-from test_parity import assert_same_answers
+from test_parity import TILES, assert_same_answers, workloads
 from test_step import Rerun, _captured
-from tiny import DEVICE, tiny_config, tiny_model
+from tiny import DEVICE, configs, tiny_config, tiny_model
 
 DOC = [(7 * i) % 50 + 3 for i in range(90)]  # a document of two key blocks and part of a third
 PROMPTS = [DOC + [5, 6, 7, 8, 9, 10, 11, 3], DOC + [5, 6, 7, 8, 9, 10, 12, 13, 4], DOC + [5, 6, 7, 8, 9, 10, 14]]
@@ -85,6 +87,17 @@ def test_products_and_reductions_stay_whole_under_compile(monkeypatch):
     monkeypatch.setattr(proofs, "OPAQUE", False)
     with pytest.raises(AssertionError, match="differ"):
         assert_same_answers(*alone_and_packed())
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(config=configs(), seed=st.integers(0, 1000), work=workloads(), tiles=TILES,
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_compiled_parallel_equals_independent_property(config, seed, work, tiles, dtype):
+    """The parity property (test_parity.py) with compiled steps: the family, dtype, tiles and layouts drawn."""
+    prompts, docs, params, eos, layout = work
+    model = _compiled(tiny_model(config, seed, dtype, tiles))
+    alone = generate(model, prompts, params, mode="independent", eos_ids=eos)
+    assert_same_answers(alone, generate(model, prompts, params, mode="parallel", docs=docs, eos_ids=eos, **layout))
 
 
 def test_compiled_prefill_equals_decode():
