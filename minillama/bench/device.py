@@ -310,13 +310,13 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     shrink = (lambda t: dataclasses.replace(t, doc_tokens=max(8, t.doc_tokens // 16), questions=max(2, t.questions // 16),
                                             question_tokens=max(2, t.question_tokens // 4),
                                             new_tokens=min(t.new_tokens, 3))) if tiny else (lambda t: t)
+    headline = shrink(HEADLINE)
     first_compile = {}
     if compiled:  # the process's first compiled run, before anything else compiles: the compiles of its shapes
-        task = shrink(HEADLINE)
-        prompts, docs = task.build(config.vocab_size)
+        prompts, docs = headline.build(config.vocab_size)
         _sync(device)
         t1 = time.perf_counter()
-        _run_minillama(model, prompts, docs, task.new_tokens, "parallel", invariant=True, compiled=True)
+        _run_minillama(model, prompts, docs, headline.new_tokens, "parallel", invariant=True, compiled=True)
         _sync(device)
         first_compile["compiled_first_run_s"] = time.perf_counter() - t1
         log(f"first compiled run of the headline (its compiles): {first_compile['compiled_first_run_s']:.1f} s")
@@ -327,11 +327,11 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ()) + \
         (("parallel_eager",) if model.steps.capturing(model.device) else ()) + \
         (("parallel_compiled",) if compiled else ())
-    records = run_task(shrink(HEADLINE), model, hf, device, methods, repeats, sample, rates, log)
+    records = run_task(headline, model, hf, device, methods, repeats, sample, rates, log)
     if tables:
         for t in PAPER_TABLES:
             records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)
-    by_dtype = dtype_sweep(config, device, shrink(HEADLINE), repeats, log) if dtypes else []
+    by_dtype = dtype_sweep(config, device, headline, repeats, log) if dtypes else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if here is not None and not here.leave():
         return None  # rank 0 reports

@@ -34,9 +34,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
+from unittest import mock
 
 import torch
 
@@ -112,18 +114,11 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: 
     # on the H200: "+dirty" then flags it): `source_digest()` of a checkout says whether it is that code.
     result: dict[str, Any] = {"device_name": name, "device": device, "torch": torch.__version__, "commit": commit,
                               "source_sha256": source_digest(), "quick": quick, "compiled": compiled, "steps": {}}
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if compiled:  # compiles from cold: a fresh cache directory, so `first_s` holds every compile of the run
-        import tempfile
-
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="minillama-inductor-")
-    try:
+    # Compiled from cold: a fresh cache directory for this check (the environment is restored after), so the
+    # first compiled run (`compiled_first_run_s`) holds the compiles of its shapes.
+    fresh = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="minillama-inductor-")} if compiled else {}
+    with mock.patch.dict(os.environ, fresh):
         return _steps(device, quick, out, test_timeout_s, budget_s, log, compiled, result)
-    finally:
-        if saved is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
 
 
 def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: float, log, compiled: bool,

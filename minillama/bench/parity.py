@@ -75,15 +75,18 @@ def parity(model: Any, doc_tokens: int = 554, questions: int = 16, lengths: tupl
     """Greedy and sampled, invariant and plain kernels: four comparisons on one workload (and on CUDA captured
     steps against eager ones); `compiled`: the invariant ones again with compiled steps."""
     prompts = workload(model.config.vocab_size, doc_tokens, questions, lengths)
+    kernels = [(True, False), (False, False)] + ([(True, True)] if compiled else [])  # (invariant, compiled)
+    # where steps are captured (CUDA): captured against eager too, with each compile setting
+    captured = ([False, True] if compiled else [False]) if model.device.type == "cuda" else []
     records = []
     for sampled in (False, True):
-        for invariant, compile_ in [(True, False), (False, False)] + ([(True, True)] if compiled else []):
+        for invariant, compile_ in kernels:
             r = compare(model, prompts, new_tokens, sampled, invariant, compile_)
             log(f"  parity, {'sampled' if sampled else 'greedy'}, {r['kernels']} kernels: "
                 f"{r['steps_differing']} of {r['steps']} steps differ")
             records.append(r)
-        for compile_ in [False] + ([True] if compiled else []) if model.device.type == "cuda" else []:
-            r = compare_captured(model, prompts, new_tokens, sampled, compile_)  # where steps are captured
+        for compile_ in captured:
+            r = compare_captured(model, prompts, new_tokens, sampled, compile_)
             log(f"  {r['kernels']}, {'sampled' if sampled else 'greedy'}: "
                 f"{r['steps_differing']} of {r['steps']} steps differ")
             records.append(r)
