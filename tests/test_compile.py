@@ -11,11 +11,13 @@ workload, whose shapes each process compiles once.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._inductor.utils import run_and_get_code
 
 import minillama.proofs as proofs
 import minillama.step as step_module
@@ -68,12 +70,28 @@ def test_compiled_steps_keep_parallel_equal_to_independent(monkeypatch, temperat
         assert_same_answers(eager, parallel)
 
 
+# A product or a product-like kernel in Inductor's code for a layer (a comment line names the ATen ops it
+# came from, so only code lines are read): cuBLAS/BLAS calls, oneDNN's linear, Triton matmul templates.
+PRODUCT_KERNEL = re.compile(r"extern_kernels\.\w*mm\b|aten\.\w*mm\b|mkldnn\.|triton_tem_")
+OPAQUE_OPS = ("tiled_linear", "tiled_mean_square", "batched_products", "batched_row_sums")
+
+
+def _layer_code(model, prompts, params) -> list[str]:
+    """Inductor's code for each layer graph of one parallel run, compiled afresh (every cache off)."""
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, code = run_and_get_code(generate, model, prompts, params, mode="parallel")
+    assert code, "no layer graph was compiled"
+    return [line for source in code for line in source.splitlines() if not line.lstrip().startswith("#")]
+
+
 def test_products_and_reductions_stay_whole_under_compile(monkeypatch):
     """Inductor would fuse a product with its neighbours: a residual added after a tile's `mm` became one
     `addmm`, but only where the pass was exactly one tile, and `addmm` adds in another order. So under
-    compile every fixed-signature product and reduction is an opaque op (proofs.opaque) run as it is. The
-    negative control, with that off, breaks parity: a shape (256 features, 768 hidden, the CPU's tiles) at
-    which the fused `addmm` rounds otherwise."""
+    compile every fixed-signature product and reduction is an opaque op (proofs.opaque) run as it is.
+    Checked in Inductor's code on every device: each layer graph calls the four opaque ops and issues no
+    product of its own; with `OPAQUE` off (the negative control) it issues them. On a CPU, where the fault was
+    found, parity itself breaks with it off: a shape (256 features, 768 hidden, the CPU's tiles) at which the
+    fused `addmm` rounds otherwise."""
     g = torch.Generator().manual_seed(0)
     doc = torch.randint(3, 50, (100,), generator=g).tolist()
     prompts = [doc + torch.randint(3, 50, (n,), generator=g).tolist() for n in (6, 11, 17)]
@@ -83,10 +101,15 @@ def test_products_and_reductions_stay_whole_under_compile(monkeypatch):
     def alone_and_packed():
         return generate(model, prompts, params, mode="independent"), generate(model, prompts, params, mode="parallel")
 
+    code = _layer_code(model, prompts, params)
+    assert not [line for line in code if PRODUCT_KERNEL.search(line)]
+    assert all(any(f"torch.ops.minillama.{op}." in line for line in code) for op in OPAQUE_OPS)
     assert_same_answers(*alone_and_packed())
     monkeypatch.setattr(proofs, "OPAQUE", False)
-    with pytest.raises(AssertionError, match="differ"):
-        assert_same_answers(*alone_and_packed())
+    assert [line for line in _layer_code(model, prompts, params) if PRODUCT_KERNEL.search(line)]
+    if DEVICE.type == "cpu":
+        with pytest.raises(AssertionError, match="differ"):
+            assert_same_answers(*alone_and_packed())
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
