@@ -29,7 +29,7 @@ except ImportError:
     resource = None  # type: ignore[assignment]
 
 from . import api
-from . import distributed, precision
+from . import distributed, precision, step
 from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as check_api_options, flag, too_long
 from .errors import BadInput, OneLineParser, check_device, one_line, run_command
 from .files import json_text
@@ -265,6 +265,8 @@ def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invar
         if not cuda_graphs:
             model.llama.steps.captured = False
         model.llama.steps.compiled = compiled
+        if compiled:
+            step.check_compiler(model.llama.device)
         return model
     except (WeightsError, TokenizerError) as e:
         raise BadInput(one_line(f"--model {path or '(default)'}: {e}")) from None

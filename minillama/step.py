@@ -27,17 +27,19 @@ every pass is then laid out in buckets with its attention items held at once, so
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .cache import SPILL_SLOT, KVCache
 from .config import LlamaConfig
+from .errors import BadInput
 from .invariant import Kernels
 from .plan import AttentionPlan, Items, bucket, plan_attention
 
@@ -228,13 +230,8 @@ def compile_block() -> Callable[..., torch.Tensor]:
     second process loads each shape rather than compiles it cold."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from .weights.default import user_cache_dir
-
-    # torch sets the variable to its default (a temporary directory) when it is first imported
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+    keep_compiled_code()
     options = {"batch_invariant": True} if hasattr(inductor_config, "batch_invariant") else {}
     compiled = torch.compile(run_block, fullgraph=True, dynamic=False, options=options)
     limits = {name: value for name, value in (("recompile_limit", COMPILED_SHAPES),
@@ -246,9 +243,53 @@ def compile_block() -> Callable[..., torch.Tensor]:
         # graphs (a slot is only gathered and written, never summed over).
         torch._dynamo.mark_dynamic(k_cache, 1)
         torch._dynamo.mark_dynamic(v_cache, 1)
-        with dynamo_config.patch(limits):
+        with dynamo_config.patch(limits), no_compiler_is_one_line():
             return compiled(block, x, cos, sin, k_cache, v_cache, *rest)
     return run
+
+
+def keep_compiled_code() -> None:
+    """Compiled code goes to $TORCHINDUCTOR_CACHE_DIR; where that is unset, or torch's temporary default (torch
+    sets the variable when it is first imported), to minillama's cache directory, which outlives a reboot."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .weights.default import user_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+
+
+@contextlib.contextmanager
+def no_compiler_is_one_line() -> Iterator[None]:
+    """A compile that fails for want of a working compiler (C++ on a CPU, Triton on a GPU), not for the code
+    compiled, raises BadInput: one line that says what is missing and the way out."""
+    import torch._inductor.exc as exc
+
+    lacking = tuple(getattr(exc, name) for name in ("InvalidCxxCompiler", "CppCompileError", "TritonMissing",
+                                                    "GPUTooOldForTriton") if hasattr(exc, name))
+    try:
+        yield
+    except Exception as e:
+        cause = getattr(e, "inner_exception", e)
+        if not isinstance(cause, lacking):
+            raise
+        said = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")[:200]
+        raise BadInput(f"--compile: torch.compile cannot build code here ({type(cause).__name__}: {said}); install "
+                       "a working compiler (a C++ compiler with Python's headers on a CPU, Triton on a GPU) "
+                       "or run without --compile") from e
+
+
+def check_compiler(device: torch.device | str) -> None:
+    """Compile and run one small function on `device`, so that a missing compiler shows when a model is
+    loaded (`--compile`), not at its first step (BadInput, `no_compiler_is_one_line`). Kept in the compile
+    cache like the layers, so it costs a compile once per machine."""
+    keep_compiled_code()
+    with no_compiler_is_one_line():
+        torch.compile(_probe, fullgraph=True, dynamic=False)(torch.ones(8, device=device))
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2 + 1).sum()
 
 
 class Steps:

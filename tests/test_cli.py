@@ -242,6 +242,20 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
         assert words in err, (case, err)
 
 
+def test_compile_without_a_compiler_is_one_line_at_load(ckpt, files, capsys, monkeypatch):
+    """--compile where torch.compile has no working C++ compiler: one line naming it and the way out, exit 2,
+    from the check at load (step.check_compiler), before any answer."""
+    from test_compile import _no_compiler
+
+    _no_compiler(monkeypatch)
+    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", files["doc"], "--questions", files["questions"],
+                                      "--compile"]])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: --compile: "), err
+    assert "InvalidCxxCompiler" in err and "run without --compile" in err
+
+
 def test_a_seqbatch_stream_beyond_the_context_is_one_line_after_the_answers_it_gave(ckpt, files, capsys):
     # seqbatch's one stream grows by every question and answer; the answers that fit are streamed out,
     # then the question that does not fit is reported in one line, with the way out.

@@ -21,6 +21,7 @@ from torch._inductor.utils import run_and_get_code
 
 import minillama.proofs as proofs
 import minillama.step as step_module
+from minillama.errors import BadInput
 from minillama.generate import SamplingParams, generate
 from minillama.weights.default import user_cache_dir
 from test_parity import TILES, assert_same_answers, workloads
@@ -163,6 +164,28 @@ def test_a_tensor_parallel_rank_refuses_compiled_steps():
         model(torch.tensor([5, 6, 7]))
 
 
+def _no_compiler(monkeypatch) -> None:
+    """No working C++ compiler, and nothing compiled to fall back on (every cache off, the in-process ones
+    dropped)."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a GPU's layers compile to Triton kernels, not C++")
+def test_no_compiler_is_one_line_that_names_the_way_out(monkeypatch):
+    """Compiled steps where torch.compile has no working compiler: BadInput (the CLI's one line, exit 2) that
+    names what is missing and says to run without --compile, at the load's check and at a first step alike."""
+    _no_compiler(monkeypatch)
+    with pytest.raises(BadInput, match="InvalidCxxCompiler.*without --compile"):
+        step_module.check_compiler(DEVICE)
+    with pytest.raises(BadInput, match="InvalidCxxCompiler.*without --compile"):
+        generate(_compiled(tiny_model(tiny_config())), PROMPTS[:1], _params(0.0), mode="independent")
+
+
 def test_compiled_code_goes_to_minillamas_cache_directory(monkeypatch, tmp_path):
     """Unset (or torch's temporary default), compiled code is kept in minillama's cache directory; a
     directory the user chose is kept."""
@@ -170,11 +193,11 @@ def test_compiled_code_goes_to_minillamas_cache_directory(monkeypatch, tmp_path)
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
-    step_module.compile_block()
+    step_module.keep_compiled_code()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(user_cache_dir() / "inductor")
     assert str(tmp_path) in os.environ["TORCHINDUCTOR_CACHE_DIR"]
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    step_module.compile_block()
+    step_module.keep_compiled_code()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
