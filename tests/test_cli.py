@@ -242,14 +242,14 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
         assert words in err, (case, err)
 
 
-def test_compile_without_a_compiler_is_one_line_at_load(ckpt, files, capsys, monkeypatch):
+def test_compile_without_a_compiler_is_one_line_at_load(ckpt, files, capsys):
     """--compile where torch.compile has no working C++ compiler: one line naming it and the way out, exit 2,
     from the check at load (step.check_compiler), before any answer."""
-    from test_compile import _no_compiler
+    from test_compile import no_compiler
 
-    _no_compiler(monkeypatch)
-    code = cli.main([str(a) for a in ["--model", ckpt, "--doc", files["doc"], "--questions", files["questions"],
-                                      "--compile"]])
+    with no_compiler():
+        code = cli.main([str(a) for a in ["--model", ckpt, "--doc", files["doc"], "--questions", files["questions"],
+                                          "--compile"]])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: --compile: "), err

@@ -10,6 +10,7 @@ workload, whose shapes each process compiles once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -164,25 +165,25 @@ def test_a_tensor_parallel_rank_refuses_compiled_steps():
         model(torch.tensor([5, 6, 7]))
 
 
-def _no_compiler(monkeypatch) -> None:
+@contextlib.contextmanager
+def no_compiler():
     """No working C++ compiler, and nothing compiled to fall back on (every cache off, the in-process ones
-    dropped)."""
+    dropped). Inductor's own `config.patch`, which restores an aliased setting as it found it."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+    with inductor_config.patch({"force_disable_caches": True, "cpp.cxx": (None, "/nonexistent/c++")}):
+        yield
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a GPU's layers compile to Triton kernels, not C++")
-def test_no_compiler_is_one_line_that_names_the_way_out(monkeypatch):
+def test_no_compiler_is_one_line_that_names_the_way_out():
     """Compiled steps where torch.compile has no working compiler: BadInput (the CLI's one line, exit 2) that
     names what is missing and says to run without --compile, at the load's check and at a first step alike."""
-    _no_compiler(monkeypatch)
-    with pytest.raises(BadInput, match="InvalidCxxCompiler.*without --compile"):
+    with no_compiler(), pytest.raises(BadInput, match="InvalidCxxCompiler.*without --compile"):
         step_module.check_compiler(DEVICE)
-    with pytest.raises(BadInput, match="InvalidCxxCompiler.*without --compile"):
+    with no_compiler(), pytest.raises(BadInput, match="InvalidCxxCompiler.*without --compile"):
         generate(_compiled(tiny_model(tiny_config())), PROMPTS[:1], _params(0.0), mode="independent")
 
 
