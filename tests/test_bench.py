@@ -718,3 +718,6 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent", "parallel_compiled"}
     assert {"exact_over_plain", "parallel_over_floor", "compiled_over_parallel"} <= set(bench["targets"])
     assert bench["targets"]["compiled_first_run_s"] == bench["meta"]["compiled_first_run_s"] > 0
+    tiles = data["steps"]["tiles tiny float32"]["result"]
+    assert "Self CPU" in tiles["profile"]["by_device_time"] and "Self CPU" in tiles["profile_compiled"]["by_device_time"]
+    assert "minillama::tiled_linear" in tiles["profile_compiled"]["by_device_time"]  # the compiled layers ran

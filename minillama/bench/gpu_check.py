@@ -14,7 +14,8 @@ In order, each step recorded whatever the others do:
 3. the targets the GPU work is measured by, as ratios from that one run;
 4. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`_candidates`), side by
    side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
-   host's time), to tune `invariant.CUDA_TILES` from one loan of the machine;
+   host's time), to tune `invariant.CUDA_TILES` from one loan of the machine (with `--compiled`, a profile
+   of one compiled run too);
 5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
    (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
@@ -142,7 +143,7 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
         if quick:
             break
     shape, dtype = ("tiny", "float32") if quick else CASES[-1]
-    step(f"tiles {shape} {dtype}", lambda: sweep_tiles(shape, dtype, device, quick, log))
+    step(f"tiles {shape} {dtype}", lambda: sweep_tiles(shape, dtype, device, quick, log, compiled))
     # The tests last, in whatever the loan has left (at least a minute): the figures above come first.
     left = max(60.0, budget_s - (time.perf_counter() - t_start)) if budget_s else test_timeout_s
     step("tests", lambda: run_tests(device, min(test_timeout_s, left), files, workers=0 if quick else 8))
@@ -165,9 +166,11 @@ def _candidates() -> dict[str, Any]:
             "partial32": replace(t, attention=replace(a, partial=ItemTiles(rows=32, batch=256, chunk=16384)))}
 
 
-def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log) -> dict[str, Any]:
+def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log, compiled: bool = False
+                ) -> dict[str, Any]:
     """`parallel` on the headline task with each candidate set of tiles (round-robin, medians), and a
-    profile of one run with the default tiles: the ops that take the most device and host time."""
+    profile of one run with the default tiles: the ops that take the most device and host time; `compiled`,
+    a profile of one run with compiled steps too (after one that compiles its shapes or reads them)."""
     from .device import HEADLINE, _run_minillama, _sync, random_model
     from .shapes import SHAPES
 
@@ -194,7 +197,12 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log)
             for n in cands:
                 t, tokens[n] = once(n)
                 times[n].append(t)
-        profile = _profile(lambda: once("default"), device)
+        profile = {"profile": _profile(lambda: once("default"), device)}
+        if compiled:
+            model.kernels.tiles = cands["default"]
+            run = lambda: _run_minillama(model, prompts, docs, task.new_tokens, "parallel", True, compiled=True)  # noqa: E731
+            run()
+            profile["profile_compiled"] = _profile(run, device)
     finally:
         model.kernels.tiles = None
     base = statistics.median(times["default"])
@@ -203,8 +211,7 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log)
             for n, ts in times.items()}
     for n, r in rows.items():
         log(f"  tiles {n}: {r['wall_s']:.3f} s, x{r['x_default']:.2f} the default")
-    return {"task": task.describe(), "candidates": {n: repr(c) for n, c in cands.items()}, "runs": rows,
-            "profile": profile}
+    return {"task": task.describe(), "candidates": {n: repr(c) for n, c in cands.items()}, "runs": rows, **profile}
 
 
 def _profile(run, device: torch.device, top: int = 30) -> dict[str, str]:
