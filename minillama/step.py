@@ -27,12 +27,11 @@ every pass is then laid out in buckets with its attention items held at once, so
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -243,8 +242,11 @@ def compile_block() -> Callable[..., torch.Tensor]:
         # graphs (a slot is only gathered and written, never summed over).
         torch._dynamo.mark_dynamic(k_cache, 1)
         torch._dynamo.mark_dynamic(v_cache, 1)
-        with dynamo_config.patch(limits), no_compiler_is_one_line():
-            return compiled(block, x, cos, sin, k_cache, v_cache, *rest)
+        try:
+            with dynamo_config.patch(limits):
+                return compiled(block, x, cos, sin, k_cache, v_cache, *rest)
+        except Exception as e:
+            raise no_compiler(e) or e
     return run
 
 
@@ -259,33 +261,34 @@ def keep_compiled_code() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
 
 
-@contextlib.contextmanager
-def no_compiler_is_one_line() -> Iterator[None]:
-    """A compile that fails for want of a working compiler (C++ on a CPU, Triton on a GPU), not for the code
-    compiled, raises BadInput: one line that says what is missing and the way out."""
+def no_compiler(e: Exception) -> BadInput | None:
+    """Where a compile failed for want of a working compiler (C++ on a CPU, Triton on a GPU), not for the code
+    compiled, the BadInput to raise instead: one line that says what is missing and the way out. Asked only
+    once something failed, so a step's layers pay nothing for it."""
     import torch._inductor.exc as exc
 
     lacking = tuple(getattr(exc, name) for name in ("InvalidCxxCompiler", "CppCompileError", "TritonMissing",
                                                     "GPUTooOldForTriton") if hasattr(exc, name))
-    try:
-        yield
-    except Exception as e:
-        cause = getattr(e, "inner_exception", e)
-        if not isinstance(cause, lacking):
-            raise
-        said = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")[:200]
-        raise BadInput(f"--compile: torch.compile cannot build code here ({type(cause).__name__}: {said}); install "
-                       "a working compiler (a C++ compiler with Python's headers on a CPU, Triton on a GPU) "
-                       "or run without --compile") from e
+    cause = getattr(e, "inner_exception", e)
+    if not isinstance(cause, lacking):
+        return None
+    said = next((line.strip() for line in str(cause).splitlines() if line.strip()), "")[:200]
+    error = BadInput(f"--compile: torch.compile cannot build code here ({type(cause).__name__}: {said}); install "
+                     "a working compiler (a C++ compiler with Python's headers on a CPU, Triton on a GPU) or run "
+                     "without --compile")
+    error.__cause__ = e
+    return error
 
 
 def check_compiler(device: torch.device | str) -> None:
     """Compile and run one small function on `device`, so that a missing compiler shows when a model is
-    loaded (`--compile`), not at its first step (BadInput, `no_compiler_is_one_line`). Kept in the compile
+    loaded (`--compile`), not at its first step (BadInput, `no_compiler`). Kept in the compile
     cache like the layers, so it costs a compile once per machine."""
     keep_compiled_code()
-    with no_compiler_is_one_line():
+    try:
         torch.compile(_probe, fullgraph=True, dynamic=False)(torch.ones(8, device=device))
+    except Exception as e:
+        raise no_compiler(e) or e
 
 
 def _probe(x: torch.Tensor) -> torch.Tensor:
