@@ -158,7 +158,8 @@ class KVCache:
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
     def append(self, segments: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Give each new token a slot. Returns slots (N,).
+        """Give each new token a slot. Returns slots (N,), on the host (step.lay_out moves them
+        to the device with the step's other inputs).
 
         Per segment, the new tokens' positions must continue that segment exactly (in call order), and a
         segment whose children already hold tokens cannot grow: its children's positions would overlap.
@@ -200,7 +201,7 @@ class KVCache:
             slot = self._free.pop()
             seg.slots.append(slot)
             slots[i] = slot
-        return torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        return torch.tensor(slots, dtype=torch.long)
 
     def _end(self, sid: int, start: dict[int, int | None], length: dict[int, int], kids: dict[int, int]) -> int:
         """`append`'s dry run: the next position of sid, the call's tokens so far included. (A method, not a

@@ -24,17 +24,18 @@ if __name__ == "__main__":  # `python -m minillama.generate`: the `generate` com
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from . import options
 from .cache import KVCache
-from .errors import BadInput
 from .model import Llama
-from .sampling import sample_rows, stream_key
+from .sampling import sample_rows
 from .step import Pack
+from .tokens import Answer, Question, choose_tokens, take_tokens
+from .transfer import to_device
 
 MODES = ("parallel", "independent", "seqbatch")
 # Answer tokens per question a pass reserves cache slots for up front (KVCache.reserve, generate._slots).
@@ -124,14 +125,6 @@ class SamplingParams:
 
 
 @dataclass
-class Answer:
-    token_ids: list[int] = field(default_factory=list)  # generated ids, the stop token included
-    logprobs: list[float] = field(default_factory=list)  # log-softmax of the raw logits at each token
-    finish_reason: str = "length"  # "stop" (EOS, stop id or stop callback) or "length"
-    logits: list[torch.Tensor] | None = None  # (vocab,) per step, with keep_logits
-
-
-@dataclass
 class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -154,81 +147,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, key: int, step: int) ->
                            one(params.top_p, torch.float64), one(key, torch.int64), one(step, torch.int64))[0])
 
 
-class Question:
-    """One question in flight: its segment, the answer so far, and its random stream (public: minillama
-    serve's engine schedules its own passes and picks tokens with these, exactly as generate does)."""
-
-    def __init__(self, index: int, params: SamplingParams, eos: set[int],
-                 on_answer: Callable[[int, Answer], None] | None = None, stream: int | None = None):
-        self.index = index
-        self.on_answer = on_answer
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
-        self.answer = Answer(logits=[] if params.keep_logits else None)
-        self.key = stream_key(params.seed, index if stream is None else stream)  # its random stream
-        self.segment = -1
-        self.next_pos = 0
-        self.done = params.max_new_tokens == 0
-
-    def record(self, tok: int, logprob: float, logits: torch.Tensor | None, max_positions: int) -> None:
-        """Record this step's token and decide whether the question is done."""
-        a = self.answer
-        a.token_ids.append(tok)
-        a.logprobs.append(logprob)
-        if a.logits is not None:
-            a.logits.append(logits)
-        if tok in self.stop_ids or (self.params.stop is not None and self.params.stop(a.token_ids)):
-            a.finish_reason, self.done = "stop", True
-        elif len(a.token_ids) >= self.params.max_new_tokens or self.next_pos >= max_positions:
-            a.finish_reason, self.done = "length", True
-        if self.done and self.on_answer is not None:
-            self.on_answer(self.index, a)
-
-
-def take_tokens(questions: list[Question], logits: torch.Tensor, max_positions: int,
-          agree: Callable[[list[int]], None] | None = None) -> None:
-    """Pick every question's next token from its row of this step's logits (Q, vocab), all at once.
-
-    One log-softmax, one argmax and, for sampled questions, `sample_rows` (each with its own random stream,
-    draw number = tokens it has so far) over all rows on the model's device, then one copy of the tokens,
-    their log-probs and a NaN flag to the host. Every one of these is row-wise, so a row's bits do not depend
-    on the others, and sampling gives the same tokens in every mode too.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (Q, vocab)
-    toks = torch.argmax(logits, dim=-1)  # (Q,) first maximal index
-    sampled = [q.params.temperature != 0 for q in questions]
-    if any(sampled):
-        column = lambda values, dtype: torch.tensor(values, dtype=dtype).to(logits.device)  # noqa: E731
-        drawn = sample_rows(logits, column([q.params.temperature or 1.0 for q in questions], torch.float64),
-                            column([q.params.top_k for q in questions], torch.int64),
-                            column([q.params.top_p for q in questions], torch.float64),
-                            column([q.key for q in questions], torch.int64),
-                            column([len(q.answer.token_ids) for q in questions], torch.int64),
-                            filtered=any(q.params.top_k or q.params.top_p < 1 for q in questions))
-        toks = torch.where(column(sampled, torch.bool), drawn, toks)
-    nan = torch.isnan(logits).any(dim=-1)  # a sampled row of NaN has nothing to sample from
-    # Token ids, their log-probs and the NaN flags in one float64 tensor (all exact there): one copy to the host.
-    toks, picked, nans = torch.stack([toks.double(), logp.gather(1, toks[:, None])[:, 0].double(),
-                                      nan.double()]).cpu().tolist()
-    if agree is not None:  # a tensor-parallel rank: raises unless every rank chose these tokens (distributed/tp.py)
-        agree([int(t) for t in toks])
-    if any(s and n for s, n in zip(sampled, nans)):
-        raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
-                       "weights hold NaN or inf)")
-    keep = any(q.answer.logits is not None for q in questions)
-    host = logits.detach().cpu() if keep else None  # (Q, vocab): only where every step's logits are kept
-    for i, q in enumerate(questions):
-        q.record(int(toks[i]), picked[i], None if q.answer.logits is None else host[i].clone(), max_positions)
-
-
 def _agreement(model: Llama) -> Callable[[list[int]], None] | None:
     """A tensor-parallel rank's check that every rank of its group chose the same tokens (None in one process)."""
     return getattr(model.kernels.comm, "agree", None)
 
 
 def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int]]], chunk: int,
-         stats: Stats) -> torch.Tensor:
+         stats: Stats, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Run pieces (segment, first position, token ids) through the model, `chunk` tokens per pass at most.
+    `tokens`: the packed token ids on the device instead of the pieces' (a decode step ahead of the host).
 
     Returns the logits rows of each piece's last token, (pieces, vocab).
     """
@@ -239,7 +166,9 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
     for lo in range(0, len(pack), chunk):
         hi = min(lo + chunk, len(pack))
         want = [i - lo for i in last if lo <= i < hi]
-        logits = model(*pack.tensors(lo, hi), cache, logits_rows=torch.tensor(want, dtype=torch.long))
+        ids, positions, segments = pack.tensors(lo, hi)
+        logits = model(ids if tokens is None else tokens[lo:hi], positions, segments, cache,
+                       logits_rows=torch.tensor(want, dtype=torch.long))
         stats.forward_passes += 1
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.used_bytes())
         if want:
@@ -251,25 +180,51 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
 
 def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
             on_token: Callable[[int], None] | None) -> None:
-    """Advance every unfinished question by one token per forward pass until all are done."""
+    """Advance every unfinished question by one token per forward pass until all are done.
+
+    Where the device runs apart from the host (a GPU: `Steps.overlapping`), one step ahead of it: step t + 1
+    is laid out and launched before step t's tokens are read back, its token ids taken on the device from
+    step t's choice (`Chosen.tokens`), so that the host plans a step while the device computes the one
+    before. A question that ends by its length or the context with step t's token is known to and gets no
+    row in step t + 1; one that step t stops (a stop token or string) has one already: that row is dropped
+    unread, and rows being independent, no other row's bits change (tests/test_generate.py).
+    """
     max_pos = model.config.max_position_embeddings
-    while True:
-        live = [q for q in active if not q.done]
-        if not live:
-            return
+    ahead, agree = model.steps.overlapping(cache.k.device), _agreement(model)
+    live = [q for q in active if not q.done]
+    feed = None  # the live questions' token ids on the device (the step before's choice), or None: the host's
+    pending: tuple[list[Question], Any] | None = None  # the step launched last and not read yet
+    while live or pending:
         t0 = time.perf_counter()
-        logits = _run(model, cache, [(q.segment, q.next_pos, [q.answer.token_ids[-1]]) for q in live],
-                      len(live), stats)
-        for q in live:
-            q.next_pos += 1
-        take_tokens(live, logits, max_pos, _agreement(model))
-        for q in live:
-            if q.done:
-                cache.release(q.segment)
+        launched = None
+        if live:
+            logits = _run(model, cache, [(q.segment, q.next_pos, [0 if feed is not None else q.answer.token_ids[-1]])
+                                         for q in live], len(live), stats, tokens=feed)
+            for q in live:
+                q.next_pos += 1
+            launched = (live, choose_tokens(live, logits, [len(q.answer.token_ids) + (pending is not None)
+                                                           for q in live]))
+        if not ahead:
+            pending, launched = launched, None
+        if pending is not None:  # read the step before (ahead: now that this one is under way)
+            recorded = pending[1].record(pending[0], max_pos, agree)
+            for q in recorded:
+                if q.done:
+                    cache.release(q.segment)
+            stats.generated_tokens += len(recorded)
+            if on_token and recorded:
+                on_token(len(recorded))
+        pending, feed = launched, None
+        if launched is None:
+            live = [q for q in live if not q.done]
+        else:  # the next step: the launched one's questions that its tokens cannot end by length
+            step, chosen = launched
+            keep = [i for i, q in enumerate(step)
+                    if not q.done and not q.ends_by_length(len(q.answer.token_ids) + 1, max_pos)]
+            live = [step[i] for i in keep]
+            feed = chosen.tokens if len(keep) == len(step) else chosen.tokens.index_select(
+                0, to_device(torch.tensor(keep, dtype=torch.long), chosen.tokens.device))
         stats.decode_s += time.perf_counter() - t0
-        stats.generated_tokens += len(live)
-        if on_token:
-            on_token(len(live))
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:

@@ -38,6 +38,7 @@ from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
 from .batched import proven_batches, proven_rows, proven_run, proven_scan
 from .cache import PAD_SLOT, KVCache
 from .invariant import last_tile
+from .transfer import to_device
 
 NEVER = np.iinfo(np.int64).max  # the position of a padding key: never visible
 Groups = dict[tuple[int, int], list[int]]  # (segment, block) -> the pass's tokens in that group, in order
@@ -153,7 +154,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     if at_once or all(tiles.held_at_once(items.count, kind) for items, _, kind in laid):
         order = row_order([rows for _, rows, _ in laid], layout.kv_heads * layout.row_stride, layout.row_stride,
                           buckets)
-        plan.order = torch.from_numpy(order).to(cache.k.device)
+        plan.order = to_device(torch.from_numpy(order), cache.k.device)
         d, acc = cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32)
         plan.scan = proven_scan((order.shape[0], order.shape[1], d + 1), acc, cache.k.device)
     if dense:
@@ -162,7 +163,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
         if n_rows > visible.shape[0]:  # padded rows see the padding slot (zeros), not nothing (NaN)
             visible = torch.cat([visible, torch.zeros(n_rows - visible.shape[0], visible.shape[1], dtype=torch.bool)])
             visible[len(segment_list):, PAD_SLOT] = True
-        plan.visible = visible.to(cache.k.device)
+        plan.visible = to_device(visible, cache.k.device)
     return plan
 
 
@@ -210,9 +211,9 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     device = layout.cache.k.device
     hidden = None
     if masked:
-        hidden = torch.from_numpy(partial_mask(block_keys, blocks, group_of_item, rows, layout.row_positions,
-                                               layout.window)).to(device)
-    items = Items(torch.from_numpy(rows).to(device), torch.from_numpy(keys).to(device), hidden,
+        hidden = to_device(torch.from_numpy(partial_mask(block_keys, blocks, group_of_item, rows,
+                                                         layout.row_positions, layout.window)), device)
+    items = Items(to_device(torch.from_numpy(rows), device), to_device(torch.from_numpy(keys), device), hidden,
                   bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
                   group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
     if kind.runs and short and not masked:  # not fused, not bucketed

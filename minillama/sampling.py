@@ -1,6 +1,6 @@
 """Sampling on the device: every row's token at once, from each question's own counter-based random stream.
 
-`generate.take_tokens` picks every question's next token in one step: an argmax for greedy rows, `sample_rows` for
+`tokens.take_tokens` picks every question's next token in one step: an argmax for greedy rows, `sample_rows` for
 sampled ones. A question's stream is a key (`stream_key`: seed and question index) and a draw number (the
 tokens its answer holds), and its uniforms are a pure function of (key, draw, token id), so there is no
 generator state to carry, nothing sampled depends on what else is in the batch, and no row of logits has to

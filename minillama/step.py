@@ -41,6 +41,7 @@ from .config import LlamaConfig
 from .errors import BadInput
 from .invariant import Kernels
 from .plan import AttentionPlan, Items, bucket, plan_attention
+from .transfer import to_device
 
 
 class Pack:
@@ -145,10 +146,12 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
     logits = wanted.shape[0]
     padded_logits = bucket(logits) if buckets else logits
     pad = rows - n
-    return Step(tokens=F.pad(tokens.cpu(), (0, pad)).to(device),
-                positions=F.pad(positions, (0, pad)).to(device),
-                slots=F.pad(slots.cpu(), (0, pad), value=SPILL_SLOT).to(device),
-                logits_rows=F.pad(wanted, (0, padded_logits - logits)).to(device),
+    # Tokens may be on the device already (a decode step one ahead of the host takes the step before's choices
+    # there: generate._decode); the rest is the host's, moved without waiting for the device (transfer.py).
+    return Step(tokens=to_device(F.pad(tokens, (0, pad)), device),
+                positions=to_device(F.pad(positions, (0, pad)), device),
+                slots=to_device(F.pad(slots, (0, pad), value=SPILL_SLOT), device),
+                logits_rows=to_device(F.pad(wanted, (0, padded_logits - logits)), device),
                 plan=plan, wanted=logits)
 
 
@@ -311,6 +314,7 @@ class Steps:
         # Each live cache's captured steps, in a box that follows it when it grows (a new storage).
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
         self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
+        self.overlap: bool | None = None  # decoding one step ahead of the host (`overlapping`); None: by device
 
     def capturing(self, device: torch.device) -> bool:
         """Whether the model's steps on `device` are captured (in buckets) now."""
@@ -332,6 +336,14 @@ class Steps:
         if self._compiled_block is None:
             self._compiled_block = compile_block()
         return self._compiled_block
+
+    def overlapping(self, device: torch.device) -> bool:
+        """Whether `generate` decodes one step ahead of the host on `device` (generate._decode): by default where
+        the device runs apart from the host (a GPU), never on a tensor-parallel rank (its ranks agree on each
+        step's tokens before the next); `overlap` True or False asks (the same bits either way)."""
+        if self.kernels.sharded:
+            return False
+        return device.type == "cuda" if self.overlap is None else self.overlap
 
     def bucketed(self, device: torch.device) -> bool:
         """Whether steps on `device` are laid out in buckets: where they are captured or compiled."""

@@ -1,10 +1,14 @@
 """Generation modes and sampling on token ids (parity itself is in test_parity.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
+import minillama.tokens as tokens_module
 from minillama.sampling import sample_rows, uniforms
+from test_parity import assert_same_answers
 from tiny import tiny_config, tiny_model
 
 
@@ -186,3 +190,64 @@ def test_a_row_that_filters_nothing_draws_alike_beside_rows_that_do():
     off_k, off_p = torch.zeros_like(k), torch.ones_like(p)
     assert torch.equal(sample_rows(logits, t, off_k, off_p, keys, steps, filtered=True),
                        sample_rows(logits, t, off_k, off_p, keys, steps, filtered=False))
+
+
+def _rows_per_pass(model, monkeypatch) -> list[int]:
+    """The token rows of every forward pass the model runs from now on (its host half's calls)."""
+    rows, lay_out = [], model.lay_out
+    monkeypatch.setattr(model, "lay_out", lambda cache, tokens, *a, **k: rows.append(tokens.shape[0]) or
+                        lay_out(cache, tokens, *a, **k))
+    return rows
+
+
+@pytest.mark.parametrize("mode, layout", [("parallel", {}), ("parallel", {"parallel_size": 2}),
+                                          ("independent", {})])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_decoding_ahead_of_the_host_gives_the_same_answers(monkeypatch, mode, layout, sampled):
+    """A decode step launched before the step before is read (`Steps.overlap`, a GPU's default) gives every
+    answer the same tokens, log-probs, logits and finish reason, and the same streaming callbacks and stats:
+    questions stopped by a stop rule (a callback, a stop id), by their length, and by the context, greedy and
+    sampled. A question a stop rule ends at a decode step has run one row more, dropped unread; one that ends
+    by its length or the context never does."""
+    model = tiny_model(tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, max_pos=140), seed=5)
+    prompts = _prompts(n=6)
+    free = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.8 * sampled, seed=3)
+    full = generate(model, prompts, free)  # each question's own stream: its tokens until a stop rule ends it
+    targets = [a.token_ids[:n] for a, n in zip(full, [1, 2, 5, 9, 12, 12])]
+    prompts[5] = prompts[5][:2] + [7] * (model.config.max_position_embeddings - 8)  # the context ends it
+    params = dataclasses.replace(free, keep_logits=True, stop=lambda ids: ids in targets,
+                                 stop_token_ids=(full[1].token_ids[6],))
+    runs = []
+    for ahead in (False, True):
+        model.steps.overlap = ahead
+        counts, finished, stats = [], [], Stats()
+        rows = _rows_per_pass(model, monkeypatch)
+        answers = generate(model, prompts, params, mode=mode, on_token=counts.append, stats=stats,
+                           on_answer=lambda i, a: finished.append(i), **layout)
+        runs.append((answers, counts, sorted(finished), stats.generated_tokens, sum(rows)))
+    model.steps.overlap = None
+    (before, counts, finished, generated, rows), (after, *rest) = runs
+    assert_same_answers(before, after)
+    assert (counts, finished, generated) == tuple(rest[:3])
+    by_rule = sum(a.finish_reason == "stop" and 2 <= len(a.token_ids) < params.max_new_tokens for a in before)
+    assert by_rule >= 2 and any(a.finish_reason == "length" for a in before)
+    assert rest[3] == rows + by_rule  # one dropped row per question a stop rule ended at a decode step
+
+
+def test_decoding_ahead_reads_each_step_once_the_next_is_launched(model, monkeypatch):
+    """Ahead of the host, step t's tokens are read after step t + 1 is launched (the host plans a step while
+    the device computes the one before); without it, each step is read before the next. A question of 4
+    tokens: its document's prefill and its own, then 3 decode steps, the last known to be the last by its length."""
+    events, record, run_step = [], tokens_module.Chosen.record, model.run_step
+    monkeypatch.setattr(tokens_module.Chosen, "record",
+                        lambda self, *a, **k: events.append("read") or record(self, *a, **k))
+    monkeypatch.setattr(model, "run_step", lambda *a: events.append("run") or run_step(*a))
+    orders = []
+    for ahead in (True, False):
+        model.steps.overlap = ahead
+        events.clear()
+        generate(model, _prompts(n=1), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        orders.append(list(events))
+    model.steps.overlap = None
+    assert orders[0] == ["run", "run", "read", "run", "run", "read", "run", "read", "read"]
+    assert orders[1] == ["run"] + ["run", "read"] * 4

@@ -70,14 +70,19 @@ def assert_same_answers(expected, got):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @SETTINGS
-@given(config=configs(), seed=st.integers(0, 1000), work=workloads(), tiles=TILES, unit_pick=st.integers(0, 5))
-def test_parallel_equals_independent(dtype, config, seed, work, tiles, unit_pick):
+@given(config=configs(), seed=st.integers(0, 1000), work=workloads(), tiles=TILES, unit_pick=st.integers(0, 5),
+       ahead=st.booleans())
+def test_parallel_equals_independent(dtype, config, seed, work, tiles, unit_pick, ahead):
+    """`ahead`: the packed run decodes one step ahead of the host (a GPU's default, generate._decode), the
+    stand-alone runs never."""
     prompts, docs, params, eos, layout = work
     model = tiny_model(config, seed, dtype, tiles)
     # products issued whole, or per fixed shards of KV-head groups (the tensor-parallel layout)
     divisors = [u for u in range(1, config.num_key_value_heads + 1) if config.num_key_value_heads % u == 0]
     model.units = divisors[unit_pick % len(divisors)]
+    model.steps.overlap = False
     alone = generate(model, prompts, params, mode="independent", eos_ids=eos)
+    model.steps.overlap = ahead
     packed = generate(model, prompts, params, mode="parallel", docs=docs, eos_ids=eos, **layout)
     assert_same_answers(alone, packed)
 

@@ -19,11 +19,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minillama.attention as attention_module
 import minillama.batched as batched
 import minillama.plan as plan_module
 import minillama.step as step_module
+import minillama.transfer as transfer
 from minillama.attention import blocked_attention
 from minillama.audit import host_reads
 from minillama.generate import SamplingParams, generate
@@ -105,6 +107,49 @@ def test_negative_control_a_planted_read_is_caught(monkeypatch, plant):
 
     monkeypatch.setattr(RMSNorm, "forward", planted)
     assert _reads_of_step(model, cache, *inputs) != []
+
+
+class Transfers(TorchDispatchMode):
+    """Every copy of a host tensor to the meta device: whether it waits (non_blocking False)."""
+
+    def __init__(self):
+        super().__init__()
+        self.waits: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu" and \
+                str(kwargs.get("device")) == "meta":
+            self.waits.append(not kwargs.get("non_blocking", False))
+        elif func is torch.ops.aten.copy_.default and args[0].device.type == "meta" and args[1].device.type == "cpu":
+            self.waits.append(not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("plant", [False, True])
+@pytest.mark.parametrize("decode, buckets", [(True, True), (True, False), (False, True)])
+def test_the_host_half_moves_its_inputs_without_waiting(monkeypatch, decode, buckets, plant):
+    """Every tensor the host half of a pass puts on the device (the step's inputs, its attention plan) goes
+    through pinned memory by a copy that does not wait (transfer.to_device): on a GPU a copy that waits waits
+    for the step before, and the host could not lay out a step while the device computes the one before.
+    The meta device stands in for a GPU (a CPU-only torch cannot pin memory: `pin` is a stand-in that
+    counts). Negative control (`plant`): a plain `.to(device)` in the plan is caught."""
+    model = tiny_model(tiny_config())
+    cache, sids = _document_and_questions(model)
+    cache.k, cache.v = cache.k.to("meta"), cache.v.to("meta")
+    pinned = []
+    monkeypatch.setattr(transfer, "UNWAITED", {"cuda", "meta"})
+    monkeypatch.setattr(transfer, "pin", lambda t: pinned.append(t) or t)
+    monkeypatch.setattr(plan_module, "proven_scan", lambda *a: False)  # a proof would run on the device
+    if plant:
+        monkeypatch.setattr(plan_module, "to_device", lambda t, device: t.to(device))
+    inputs = _decode_inputs(cache, sids) if decode else (torch.arange(40) % 30 + 3, torch.arange(40),
+                                                         torch.full((40,), cache.new_segment()))
+    with Transfers() as seen:
+        step = model.lay_out(cache, *inputs, None, buckets=buckets)
+    assert step.tokens.device.type == "meta" and step.plan.whole.rows.device.type == "meta"
+    assert len(seen.waits) >= 6 and any(seen.waits) == plant, seen.waits
+    assert len(pinned) == len(seen.waits) - sum(seen.waits)
 
 
 @settings(max_examples=25, deadline=None)
@@ -248,11 +293,15 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 3], [5, 6, 7, 8, 9, 10, 12, 13, 4], [5, 6, 7,
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.8, seed=3, keep_logits=True, ignore_eos=True)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("mode", ["parallel", "independent"])
-def test_captured_steps_replay_the_eager_bits(mode):
+def test_captured_steps_replay_the_eager_bits(mode, ahead):
+    """`ahead`: decoding one step ahead of the host, as on a GPU (its token ids the step before's choice)."""
     eager = generate(tiny_model(tiny_config()), PROMPTS, PARAMS, mode=mode)
     capture = Rerun()
-    replayed = generate(_captured(tiny_model(tiny_config()), capture), PROMPTS, PARAMS, mode=mode)
+    model = _captured(tiny_model(tiny_config()), capture)
+    model.steps.overlap = ahead
+    replayed = generate(model, PROMPTS, PARAMS, mode=mode)
     assert capture.captures >= 1 and capture.replays > capture.captures  # steps were replayed, not rerun
     assert_same_answers(eager, replayed)
 

@@ -14,6 +14,8 @@ one run, round-robin repeats, medians:
 - `hf_batched`      HF transformers `generate`, left-padded, sdpa, the same weights and dtype, the same ids
                     (when transformers is importable)
 - `parallel_eager`  on CUDA, `parallel` with every step run eagerly rather than captured (step.py)
+- `parallel_in_step` on CUDA, `parallel` with each decode step read back before the next is laid out, the
+                    host not one step ahead (`Steps.overlap = False`, generate._decode)
 - `parallel_compiled` with `--compiled`: `parallel` with each step's layers through torch.compile (step.py);
                     the process's first compiled run, timed apart (`meta.compiled_first_run_s`), holds the
                     compiles of its shapes (from the disk cache where an earlier process left them)
@@ -157,15 +159,17 @@ def floor_s(config: LlamaConfig, prompts: list[list[int]], docs: list[int], g: i
 
 
 def _run_minillama(model: Any, prompts: list[list[int]], docs: list[int], g: int, mode: str,
-                   invariant: bool, captured: bool | None = None, compiled: bool = False) -> list[list[int]]:
+                   invariant: bool, captured: bool | None = None, compiled: bool = False,
+                   overlap: bool | None = None) -> list[list[int]]:
     """Token ids of every prompt; `captured`: the steps' capture setting for this run (None: the default);
-    `compiled`: the steps' layers through torch.compile (step.py)."""
-    saved = model.invariant, model.steps.captured, model.steps.compiled
-    model.invariant, model.steps.captured, model.steps.compiled = invariant, captured, compiled
+    `compiled`: the steps' layers through torch.compile; `overlap`: decoding ahead of the host (step.py)."""
+    steps = model.steps
+    saved = model.invariant, steps.captured, steps.compiled, steps.overlap
+    model.invariant, steps.captured, steps.compiled, steps.overlap = invariant, captured, compiled, overlap
     try:
         out = generate(model, prompts, SamplingParams(max_new_tokens=g, ignore_eos=True), mode=mode, docs=docs)
     finally:
-        model.invariant, model.steps.captured, model.steps.compiled = saved
+        model.invariant, steps.captured, steps.compiled, steps.overlap = saved
     return [a.token_ids for a in out]
 
 
@@ -200,7 +204,7 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
         else:
             out = _run_minillama(model, ps, ds, g, "independent" if m == "independent" else "parallel",
                                  invariant=m != "parallel_plain", captured=False if m == "parallel_eager" else None,
-                                 compiled=m == "parallel_compiled")
+                                 compiled=m == "parallel_compiled", overlap=False if m == "parallel_in_step" else None)
         _sync(device)
         return time.perf_counter() - t0, out
 
@@ -326,6 +330,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         checked = parity(model, log=log, compiled=compiled, **sizes)
     methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ()) + \
         (("parallel_eager",) if model.steps.capturing(model.device) else ()) + \
+        (("parallel_in_step",) if model.steps.overlapping(model.device) else ()) + \
         (("parallel_compiled",) if compiled else ())
     records = run_task(headline, model, hf, device, methods, repeats, sample, rates, log)
     if tables:

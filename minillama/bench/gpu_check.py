@@ -100,6 +100,8 @@ def targets(bench: dict[str, Any]) -> dict[str, Any]:
         out["hf_over_parallel"] = by["hf_batched"]["wall_s"] / by["parallel"]["wall_s"]
     if "parallel" in by and "parallel_eager" in by:
         out["eager_over_captured"] = by["parallel_eager"]["wall_s"] / by["parallel"]["wall_s"]
+    if "parallel" in by and "parallel_in_step" in by:
+        out["in_step_over_ahead"] = by["parallel_in_step"]["wall_s"] / by["parallel"]["wall_s"]
     if "parallel" in by and "parallel_compiled" in by:
         out["compiled_over_parallel"] = by["parallel_compiled"]["wall_s"] / by["parallel"]["wall_s"]
         out["compiled_first_run_s"] = bench["meta"].get("compiled_first_run_s")

@@ -30,16 +30,18 @@ def workload(vocab: int, doc_tokens: int, questions: int, lengths: tuple[int, in
 def compare(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool, invariant: bool,
             compiled: bool = False) -> dict[str, Any]:
     """One comparison: how many of the questions' steps have other logits bits, packed against alone;
-    `compiled`: both runs' steps through torch.compile (step.py)."""
+    `compiled`: both runs' steps through torch.compile (step.py). The questions alone decode each step before
+    the next is laid out; packed, the model's default (on a GPU, one step ahead of the host: generate._decode)."""
     params = SamplingParams(max_new_tokens=new_tokens, keep_logits=True, ignore_eos=True,
                             temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=7)
-    saved = model.invariant, model.steps.compiled
-    model.invariant, model.steps.compiled = invariant, compiled
+    saved = model.invariant, model.steps.compiled, model.steps.overlap
+    model.invariant, model.steps.compiled, model.steps.overlap = invariant, compiled, False
     try:
         alone = generate(model, prompts, params, mode="independent")
+        model.steps.overlap = saved[2]
         packed = generate(model, prompts, params, mode="parallel")
     finally:
-        model.invariant, model.steps.compiled = saved
+        model.invariant, model.steps.compiled, model.steps.overlap = saved
     pairs = [(x, y) for a, b in zip(alone, packed) for x, y in zip(a.logits, b.logits)]
     kernels = ("invariant" if invariant else "plain") + (", compiled" if compiled else "")
     return {"sampled": sampled, "kernels": kernels, "questions": len(prompts),

@@ -7,7 +7,7 @@ parallel mode packs a document's questions, through the same `Llama.forward` (st
 halves) that `generate` runs. A prompt's whole leading blocks come from the prefix cache (prefix.py) when
 an earlier prompt computed them, and the tokens that the prompts admitted together share past those blocks
 from one partial block; its other tokens go into its own segment, where its answer grows. Tokens are picked by
-`generate.take_tokens`, with each sequence's own random stream `stream_key(seed, index)`, so a
+`tokens.take_tokens`, with each sequence's own random stream `stream_key(seed, index)`, so a
 sequence's tokens and log-probs are those of `generate([prompt], params, mode="independent")` (index 0;
 choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
 
@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..generate import Question, SamplingParams, take_tokens
+from ..generate import SamplingParams
+from ..tokens import Question, take_tokens
 from ..model import Llama
 from ..step import Pack
 from .prefix import Block, PrefixCache
