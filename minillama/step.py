@@ -298,6 +298,11 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return (x * 2 + 1).sum()
 
 
+# Every new model's `Steps.overlap` (None: by device). bench.gpu_check sets it False for the rest of a check
+# whose first step found decoding ahead of the host broken on that GPU, so the loan's other figures survive.
+OVERLAP: bool | None = None
+
+
 class Steps:
     """How a model runs its steps: eagerly, or captured per bucket (`captured`: None, the default, captures
     on CUDA in one process; False never; True asks for it). `capture` is how (CUDA graphs; a test may give
@@ -314,7 +319,7 @@ class Steps:
         # Each live cache's captured steps, in a box that follows it when it grows (a new storage).
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
         self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
-        self.overlap: bool | None = None  # decoding one step ahead of the host (`overlapping`); None: by device
+        self.overlap: bool | None = OVERLAP  # decoding one step ahead of the host (`overlapping`); None: by device
 
     def capturing(self, device: torch.device) -> bool:
         """Whether the model's steps on `device` are captured (in buckets) now."""

@@ -41,7 +41,7 @@ class Later:
             self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.host.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(t.device))  # the copy's stream (t's device's)
         else:
             self.host = t
 

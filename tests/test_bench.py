@@ -697,6 +697,36 @@ def test_peak_memory_falls_back_to_sampling_where_the_mark_cannot_be_reset():
     assert seen["sampled"] and seen["threads"] == 2 and seen["delta"] >= 150 * 2**20
 
 
+def test_gpu_check_falls_back_to_the_host_in_step_where_decoding_ahead_fails(monkeypatch):
+    """gpu_check's first step: where decoding ahead of the host breaks (here: a planted fault, or answers
+    that differ), the rest of the check runs with the host in step, and says so; where it works, nothing
+    changes. The setting is the check's own: put back when it ends."""
+    from minillama import step as step_module
+    from minillama.bench import gpu_check
+    from tiny import tiny_config, tiny_model
+
+    assert gpu_check.check_ahead("cpu") == {"greedy": True, "sampled": True}
+    logged = []
+    assert gpu_check.keep_ahead({"result": {"greedy": True, "sampled": True}}, logged.append)
+    assert step_module.OVERLAP is None and not logged
+    monkeypatch.setattr(step_module, "OVERLAP", None)
+    for broken in ({"error": "RuntimeError: planted"}, {"result": {"greedy": True, "sampled": False}}):
+        step_module.OVERLAP = None
+        assert not gpu_check.keep_ahead(broken, logged.append)
+        assert step_module.OVERLAP is False and "FAILED" in logged[-1]
+        assert tiny_model(tiny_config()).steps.overlap is False  # every model made after it
+    real = step_module.Steps.overlapping
+
+    def planted(self, device):  # negative control of check_ahead: a loop ahead of the host that breaks
+        if self.overlap:
+            raise RuntimeError("planted")
+        return real(self, device)
+
+    monkeypatch.setattr(step_module.Steps, "overlapping", planted)
+    with pytest.raises(RuntimeError, match="planted"):
+        gpu_check.check_ahead("cpu")
+
+
 def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     """The GPU machine's one script, its steps at tiny sizes on a CPU: the test run's counts, parity
     (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios."""
@@ -708,6 +738,7 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out), "--compiled"]) == 0
     data = json.loads(out.read_text())
     assert data["source_sha256"] == gpu_check.source_digest() and len(data["source_sha256"]) == 64
+    assert data["steps"]["ahead"]["result"] == {"greedy": True, "sampled": True} and data["ahead_fallback"] is False
     tests = data["steps"]["tests"]["result"]
     assert tests["exit"] == 0 and tests["passed"] > 0 and not tests.get("failed")
     bench = data["steps"]["bench tiny float32"]["result"]

@@ -5,6 +5,10 @@
 
 In order, each step recorded whatever the others do:
 
+0. `ahead`: decoding one step ahead of the host (generate._decode, on by default on a GPU) against the host in
+   step, on a tiny random model: the same answers, greedy and sampled. Where it fails, the rest of the check
+   runs with the host in step (`ahead_fallback` in the JSON, and said in the log), so that one fault of that
+   path does not cost the loan's other figures; the test run (5.) still shows it;
 1. `parity` (bench/parity.py) at SmolLM2's shape in float32 and Llama-3-8B's in bfloat16: parallel against
    independent, every step's logits, invariant and plain kernels, and captured steps against eager ones;
    with `--compiled`, the same with compiled steps (step.py);
@@ -43,6 +47,7 @@ from unittest import mock
 
 import torch
 
+from .. import step as step_module
 from ..errors import run_command
 from ..files import json_text, make_dir, write_file
 from ..oracle.record import git_commit
@@ -120,7 +125,7 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: 
     # Compiled from cold: a fresh cache directory for this check (the environment is restored after), so the
     # first compiled run (`compiled_first_run_s`) holds the compiles of its shapes.
     fresh = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="minillama-inductor-")} if compiled else {}
-    with mock.patch.dict(os.environ, fresh):
+    with mock.patch.dict(os.environ, fresh), mock.patch.object(step_module, "OVERLAP", step_module.OVERLAP):
         return _steps(device, quick, out, test_timeout_s, budget_s, log, compiled, result)
 
 
@@ -138,6 +143,8 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
 
     files = ["tests/test_step.py"] if quick else DEVICE_TESTS
     t_start = time.perf_counter()
+    step("ahead", lambda: check_ahead(device))
+    result["ahead_fallback"] = not keep_ahead(result["steps"]["ahead"], log)
     for shape, dtype in CASES:
         if quick:
             shape = "tiny"
@@ -150,6 +157,40 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
     left = max(60.0, budget_s - (time.perf_counter() - t_start)) if budget_s else test_timeout_s
     step("tests", lambda: run_tests(device, min(test_timeout_s, left), files, workers=0 if quick else 8))
     return result
+
+
+def check_ahead(device: str) -> dict[str, bool]:
+    """Whether decoding one step ahead of the host gives the answers of the host in step (tokens and every
+    step's logits), greedy and sampled, on a tiny random model on `device`."""
+    from ..generate import SamplingParams, generate
+    from .device import random_model
+    from .parity import workload
+    from .shapes import SHAPES
+
+    model, _ = random_model(SHAPES["tiny"], torch.device(device), torch.float32)
+    prompts = workload(model.config.vocab_size, 40, 6, (2, 9))
+    out = {}
+    for sampled in (False, True):
+        params = SamplingParams(max_new_tokens=6, keep_logits=True, ignore_eos=True, temperature=0.8 * sampled, seed=7)
+        runs = []
+        for ahead in (False, True):
+            model.steps.overlap = ahead
+            runs.append(generate(model, prompts, params, mode="parallel"))
+        out["sampled" if sampled else "greedy"] = all(
+            a.token_ids == b.token_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+            for a, b in zip(*runs))
+    return out
+
+
+def keep_ahead(record: dict[str, Any], log) -> bool:
+    """Whether the `ahead` step passed; if not, every later step of this check runs with the host in step
+    (`step.OVERLAP`, put back when the check ends), and the log says so."""
+    ok = "error" not in record and all(record["result"].values())
+    if not ok:
+        step_module.OVERLAP = False
+        log(f"gpu_check: decoding ahead of the host FAILED ({record.get('error') or record.get('result')}): "
+            "the rest of the check runs with the host in step")
+    return ok
 
 
 def _candidates() -> dict[str, Any]:
