@@ -34,7 +34,7 @@ from .cache import KVCache
 from .model import Llama
 from .sampling import sample_rows
 from .step import Pack
-from .tokens import Answer, Question, choose_tokens, take_tokens
+from .tokens import Answer, Chosen, Question, choose_tokens, take_tokens
 from .transfer import to_device
 
 MODES = ("parallel", "independent", "seqbatch")
@@ -193,7 +193,7 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
     ahead, agree = model.steps.overlapping(cache.k.device), _agreement(model)
     live = [q for q in active if not q.done]
     feed = None  # the live questions' token ids on the device (the step before's choice), or None: the host's
-    pending: tuple[list[Question], Any] | None = None  # the step launched last and not read yet
+    pending: tuple[list[Question], Chosen] | None = None  # the step launched last and not read yet
     while live or pending:
         t0 = time.perf_counter()
         launched = None
