@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from minillama import generate
+from minillama import generate, tokens
 from minillama.errors import BadInput
 from minillama.generate import SamplingParams
 from minillama.serve.identity import mismatches
@@ -70,7 +70,7 @@ def _others() -> list[dict[str, Any]]:
 
 
 def test_one_client_cannot_break_another(model, monkeypatch):
-    real_sample, real_stop = generate.sample_rows, generate.StopStrings.__call__
+    real_sample, real_stop = tokens.sample_rows, generate.StopStrings.__call__
 
     def sample(logits, temperature, top_k, top_p, keys, *args, **kwargs):
         if any(int(k) // 1_000_003 == VICTIM_SEED for k in keys):  # stream_key(seed, index), index small
@@ -82,7 +82,7 @@ def test_one_client_cannot_break_another(model, monkeypatch):
             raise RuntimeError("planted stop-check failure")
         return real_stop(self, ids)
 
-    monkeypatch.setattr(generate, "sample_rows", sample)
+    monkeypatch.setattr(tokens, "sample_rows", sample)  # where the engine's take_tokens finds it
     monkeypatch.setattr(generate.StopStrings, "__call__", stop)
     tiny_top_p = _refusal(top_p=1e-300)
     failing = [  # (body, status, the field a 400 names); a 500 names none
