@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-# Device types whose copies go through pinned memory without waiting (a test adds "meta" to see every copy
-# of the host half take this way, with `pin` set to a stand-in: a CPU-only torch cannot pin memory).
+# Device types whose copies go through pinned memory without waiting. Tests add "meta" or "cpu" to run this
+# way on a CPU, with `pin`, `pinned_like` and `recorded_event` set to stand-ins (a CPU-only torch cannot pin
+# memory or make CUDA events).
 UNWAITED = {"cuda"}
 
 
@@ -22,6 +23,18 @@ def pin(t: torch.Tensor) -> torch.Tensor:
     """`t` in page-locked memory (torch's caching host allocator keeps the block until the copies that read
     it are done, so it may be dropped right after a copy is queued)."""
     return t.pin_memory()
+
+
+def pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor of t's shape and dtype, in page-locked memory."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
+def recorded_event(device: torch.device):
+    """An event recorded now on `device`'s current stream: done once the work queued there so far is."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -37,11 +50,10 @@ class Later:
 
     def __init__(self, t: torch.Tensor):
         self.event = None
-        if t.device.type == "cuda":
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if t.device.type in UNWAITED:
+            self.host = pinned_like(t)
             self.host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(t.device))  # the copy's stream (t's device's)
+            self.event = recorded_event(t.device)  # on the copy's stream (t's device's)
         else:
             self.host = t
 

@@ -7,6 +7,7 @@ import torch
 
 from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
 import minillama.tokens as tokens_module
+import minillama.transfer as transfer
 from minillama.sampling import sample_rows, uniforms
 from test_parity import assert_same_answers
 from tiny import tiny_config, tiny_model
@@ -251,3 +252,33 @@ def test_decoding_ahead_reads_each_step_once_the_next_is_launched(model, monkeyp
     model.steps.overlap = None
     assert orders[0] == ["run", "run", "read", "run", "run", "read", "run", "read", "read"]
     assert orders[1] == ["run"] + ["run", "read"] * 4
+
+
+def test_the_unwaited_copies_give_the_same_answers(model, monkeypatch):
+    """The GPU's way of moving data (transfer.py: pinned copies that do not wait, tokens read back into pinned
+    memory behind an event), taken on a CPU with stand-ins for pinned memory and CUDA events, decoding ahead
+    of the host: the answers of plain copies, and every step's event waited on exactly once."""
+    prompts = _prompts(n=4)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, keep_logits=True, temperature=0.9, seed=4,
+                            stop=lambda ids: len(ids) == 1 + ids[0] % 6)
+    plain = generate(model, prompts, params)
+
+    class Event:
+        def __init__(self):
+            self.waited = 0
+
+        def synchronize(self):
+            self.waited += 1
+
+    events, pinned = [], []
+    monkeypatch.setattr(transfer, "UNWAITED", {"cuda", "cpu"})
+    monkeypatch.setattr(transfer, "pin", lambda t: pinned.append(t.shape) or t.clone())
+    monkeypatch.setattr(transfer, "pinned_like", lambda t: torch.full(t.shape, -1, dtype=t.dtype))
+    monkeypatch.setattr(transfer, "recorded_event", lambda device: events.append(Event()) or events[-1])
+    model.steps.overlap = True
+    try:
+        ahead = generate(model, prompts, params)
+    finally:
+        model.steps.overlap = None
+    assert_same_answers(plain, ahead)
+    assert pinned and len(events) >= 6 and all(e.waited == 1 for e in events)
