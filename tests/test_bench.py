@@ -752,3 +752,6 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     tiles = data["steps"]["tiles tiny float32"]["result"]
     assert "Self CPU" in tiles["profile"]["by_device_time"] and "Self CPU" in tiles["profile_compiled"]["by_device_time"]
     assert "minillama::tiled_linear" in tiles["profile_compiled"]["by_device_time"]  # the compiled layers ran
+    for split in tiles["host"].values():  # where the host's time went, ahead of the device and in step
+        assert split["wall_s"] > split["lay_out_s"] > 0 and split["wait_s"] >= 0
+        assert split["other_s"] == pytest.approx(split["wall_s"] - split["lay_out_s"] - split["wait_s"])

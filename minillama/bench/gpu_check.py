@@ -19,7 +19,8 @@ In order, each step recorded whatever the others do:
 4. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`_candidates`), side by
    side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
    host's time), to tune `invariant.CUDA_TILES` from one loan of the machine (with `--compiled`, a profile
-   of one compiled run too);
+   of one compiled run too); and where a run's wall time goes on the host (`host_split`: laying out,
+   waiting for the device, the rest), ahead of the device and in step, there and at SmolLM2's shape;
 5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
    (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
@@ -153,6 +154,8 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
             break
     shape, dtype = ("tiny", "float32") if quick else CASES[-1]
     step(f"tiles {shape} {dtype}", lambda: sweep_tiles(shape, dtype, device, quick, log, compiled))
+    if not quick:  # the 8B shape's is in the tiles step, beside its profile
+        step(f"host {CASES[0][0]} {CASES[0][1]}", lambda: small_host_split(*CASES[0], device))
     # The tests last, in whatever the loan has left (at least a minute): the figures above come first.
     left = max(60.0, budget_s - (time.perf_counter() - t_start)) if budget_s else test_timeout_s
     step("tests", lambda: run_tests(device, min(test_timeout_s, left), files, workers=0 if quick else 8))
@@ -191,6 +194,17 @@ def keep_ahead(record: dict[str, Any], log) -> bool:
         log(f"gpu_check: decoding ahead of the host FAILED ({record.get('error') or record.get('result')}): "
             "the rest of the check runs with the host in step")
     return ok
+
+
+def small_host_split(shape: str, dtype_name: str, device_name: str) -> dict[str, Any]:
+    """`host_split` of the headline task at a shape whose model is small enough to make for this step alone."""
+    from .device import HEADLINE, random_model
+    from .shapes import SHAPES
+
+    device = torch.device(device_name)
+    model, _ = random_model(SHAPES[shape], device, getattr(torch, dtype_name))
+    prompts, docs = HEADLINE.build(model.config.vocab_size)
+    return {"task": HEADLINE.describe(), "host": host_split(model, prompts, docs, HEADLINE.new_tokens, device)}
 
 
 def _candidates() -> dict[str, Any]:
@@ -240,7 +254,8 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log,
             for n in cands:
                 t, tokens[n] = once(n)
                 times[n].append(t)
-        profile = {"profile": _profile(lambda: once("default"), device)}
+        profile = {"profile": _profile(lambda: once("default"), device),
+                   "host": host_split(model, prompts, docs, task.new_tokens, device)}
         if compiled:
             model.kernels.tiles = cands["default"]
             run = lambda: _run_minillama(model, prompts, docs, task.new_tokens, "parallel", True, compiled=True)  # noqa: E731
@@ -255,6 +270,41 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log,
     for n, r in rows.items():
         log(f"  tiles {n}: {r['wall_s']:.3f} s, x{r['x_default']:.2f} the default")
     return {"task": task.describe(), "candidates": {n: repr(c) for n, c in cands.items()}, "runs": rows, **profile}
+
+
+def host_split(model: Any, prompts: list[list[int]], docs: list[int], new_tokens: int,
+               device: torch.device) -> dict[str, dict[str, float]]:
+    """Where one `parallel` run's wall time goes on the host, with the host one decode step ahead (the
+    default on a GPU) and in step: laying out its passes (`Llama.lay_out`), waiting for the device to hand
+    a step's tokens back (`transfer.Later.tolist`), and the rest (launching, choosing, recording). Mostly
+    waiting: the device is the bound; mostly laying out: the host is."""
+    from .. import transfer
+    from .device import _run_minillama, _sync
+
+    spent = {"lay_out_s": 0.0, "wait_s": 0.0}
+
+    def timed(key: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return run
+
+    out = {}
+    with mock.patch.object(model, "lay_out", timed("lay_out_s", model.lay_out)), \
+            mock.patch.object(transfer.Later, "tolist", timed("wait_s", transfer.Later.tolist)):
+        for name, overlap in (("ahead", None), ("in_step", False)):
+            _run_minillama(model, prompts, docs, new_tokens, "parallel", True, overlap=overlap)  # warm
+            spent.update(lay_out_s=0.0, wait_s=0.0)
+            _sync(device)
+            t0 = time.perf_counter()
+            _run_minillama(model, prompts, docs, new_tokens, "parallel", True, overlap=overlap)
+            _sync(device)
+            wall = time.perf_counter() - t0
+            out[name] = {"wall_s": wall, **spent, "other_s": wall - sum(spent.values())}
+    return out
 
 
 def _profile(run, device: torch.device, top: int = 30) -> dict[str, str]:
