@@ -33,6 +33,11 @@ from ..errors import OneLineError
 from ..model import Llama
 from . import check_degrees
 
+# Every rank's equal-sized tensor into one output, rank after rank along dim 0: `all_gather_single` from torch
+# 2.13 on, where `all_gather_into_tensor` (the same call, from torch 2.0) is deprecated; older torch (the GPU
+# machines' 2.11) has only the latter.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class TensorParallel:
     """The collectives of one rank of a tensor-parallel group, as `TiledLinear` calls them (`kernels.comm`)."""
@@ -88,7 +93,7 @@ class TensorParallel:
         all-gather), so only a sampler or a softmax computed differently (a mixed cluster) can differ."""
         mine = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         every = mine.new_empty(self.size * len(tokens))
-        dist.all_gather_single(every, mine, group=self.group)
+        all_gather(every, mine, group=self.group)
         every = every.view(self.size, len(tokens)).cpu()
         for r in range(1, self.size):
             differ = (every[r] != every[0]).nonzero()
@@ -124,7 +129,7 @@ class TensorParallel:
         width = max(b - a for a, b in cols)
         mine = F.pad(mine, (0, width - mine.shape[1])).contiguous()
         parts = mine.new_empty(self.size * mine.shape[0], width)
-        dist.all_gather_single(parts, mine, group=self.group)
+        all_gather(parts, mine, group=self.group)
         self.bytes_moved += (self.size - 1) * mine.numel() * mine.element_size()  # a ring passes each shard on
         parts = parts.view(self.size, mine.shape[0], width)
         return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(cols)], dim=1)
