@@ -42,12 +42,18 @@ def compare(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool
         packed = generate(model, prompts, params, mode="parallel")
     finally:
         model.invariant, model.steps.compiled, model.steps.overlap = saved
-    pairs = [(x, y) for a, b in zip(alone, packed) for x, y in zip(a.logits, b.logits)]
     kernels = ("invariant" if invariant else "plain") + (", compiled" if compiled else "")
-    return {"sampled": sampled, "kernels": kernels, "questions": len(prompts),
-            "steps": len(pairs), "steps_differing": sum(not torch.equal(x, y) for x, y in pairs),
+    return {"sampled": sampled, "kernels": kernels, **differing(alone, packed)}
+
+
+def differing(expected: list[Any], got: list[Any]) -> dict[str, Any]:
+    """Two runs' answers (with every step's logits kept) side by side: the steps whose logits have other bits
+    (`torch.equal`), the largest difference, and the questions whose tokens changed."""
+    pairs = [(x, y) for a, b in zip(expected, got) for x, y in zip(a.logits, b.logits)]
+    return {"questions": len(expected), "steps": len(pairs),
+            "steps_differing": sum(not torch.equal(x, y) for x, y in pairs),
             "max_abs_diff": max((float((x.float() - y.float()).abs().max()) for x, y in pairs), default=0.0),
-            "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(alone, packed))}
+            "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(expected, got))}
 
 
 def compare_captured(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool,
@@ -64,12 +70,8 @@ def compare_captured(model: Any, prompts: list[list[int]], new_tokens: int, samp
         captured = generate(model, prompts, params, mode="parallel")
     finally:
         model.steps.captured, model.steps.compiled = saved
-    pairs = [(x, y) for a, b in zip(eager, captured) for x, y in zip(a.logits, b.logits)]
     kernels = "captured vs eager" + (", compiled" if compiled else "")
-    return {"sampled": sampled, "kernels": kernels, "questions": len(prompts), "steps": len(pairs),
-            "steps_differing": sum(not torch.equal(x, y) for x, y in pairs),
-            "max_abs_diff": max((float((x.float() - y.float()).abs().max()) for x, y in pairs), default=0.0),
-            "questions_with_other_tokens": sum(a.token_ids != b.token_ids for a, b in zip(eager, captured))}
+    return {"sampled": sampled, "kernels": kernels, **differing(eager, captured)}
 
 
 def parity(model: Any, doc_tokens: int = 554, questions: int = 16, lengths: tuple[int, int] = (6, 20),
