@@ -254,6 +254,28 @@ def test_decoding_ahead_reads_each_step_once_the_next_is_launched(model, monkeyp
     assert orders[1] == ["run"] + ["run", "read"] * 4
 
 
+class Waited:
+    """A stand-in CUDA event: counts the host's waits on it."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+def unwaited_copies(monkeypatch) -> tuple[list[torch.Size], list[Waited]]:
+    """The GPU's way of moving data (transfer.py), taken on a CPU: copies from stand-in pinned memory (which
+    the device's copy back fills with -1 until it runs) and stand-in events. Returns (the shapes pinned, the
+    events made), filled as they come."""
+    pinned, events = [], []
+    monkeypatch.setattr(transfer, "UNWAITED", {"cuda", "cpu"})
+    monkeypatch.setattr(transfer, "pin", lambda t: pinned.append(t.shape) or t.clone())
+    monkeypatch.setattr(transfer, "pinned_like", lambda t: torch.full(t.shape, -1, dtype=t.dtype))
+    monkeypatch.setattr(transfer, "recorded_event", lambda device: events.append(Waited()) or events[-1])
+    return pinned, events
+
+
 def test_the_unwaited_copies_give_the_same_answers(model, monkeypatch):
     """The GPU's way of moving data (transfer.py: pinned copies that do not wait, tokens read back into pinned
     memory behind an event), taken on a CPU with stand-ins for pinned memory and CUDA events, decoding ahead
@@ -263,18 +285,7 @@ def test_the_unwaited_copies_give_the_same_answers(model, monkeypatch):
                             stop=lambda ids: len(ids) == 1 + ids[0] % 6)
     plain = generate(model, prompts, params)
 
-    class Event:
-        def __init__(self):
-            self.waited = 0
-
-        def synchronize(self):
-            self.waited += 1
-
-    events, pinned = [], []
-    monkeypatch.setattr(transfer, "UNWAITED", {"cuda", "cpu"})
-    monkeypatch.setattr(transfer, "pin", lambda t: pinned.append(t.shape) or t.clone())
-    monkeypatch.setattr(transfer, "pinned_like", lambda t: torch.full(t.shape, -1, dtype=t.dtype))
-    monkeypatch.setattr(transfer, "recorded_event", lambda device: events.append(Event()) or events[-1])
+    pinned, events = unwaited_copies(monkeypatch)
     model.steps.overlap = True
     try:
         ahead = generate(model, prompts, params)

@@ -69,7 +69,10 @@ def _others() -> list[dict[str, Any]]:
     return [{"route": "/completions", "body": b, "delay": 0.0} for b in bodies]
 
 
-def test_one_client_cannot_break_another(model, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_one_client_cannot_break_another(model, monkeypatch, ahead):
+    """`ahead`: the engine one pass ahead of the host (a GPU's way, test_serve_ahead.py), forced on a CPU."""
+    monkeypatch.setattr(model.llama.steps, "overlap", ahead)
     real_sample, real_stop = tokens.sample_rows, generate.StopStrings.__call__
 
     def sample(logits, temperature, top_k, top_p, keys, *args, **kwargs):

@@ -14,7 +14,8 @@ choice i of a request with n choices: index i of n copies of the prompt), whatev
 The HTTP side (app.py) talks to the engine only through `submit` and `cancel`; the engine reports each
 sequence's progress through the sequence's `emit` callback, from its own thread. What one sequence does
 after the forward pass (its filter, its sampler, its stop check, its report) can fail only that sequence
-(`_pick`, `_guarded`); only a failure of the shared pass itself fails every running sequence.
+(`_record`, `_guarded`); only a failure of the shared pass itself fails every running sequence. On a GPU the
+engine runs one pass ahead of the host (`_step`), with the same bits.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from typing import Callable, Sequence
 import torch
 
 from ..generate import SamplingParams
-from ..tokens import Question, take_tokens
+from ..tokens import Chosen, Question, choose_tokens, take_tokens
 from ..model import Llama
 from ..step import Pack
+from ..transfer import to_device
+from .logits import PromptLogprob, filtered, prompt_logprobs
 from .prefix import Block, PrefixCache
 
 
@@ -40,10 +43,6 @@ class QueueFull(Exception):
 
 class Stopped(Exception):
     """The engine is shutting down or has stopped (HTTP 503)."""
-
-
-# A prompt token's (log-prob, rank, top-k (token id, log-prob) pairs); (None, None, []) for the first.
-PromptLogprob = tuple[float | None, int | None, list[tuple[int, float]]]
 
 
 @dataclass
@@ -84,6 +83,16 @@ class Choice:
     finished: bool = False
 
 
+@dataclass
+class Launched:
+    """A launched pass's picks (Engine._choose): the sequences, their rows of its logits, their tokens chosen on
+    the device and on their way to the host (None: the choice raised; the host picks each alone)."""
+
+    seqs: list[Choice]
+    raw: torch.Tensor  # (Q, vocab)
+    chosen: Chosen | None
+
+
 class Engine:
     """The model's one owner. `start()` runs the loop in a thread; `stop()` ends it (running sequences
     finish with an error event)."""
@@ -101,6 +110,7 @@ class Engine:
         self.running: list[Choice] = []
         self.lock = threading.Condition()
         self.stopping = False
+        self.pending: Launched | None = None  # the pass launched last, not read yet (one step ahead: `_step`)
         self.thread: threading.Thread | None = None  # the loop's own thread, when `start()` made one
         self.owner: threading.Thread | None = None  # the thread running the loop (`run`), once it started
         self.ended = threading.Event()  # the loop has ended
@@ -186,7 +196,7 @@ class Engine:
                 traceback.print_exc(file=sys.stderr)
                 for s in self.running:
                     self._finish(s, Event(error="internal error in the engine (see the server's log)"))
-                self.running = []
+                self.running, self.pending = [], None
                 self.cache = self.model.new_cache(256)
                 self.prefix = PrefixCache(self.cache) if self.prefix is not None else None
         with self.lock:
@@ -224,20 +234,46 @@ class Engine:
             s.q.segment = s.segment
 
     def _step(self) -> None:
+        """One forward pass, and the tokens of the pass before or of this one recorded and reported: where the
+        device runs apart from the host (a GPU: `Steps.overlapping`), one step ahead of it, as generate._decode
+        runs: pass t + 1 is launched, its decode rows' token ids taken on the device from pass t's choice, before
+        pass t's tokens are read back and reported, so the host's work of a step runs while the device computes."""
         with self.lock:
             for s in self.running:
                 if s.cancelled and not s.finished:
                     self._finish(s, None)
             self.running = [s for s in self.running if not s.finished]
         if not self.running:
+            self.pending = None  # every sequence in it has finished
             return
+        launched = self._launch()
+        in_step = not self.model.steps.overlapping(self.cache.k.device) or (launched and launched.chosen is None)
+        # in step (or the device could not choose: the host picks each token, now), or one pass ahead
+        order, self.pending = ([self.pending, launched], None) if in_step else ([self.pending], launched)
+        for done in order:
+            if done is not None:
+                self._record(done)
+        with self.lock:
+            self.running = [s for s in self.running if not s.finished]
+            if self.prefix is not None and self.budget:
+                self.prefix.evict(self.budget)
+
+    def _launch(self) -> Launched | None:
+        """Pack and launch a pass: the next token of every sequence that has one (first, those whose token the
+        pass before chose and the host has not read: `self.pending`), then prompt tokens. Returns its picks,
+        their tokens chosen on the device, or None when there was nothing to run."""
         pack = Pack()
         rows: list[int] = []  # rows whose logits are wanted
         decode: list[Choice] = []
         prefilled: list[tuple[Choice, int, int]] = []  # (sequence, its first wanted row, row count)
-        for s in self.running:  # decode: one token each
-            if s.fed == len(s.tail) and not s.q.done:
-                rows.append(pack.put(s.segment, s.q.next_pos, [s.q.answer.token_ids[-1]]))
+        max_pos = self.model.config.max_position_embeddings
+        ahead = [] if self.pending is None else [  # row i of the pending choice feeds decode row len(ahead)
+            i for i, s in enumerate(self.pending.seqs) if not (s.finished or s.q.done) and not s.q.ends_by_length(
+                len(s.q.answer.token_ids) + 1, max_pos)]
+        unread = set() if self.pending is None else {id(s) for s in self.pending.seqs}
+        for s in [self.pending.seqs[i] for i in ahead] + [s for s in self.running if id(s) not in unread]:
+            if s.fed == len(s.tail) and not s.q.done:  # decode: one token each
+                rows.append(pack.put(s.segment, s.q.next_pos, [0 if id(s) in unread else s.q.answer.token_ids[-1]]))
                 decode.append(s)
         # Prompt tokens: `max_batch_tokens`, and as many more as fill the pass's last row tile: an invariant
         # pass computes whole tiles of rows (invariant.Tiles.tile_end), so rows up to the tile's end cost nothing.
@@ -272,21 +308,25 @@ class Engine:
                 rows.append(last)
                 prefilled.append((s, len(rows) - 1, 1))
         if not len(pack):
-            return
-        logits = self.model(*pack.tensors(), self.cache,
+            return None
+        ids, positions, segments = pack.tensors()
+        if ahead:  # the pending choice's tokens, still on the device, then the host's
+            device = self.pending.chosen.tokens.device
+            ids = torch.cat([self.pending.chosen.tokens.index_select(0, to_device(torch.tensor(ahead), device)),
+                             to_device(ids[len(ahead):], device)])
+        logits = self.model(ids, positions, segments, self.cache,
                             logits_rows=torch.tensor(rows, dtype=torch.long))  # (len(rows), vocab)
         self.steps += 1
         self.decode_tokens += len(decode)
         self.prefill_tokens += len(pack) - len(decode)
-        self._take(logits, decode, prefilled)
-        with self.lock:
-            self.running = [s for s in self.running if not s.finished]
-            if self.prefix is not None and self.budget:
-                self.prefix.evict(self.budget)
+        return self._choose(logits, decode, prefilled, unread)
 
-    def _take(self, logits: torch.Tensor, decode: list[Choice], prefilled: list[tuple[Choice, int, int]]) -> None:
-        """Pick the next token of every sequence that has one this step, then report to each.
-        logits: (rows, vocab); decode sequence i owns row i, prefilled ones (sequence, first row, count)."""
+    def _choose(self, logits: torch.Tensor, decode: list[Choice], prefilled: list[tuple[Choice, int, int]],
+                unread: set[int]) -> Launched | None:
+        """Choose, on the device, the next token of every sequence that has one this pass (`tokens.choose_tokens`;
+        a sequence's `logits_filter` on its own row). logits: (rows, vocab); decode sequence i owns row i,
+        prefilled ones (sequence, first row, count). If the choice raises, `chosen` is None: `_record` then
+        picks each sequence's token alone, so that a failure is only its own."""
         picks: list[tuple[Choice, int]] = [(s, i) for i, s in enumerate(decode)]
         for s in decode:
             s.q.next_pos += 1
@@ -302,62 +342,60 @@ class Engine:
                 continue
             picks.append((s, first + count - 1))
         if not picks:
-            return
-        raw = logits[torch.tensor([r for _, r in picks])]  # (Q, vocab)
-        seqs = self._pick([s for s, _ in picks], raw)
-        want_top = [i for i, s in enumerate(seqs) if s.top_k and not s.finished]
-        top: dict[int, list[tuple[int, float]]] = {}
-        if want_top:
-            lp = torch.log_softmax(raw[torch.tensor(want_top)].float(), -1)  # row-wise: the bits of take_tokens's
-            k = max(seqs[i].top_k for i in want_top)
-            vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
-            for j, i in enumerate(want_top):
-                kk = seqs[i].top_k
-                top[i] = list(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist()))
-        for i, s in enumerate(seqs):
-            if not s.finished:  # those that failed were finished with their error
-                self._guarded(s, lambda s=s, i=i: self._report(s, top.get(i)))
+            return None
+        seqs = [s for s, _ in picks]
+        raw = logits.index_select(0, to_device(torch.tensor([r for _, r in picks]), logits.device))  # (Q, vocab)
+        draws = [len(s.q.answer.token_ids) + (id(s) in unread) for s in seqs]  # a pending token is a draw
+        try:
+            chosen = choose_tokens([s.q for s in seqs], filtered([s.logits_filter for s in seqs], raw), draws)
+        except Exception:
+            chosen = None
+        return Launched(seqs, raw, chosen)
 
-    def _pick(self, seqs: list[Choice], raw: torch.Tensor) -> list[Choice]:
-        """`take_tokens` over the rows of all `seqs` at once (raw: (Q, vocab), a sequence's `logits_filter`
-        applied to its own row). If anything in it raises (a sampler, a stop check, a filter), every sequence
-        is put back as it was and takes its token alone: each step of `take_tokens` is row-wise, so the bits
-        are the same, and a failure is the failure of the sequences it belongs to, never of the others."""
+    def _record(self, launched: Launched) -> None:
+        """Record the launched pass's tokens (a sequence that has ended since is passed over, its row dropped)
+        and report them. If anything in it raises (a sampler, a stop check, a filter), every sequence is put
+        back as it was and takes its token alone: each step of `take_tokens` is row-wise, so the bits are the
+        same, and a failure is the failure of the sequences it belongs to, never of the others."""
+        keep = [i for i, s in enumerate(launched.seqs) if not (s.finished or s.q.done)]
+        seqs, raw = [launched.seqs[i] for i in keep], launched.raw
         max_pos = self.model.config.max_position_embeddings
         # (a random stream has no state to put back: its draw number is the tokens the answer holds)
         saved = [(len(s.q.answer.token_ids), s.q.answer.finish_reason, s.q.done) for s in seqs]
+        alone = launched.chosen is None
         try:
-            take_tokens([s.q for s in seqs], self._filtered(seqs, raw), max_pos)
-            self._raw_logprobs(seqs, raw)
-            return seqs
+            if not alone:
+                launched.chosen.record([s.q for s in launched.seqs], max_pos)
+                self._raw_logprobs(seqs, raw, keep)
         except Exception:  # find whose it is: every sequence again, alone
+            alone = True
             for s, (n, reason, done) in zip(seqs, saved):
                 a = s.q.answer
                 del a.token_ids[n:], a.logprobs[n:]
                 if a.logits is not None:
                     del a.logits[n:]
                 a.finish_reason, s.q.done = reason, done
-        for i, s in enumerate(seqs):
-            self._guarded(s, lambda s=s, i=i: (take_tokens([s.q], self._filtered([s], raw[i:i + 1]), max_pos),
-                                               self._raw_logprobs([s], raw[i:i + 1])))
-        return seqs
+        for s, i in zip(seqs, keep) if alone else ():
+            self._guarded(s, lambda s=s, i=i: (take_tokens([s.q], filtered([s.logits_filter], raw[i:i + 1]), max_pos),
+                                               self._raw_logprobs([s], raw, [i])))
+        want_top = [i for i, s in zip(keep, seqs) if s.top_k and not s.finished]
+        top: dict[int, list[tuple[int, float]]] = {}
+        if want_top:
+            lp = torch.log_softmax(raw[want_top].float(), -1)  # row-wise: the bits of take_tokens's
+            k = max(launched.seqs[i].top_k for i in want_top)
+            vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            for j, i in enumerate(want_top):
+                kk = launched.seqs[i].top_k
+                top[i] = list(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist()))
+        for s, i in zip(seqs, keep):
+            if not s.finished:  # those that failed were finished with their error
+                self._guarded(s, lambda s=s, i=i: self._report(s, top.get(i)))
 
     @staticmethod
-    def _filtered(seqs: list[Choice], raw: torch.Tensor) -> torch.Tensor:
-        """The rows tokens are picked from: a sequence's `logits_filter` (a request's min_p or
-        allowed_token_ids) applied to its own row, the other rows as they are."""
-        if not any(s.logits_filter for s in seqs):
-            return raw
-        rows = raw.clone()
-        for i, s in enumerate(seqs):
-            if s.logits_filter is not None:
-                rows[i] = s.logits_filter(raw[i])
-        return rows
-
-    @staticmethod
-    def _raw_logprobs(seqs: list[Choice], raw: torch.Tensor) -> None:
-        """A filtered sequence's log-prob is the model's, of its raw row (as every other sequence's)."""
-        for i, s in enumerate(seqs):
+    def _raw_logprobs(seqs: list[Choice], raw: torch.Tensor, rows: Sequence[int]) -> None:
+        """A filtered sequence's log-prob is the model's, of its raw row (raw[rows[i]]: seqs[i]'s), as every
+        other sequence's."""
+        for s, i in zip(seqs, rows):
             if s.logits_filter is not None:
                 a = s.q.answer
                 a.logprobs[-1] = float(torch.log_softmax(raw[i].float(), dim=-1)[a.token_ids[-1]])
@@ -384,24 +422,11 @@ class Engine:
                                         f"{e}); see the server's log"), quiet=True)
 
     def _prompt_logprobs(self, s: Choice) -> list[PromptLogprob] | None:
-        """Echo / prompt_logprobs: each prompt token's log-prob given the tokens before it and its rank
-        there (1: the likeliest; None for the first token), with the top-k at its position."""
+        """Echo / prompt_logprobs (logits.prompt_logprobs), from the prompt's rows kept while it was computed."""
         if not s.echo:
             return None
-        lp = torch.cat(s.prompt_rows)  # (P, vocab): row t predicts prompt token t + 1
-        s.prompt_rows = []
-        nxt = torch.tensor(s.prompt[1:], dtype=torch.long)
-        picked = lp[:-1].gather(1, nxt[:, None])  # (P - 1, 1)
-        chosen = picked[:, 0].tolist()
-        ranks = ((lp[:-1] > picked).sum(dim=1) + 1).tolist()
-        out: list[PromptLogprob] = [(None, None, [])]
-        if s.prompt_top_k and len(nxt):
-            vals, ids = lp[:-1].topk(min(s.prompt_top_k, lp.shape[-1]), dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-        else:
-            tops = [[] for _ in chosen]
-        out.extend(zip(chosen, ranks, tops))
-        return out
+        rows, s.prompt_rows = torch.cat(s.prompt_rows), []
+        return prompt_logprobs(rows, s.prompt, s.prompt_top_k)
 
     def _finish(self, s: Choice, ev: Event | None, quiet: bool = False) -> None:
         """Free the sequence's own segment and its hold on the prefix blocks; send its last event (`quiet`:
@@ -409,6 +434,7 @@ class Engine:
         if s.finished:
             return
         s.finished = True
+        s.q.done = True  # a pass launched ahead of its end drops its row unread (Chosen.record)
         if s.segment in self.cache.segments:
             self.cache.release(s.segment)
         if self.prefix is not None and s.blocks:
