@@ -164,7 +164,8 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
 
 def check_ahead(device: str) -> dict[str, bool]:
     """Whether decoding one step ahead of the host gives the answers of the host in step (tokens and every
-    step's logits), greedy and sampled, on a tiny random model on `device`."""
+    step's logits), greedy and sampled, on a tiny random model on `device`; and `minillama serve`'s engine
+    one pass ahead the events it reports in step (`serve_greedy`, `serve_sampled`)."""
     from ..generate import SamplingParams, generate
     from .device import random_model
     from .parity import differing, workload
@@ -175,13 +176,33 @@ def check_ahead(device: str) -> dict[str, bool]:
     out = {}
     for sampled in (False, True):
         params = SamplingParams(max_new_tokens=6, keep_logits=True, ignore_eos=True, temperature=0.8 * sampled, seed=7)
-        runs = []
+        runs, served = [], []
         for ahead in (False, True):
             model.steps.overlap = ahead
             runs.append(generate(model, prompts, params, mode="parallel"))
+            served.append(_served(model, prompts, params))
         d = differing(*runs)
-        out["sampled" if sampled else "greedy"] = d["steps_differing"] == d["questions_with_other_tokens"] == 0
+        name = "sampled" if sampled else "greedy"
+        out[name] = d["steps_differing"] == d["questions_with_other_tokens"] == 0
+        out[f"serve_{name}"] = served[0] == served[1]
     return out
+
+
+def _served(model: Any, prompts: list[list[int]], params: Any) -> list[list[Any]]:
+    """Each prompt's events (tokens, log-probs, top-2 log-probs, finish) from `minillama serve`'s engine,
+    stepped on this thread, the prompts arriving one pass apart."""
+    from ..serve.engine import Choice, Engine
+
+    engine = Engine(model, [model.config.eos_token_id], max_batch_tokens=16)
+    events: list[list[Any]] = [[] for _ in prompts]
+    arriving = [Choice(p, params, events[i].append, index=i, top_k=2) for i, p in enumerate(prompts)]
+    while arriving or engine.waiting or engine.running:
+        if arriving:
+            engine.submit([arriving.pop(0)])
+        with engine.lock:
+            engine._admit()
+        engine._step()
+    return events
 
 
 def keep_ahead(record: dict[str, Any], log) -> bool:
