@@ -179,8 +179,9 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
 
 
 def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
-            on_token: Callable[[int], None] | None) -> None:
-    """Advance every unfinished question by one token per forward pass until all are done.
+            on_token: Callable[[int], None] | None, chosen: Chosen | None = None) -> None:
+    """Advance every unfinished question by one token per forward pass until all are done; `chosen`: the
+    prefill's choice of their first tokens, not read yet (decoding ahead of the host), or None.
 
     Where the device runs apart from the host (a GPU: `Steps.overlapping`), one step ahead of it: step t + 1
     is laid out and launched before step t's tokens are read back, its token ids taken on the device from
@@ -194,6 +195,9 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
     live = [q for q in active if not q.done]
     feed = None  # the live questions' token ids on the device (the step before's choice), or None: the host's
     pending: tuple[list[Question], Chosen] | None = None  # the step launched last and not read yet
+    if chosen is not None:
+        pending = (active, chosen)
+        live, feed = _next_step(active, chosen, max_pos)
     while live or pending:
         t0 = time.perf_counter()
         launched = None
@@ -217,14 +221,18 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
         pending, feed = launched, None
         if launched is None:
             live = [q for q in live if not q.done]
-        else:  # the next step: the launched one's questions that its tokens cannot end by length
-            step, chosen = launched
-            keep = [i for i, q in enumerate(step)
-                    if not q.done and not q.ends_by_length(len(q.answer.token_ids) + 1, max_pos)]
-            live = [step[i] for i in keep]
-            feed = chosen.tokens if len(keep) == len(step) else chosen.tokens.index_select(
-                0, to_device(torch.tensor(keep, dtype=torch.long), chosen.tokens.device))
+        else:
+            live, feed = _next_step(*launched, max_pos)
         stats.decode_s += time.perf_counter() - t0
+
+
+def _next_step(step: list[Question], chosen: Chosen, max_pos: int) -> tuple[list[Question], torch.Tensor]:
+    """The questions of the step after `step`, launched ahead of its read (those its tokens cannot end by
+    length), and their token ids on the device: `chosen`'s rows of them."""
+    keep = [i for i, q in enumerate(step) if not q.done and not q.ends_by_length(len(q.answer.token_ids) + 1, max_pos)]
+    feed = chosen.tokens if len(keep) == len(step) else chosen.tokens.index_select(
+        0, to_device(torch.tensor(keep, dtype=torch.long), chosen.tokens.device))
+    return [step[i] for i in keep], feed
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
@@ -311,18 +319,21 @@ def _prefill_and_decode(model: Llama, work: list[tuple[Question, Sequence[int], 
         q.next_pos = start + len(ids)
     t0 = time.perf_counter()
     live = [(q, piece) for q, piece in zip((w[0] for w in work), pieces) if not q.done]
+    chosen = None  # their first tokens: read now, or, one step ahead of the host, once the first decode step runs
     if live:
-        take_tokens([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats),
-              model.config.max_position_embeddings, _agreement(model))
+        chosen = choose_tokens([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats))
     stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
-    stats.generated_tokens += len(live)
-    for q, _ in live:
-        if q.done:
-            cache.release(q.segment)
+    if chosen is not None and not model.steps.overlapping(cache.k.device):
+        chosen.record([q for q, _ in live], model.config.max_position_embeddings, _agreement(model))
+        chosen = None
+        stats.generated_tokens += len(live)
+        for q, _ in live:
+            if q.done:
+                cache.release(q.segment)
+        if on_token:
+            on_token(len(live))
     stats.prefill_s += time.perf_counter() - t0
-    if on_token and live:
-        on_token(len(live))
-    _decode(model, cache, [q for q, _ in live], stats, on_token)
+    _decode(model, cache, [q for q, _ in live], stats, on_token, chosen)
 
 
 def _parallel(model, prompts, questions, docs, batch, parallel_size, chunk, stats, on_token) -> None:
