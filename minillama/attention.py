@@ -217,8 +217,8 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """
     hkv, r, d = q.shape
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax arithmetic: float32 for 16-bit models
-    spare = q.new_zeros(hkv, 1, d, dtype=acc)  # row R of each head: pads tiles
-    queries = torch.cat([q.to(acc) * (1.0 / math.sqrt(d)), spare], dim=1).view(-1, d)  # (Hkv * (R + 1), D)
+    # Row R of each head, zeros, pads tiles: (Hkv * (R + 1), D).
+    queries = F.pad(q.to(acc) * (1.0 / math.sqrt(d)), (0, 0, 0, 1)).view(-1, d)
     keys, values = k_cache.reshape(-1, d), v_cache.reshape(-1, d)  # (Hkv * S, D): flat slots, a view
     add = _add_by_block if plan.order is None else _add_in_row_order
     sums = add(queries, keys, values, plan, tiles)  # (Hkv * (R + 1), D + 1): weighted values, softmax sum

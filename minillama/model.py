@@ -107,7 +107,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, hkv, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope_folded(q, cos, sin), apply_rope_folded(k, cos, sin)
+        # q's and k's heads rotated together: one call's four launches, not two calls' (the same bits: RoPE is
+        # elementwise). (N, H + Hkv, D) -> q (N, H, D) and k (N, Hkv, D), views.
+        q, k = apply_rope_folded(torch.cat([q, k], dim=1), cos, sin).split([self.n_heads, hkv], dim=1)
         write_layer(k_cache, v_cache, slots, k, v)
         # Query head h = j * G + i uses KV head j (HF's repeat_kv); row m * G + i of KV head j is token m. The
         # first m = plan.rows tokens attend (AttentionPlan.rows); the other padding rows get zeros.

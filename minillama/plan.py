@@ -1,8 +1,8 @@
 """The plan of one forward pass's blocked attention: which query rows meet which key blocks, in what tiles.
 
 attention.py states the rule and the blocked order a row's keys are added in, blocks.py how keys are cut
-into blocks and the two kinds of item (whole, partial); this module lays out the pass so that `attention.blocked_attention` can issue every (query tile, key block) product in a few
-fixed-shape batched calls. Shape letters are attention.py's (N, G, S, R, B, T, I); the plan is built on
+into blocks and the two kinds of item (whole, partial); this module lays out the pass so that
+`attention.blocked_attention` can issue every (query tile, key block) product in a few fixed-shape batched calls. Shape letters are attention.py's (N, G, S, R, B, T, I); the plan is built on
 the host with whole-pass numpy operations and moved to the device once per tensor, so its cost does not
 grow with the number of groups (tests/test_signatures.py counts a decode step's launches).
 
@@ -19,9 +19,10 @@ The steps, one function each:
    order they are added, so that the kernel adds them in a loop fixed by the plan's shape rather than one
    step per distinct block (what a captured step needs: docs/gpu.md).
 
-With `buckets`, every count is rounded up to one of a few sizes (`bucket`): the pass's rows (done by the
-caller), each kind's items and the terms per row. Padding adds dummy items and zero terms, which never
-change a real row's bits, and a step of one bucket has one shape whatever the pass holds (step.py).
+With `buckets`, every count is rounded up to one of a few sizes (`bucket`; `fine_bucket` for the terms per
+row): the pass's rows (done by the caller), each kind's items and the terms per row. Padding adds dummy items
+and zero terms, which never change a real row's bits, and a step of one bucket has one shape whatever the
+pass holds (step.py).
 """
 
 from __future__ import annotations
@@ -119,10 +120,13 @@ class AttentionPlan:
 
 def bucket(count: int, unit: int = 1) -> int:
     """The smallest of the sizes unit * 2^k that holds `count` (at least `unit`): a few shapes per kind."""
-    size = unit
-    while size < count:
-        size *= 2
-    return size
+    return unit << (max(-(-count // unit), 1) - 1).bit_length()  # whole units, to the next power of two
+
+
+def fine_bucket(count: int) -> int:
+    """The least of the sizes 2^k, 3 * 2^(k - 1) that holds `count`: a row's terms, each padding one an addition."""
+    size = bucket(count)
+    return size * 3 // 4 if size >= 4 and size * 3 // 4 >= count else size
 
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
@@ -415,7 +419,7 @@ def row_order(rows_of_kind: list[np.ndarray], flat_rows: int, row_stride: int, b
     one is a zero term. Items are sorted by block, so a row's terms come in block order, whole blocks before
     partial ones: exactly the order in which the chunked kernel adds them. The padding at the end of a row
     adds zeros, which changes nothing (a sum that starts at +0 is never -0, so s + 0 = s), and J, the most
-    terms of any row, is a bucket with `buckets`. Spare rows (which pad tiles) get no terms.
+    terms of any row, is a bucket with `buckets` (`fine_bucket`). Spare rows (which pad tiles) get no terms.
     """
     flat = np.concatenate([r.reshape(-1) for r in rows_of_kind])  # (terms,) the row each term belongs to
     terms = np.flatnonzero(flat % row_stride != row_stride - 1)  # the real rows' terms, in order
@@ -424,7 +428,7 @@ def row_order(rows_of_kind: list[np.ndarray], flat_rows: int, row_stride: int, b
     counts = np.bincount(rows, minlength=flat_rows)
     rank = np.arange(rows.size) - (np.cumsum(counts) - counts)[rows]  # the place of each term in its row
     most = int(counts.max()) if counts.size else 0
-    table = np.full((flat_rows, bucket(most) if buckets else max(most, 1)), flat.size, dtype=np.int64)
+    table = np.full((flat_rows, fine_bucket(most) if buckets else max(most, 1)), flat.size, dtype=np.int64)
     table[rows, rank] = terms
     return table
 

@@ -217,16 +217,20 @@ def smol(layers: int) -> LlamaConfig:
                        tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
 
 
-def launches(tiles: Tiles, layers: int, docs=1, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
+def launches(tiles: Tiles, layers: int, docs=1, doc=512, n_q=64, q_len=12, buckets=False) -> tuple[int, int]:
     """(decode step, prefill) work-launching ops of a SmolLM2-shaped model with `layers` layers, counted on
     the CPU: each of `docs` documents and its `n_q` questions prefilled in one pass, then one token for
-    every question. The products are counted as `torch.mm`, the form a GPU issues (oneDNN is a CPU's)."""
+    every question. The products are counted as `torch.mm`, the form a GPU issues (oneDNN is a CPU's).
+    `buckets`: the passes laid out in buckets, as a GPU's captured steps are (step.py)."""
     with mock.patch.dict(os.environ, {GEMM_ENV: "mm"}):
-        return _launches(tiles, layers, docs, doc, n_q, q_len)
+        return _launches(tiles, layers, docs, doc, n_q, q_len, buckets)
 
 
-def _launches(tiles: Tiles, layers: int, docs: int, doc: int, n_q: int, q_len: int) -> tuple[int, int]:
+def _launches(tiles: Tiles, layers: int, docs: int, doc: int, n_q: int, q_len: int,
+              buckets: bool = False) -> tuple[int, int]:
     model = Llama(smol(layers), tiles=tiles)
+    if buckets:
+        model.steps.bucketed = lambda device: True  # laid out as captured, run eagerly (a CPU captures nothing)
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(docs * (doc + n_q * (q_len + 1)))
     toks, pos, segs, qs = [], [], [], []
@@ -245,12 +249,12 @@ def _launches(tiles: Tiles, layers: int, docs: int, doc: int, n_q: int, q_len: i
     return step.total, prefill.total
 
 
-def launches_per_layer(tiles: Tiles, doc=512, n_q=64, q_len=12) -> tuple[int, int]:
+def launches_per_layer(tiles: Tiles, doc=512, n_q=64, q_len=12, buckets=False) -> tuple[int, int]:
     """(decode step, prefill) work-launching ops per layer at SmolLM2's shape, counted on the CPU.
 
     A 2-layer model minus a 1-layer model: the per-pass planning and the LM head cancel out.
     """
-    (step1, prefill1), (step2, prefill2) = (launches(tiles, layers, 1, doc, n_q, q_len) for layers in (1, 2))
+    (step1, prefill1), (step2, prefill2) = (launches(tiles, layers, 1, doc, n_q, q_len, buckets) for layers in (1, 2))
     return step2 - step1, prefill2 - prefill1
 
 
@@ -267,9 +271,12 @@ def test_a_decode_steps_plan_costs_few_launches_whatever_the_number_of_groups():
 
 
 def test_a_layer_issues_few_launches_with_the_gpu_tiles():
-    """Launches are what a GPU pays for (a CPU prefers small chunks that stay in its cache: more ops)."""
-    step, prefill = launches_per_layer(CUDA_TILES)
-    assert step <= 80, f"decode step: {step} launches per layer"
-    assert prefill <= 400, f"1,280-token prefill: {prefill} launches per layer"
+    """Launches are what a GPU pays for (a CPU prefers small chunks that stay in its cache: more ops): the
+    GPU's tiles, laid out as a plain pass and in buckets (a captured step's layout: its rows padded with zero
+    terms, an addition each, `plan.fine_bucket`). The CPU cannot prove the GPU's scan of those additions."""
+    for buckets in (False, True):
+        step, prefill = launches_per_layer(CUDA_TILES, buckets=buckets)
+        assert step <= 80, f"decode step{' in buckets' * buckets}: {step} launches per layer"
+        assert prefill <= 400, f"1,280-token prefill{' in buckets' * buckets}: {prefill} launches per layer"
     cpu_step, cpu_prefill = launches_per_layer(CPU_TILES)
     assert cpu_step <= 120 and cpu_prefill <= 800, (cpu_step, cpu_prefill)
