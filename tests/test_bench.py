@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -728,6 +729,30 @@ def test_gpu_check_falls_back_to_the_host_in_step_where_decoding_ahead_fails(mon
     monkeypatch.setattr(step_module.Steps, "overlapping", planted)
     with pytest.raises(RuntimeError, match="planted"):
         gpu_check.check_ahead("cpu")
+
+
+def test_gpu_check_times_the_serve_engine_ahead_and_in_step():
+    """The SmolLM2 host step's serve-engine timing (on a GPU), at a tiny size on a CPU: both ways answer every
+    question (the engine's counters), and the ratio is theirs."""
+    from minillama.bench import gpu_check
+    from minillama.bench.device import HEADLINE, random_model
+    from minillama.bench.shapes import SHAPES
+    from minillama.serve import engine as engine_module
+
+    model, _ = random_model(SHAPES["tiny"], torch.device("cpu"), torch.float32)
+    prompts = HEADLINE.build(model.config.vocab_size)[0][:8]
+    engines = []
+    real = engine_module.Engine.__init__
+
+    def kept(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        engines.append(self)
+
+    with mock.patch.object(engine_module.Engine, "__init__", kept):
+        t = gpu_check.engine_times(model, prompts, 3, torch.device("cpu"), repeats=1)
+    assert t["in_step_over_ahead"] == t["in_step_s"] / t["ahead_s"] and t["ahead_s"] > 0
+    assert len(engines) == 4 and all(e.decode_tokens == 8 * 2 and not e.running for e in engines)
+    assert model.steps.overlap is None  # put back
 
 
 def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):

@@ -20,7 +20,8 @@ In order, each step recorded whatever the others do:
    side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
    host's time), to tune `invariant.CUDA_TILES` from one loan of the machine (with `--compiled`, a profile
    of one compiled run too); and where a run's wall time goes on the host (`host_split`: laying out,
-   waiting for the device, the rest), ahead of the device and in step, there and at SmolLM2's shape;
+   waiting for the device, the rest), ahead of the device and in step, there and at SmolLM2's shape, where
+   `minillama serve`'s engine (no HTTP) answers the same questions one pass ahead and in step, timed;
 5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
    (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
@@ -188,14 +189,18 @@ def check_ahead(device: str) -> dict[str, bool]:
     return out
 
 
-def _served(model: Any, prompts: list[list[int]], params: Any) -> list[list[Any]]:
+def _served(model: Any, prompts: list[list[int]], params: Any, together: bool = False) -> list[list[Any]]:
     """Each prompt's events (tokens, log-probs, top-2 log-probs, finish) from `minillama serve`'s engine,
-    stepped on this thread, the prompts arriving one pass apart."""
+    stepped on this thread, the prompts arriving one pass apart (`together`: all at once, with the server's
+    default pass size and no top log-probs, as `engine_times` times it)."""
     from ..serve.engine import Choice, Engine
 
-    engine = Engine(model, [model.config.eos_token_id], max_batch_tokens=16)
+    engine = Engine(model, [model.config.eos_token_id], **({} if together else {"max_batch_tokens": 16}))
     events: list[list[Any]] = [[] for _ in prompts]
-    arriving = [Choice(p, params, events[i].append, index=i, top_k=2) for i, p in enumerate(prompts)]
+    arriving = [Choice(p, params, events[i].append, index=i, top_k=0 if together else 2) for i, p in enumerate(prompts)]
+    if together:
+        engine.submit(arriving)
+        arriving = []
     while arriving or engine.waiting or engine.running:
         if arriving:
             engine.submit([arriving.pop(0)])
@@ -224,7 +229,33 @@ def small_host_split(shape: str, dtype_name: str, device_name: str) -> dict[str,
     device = torch.device(device_name)
     model, _ = random_model(SHAPES[shape], device, getattr(torch, dtype_name))
     prompts, docs = HEADLINE.build(model.config.vocab_size)
-    return {"task": HEADLINE.describe(), "host": host_split(model, prompts, docs, HEADLINE.new_tokens, device)}
+    return {"task": HEADLINE.describe(), "host": host_split(model, prompts, docs, HEADLINE.new_tokens, device),
+            "serve_engine": engine_times(model, prompts, HEADLINE.new_tokens, device)}
+
+
+def engine_times(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device,
+                 repeats: int = 3) -> dict[str, float]:
+    """Median wall seconds of `minillama serve`'s engine (no HTTP) answering `prompts`, all submitted at once
+    to a fresh engine stepped on this thread, one pass ahead of the host and in step, after a warm-up run
+    of each; `in_step_over_ahead`, what running ahead gains there."""
+    from ..generate import SamplingParams
+    from .device import _sync
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    out = {}
+    for name, overlap in (("ahead_s", True), ("in_step_s", False)):
+        model.steps.overlap = overlap
+        walls = []
+        for _ in range(repeats + 1):
+            _sync(device)
+            t0 = time.perf_counter()
+            _served(model, prompts, params, together=True)
+            _sync(device)
+            walls.append(time.perf_counter() - t0)
+        out[name] = statistics.median(walls[1:])
+    model.steps.overlap = None
+    out["in_step_over_ahead"] = out["in_step_s"] / out["ahead_s"]
+    return out
 
 
 def _candidates() -> dict[str, Any]:
