@@ -19,10 +19,9 @@ The steps, one function each:
    order they are added, so that the kernel adds them in a loop fixed by the plan's shape rather than one
    step per distinct block (what a captured step needs: docs/gpu.md).
 
-With `buckets`, every count is rounded up to one of a few sizes (`bucket`; `fine_bucket` for the terms per
-row): the pass's rows (done by the caller), each kind's items and the terms per row. Padding adds dummy items
-and zero terms, which never change a real row's bits, and a step of one bucket has one shape whatever the
-pass holds (step.py).
+With `buckets`, every count is rounded up to one of a few sizes (`bucket`): the pass's rows (done by the
+caller), each kind's items and the terms per row. Padding adds dummy items and zero terms, which never
+change a real row's bits, and a step of one bucket has one shape whatever the pass holds (step.py).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -118,15 +117,10 @@ class AttentionPlan:
     rows: int | None = None
 
 
-def bucket(count: int, unit: int = 1) -> int:
-    """The smallest of the sizes unit * 2^k that holds `count` (at least `unit`): a few shapes per kind."""
-    return unit << (max(-(-count // unit), 1) - 1).bit_length()  # whole units, to the next power of two
-
-
-def fine_bucket(count: int) -> int:
-    """The least of the sizes 2^k, 3 * 2^(k - 1) that holds `count`: a row's terms, each padding one an addition."""
-    size = bucket(count)
-    return size * 3 // 4 if size >= 4 and size * 3 // 4 >= count else size
+def bucket(count: int, unit: int = 1, fine: bool = False) -> int:
+    """The smallest of the sizes unit * 2^k (`fine`: and 3 * 2^(k - 1)) that holds `count` (at least `unit`)."""
+    size = unit << (max(-(-count // unit), 1) - 1).bit_length()  # whole units, to the next power of two
+    return size * 3 // 4 if fine and size >= 4 * unit and size * 3 // 4 >= count else size
 
 
 def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tensor, group_size: int,
@@ -156,8 +150,10 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial, small=small,
                          rows=n_rows)
     if at_once or all(tiles.held_at_once(items.count, kind) for items, _, kind in laid):
+        # A row's terms padded to a bucket, each padding term an addition: finely where a new shape costs a
+        # capture, to powers of two where it costs a compile (at_once: a compiled step's layout, step.py).
         order = row_order([rows for _, rows, _ in laid], layout.kv_heads * layout.row_stride, layout.row_stride,
-                          buckets)
+                          (lambda j: bucket(j, fine=not at_once)) if buckets else None)
         plan.order = to_device(torch.from_numpy(order), cache.k.device)
         d, acc = cache.k.shape[-1], torch.promote_types(cache.k.dtype, torch.float32)
         plan.scan = proven_scan((order.shape[0], order.shape[1], d + 1), acc, cache.k.device)
@@ -411,15 +407,16 @@ def partial_mask(block_keys: np.ndarray, blocks: np.ndarray, group_of_item: np.n
 
 # --- 5. each row's terms in the order they are added ----------------------------------------------------
 
-def row_order(rows_of_kind: list[np.ndarray], flat_rows: int, row_stride: int, buckets: bool) -> np.ndarray:
+def row_order(rows_of_kind: list[np.ndarray], flat_rows: int, row_stride: int,
+              buckets: Callable[[int], int] | None) -> np.ndarray:
     """(flat_rows, J) the terms of each flat query row in the order the kernel adds them, then the zero term.
 
     rows_of_kind: each kind's items' flat rows (I, T), whole items first; the pass's terms are numbered
     like them (term i * T + t is row rows[i, t] of item i), kind after kind, and the number after the last
     one is a zero term. Items are sorted by block, so a row's terms come in block order, whole blocks before
     partial ones: exactly the order in which the chunked kernel adds them. The padding at the end of a row
-    adds zeros, which changes nothing (a sum that starts at +0 is never -0, so s + 0 = s), and J, the most
-    terms of any row, is a bucket with `buckets` (`fine_bucket`). Spare rows (which pad tiles) get no terms.
+    adds zeros, which changes nothing (a sum that starts at +0 is never -0, so s + 0 = s); J is the most
+    terms of any row, or `buckets` of it. Spare rows (which pad tiles) get no terms.
     """
     flat = np.concatenate([r.reshape(-1) for r in rows_of_kind])  # (terms,) the row each term belongs to
     terms = np.flatnonzero(flat % row_stride != row_stride - 1)  # the real rows' terms, in order
@@ -428,7 +425,7 @@ def row_order(rows_of_kind: list[np.ndarray], flat_rows: int, row_stride: int, b
     counts = np.bincount(rows, minlength=flat_rows)
     rank = np.arange(rows.size) - (np.cumsum(counts) - counts)[rows]  # the place of each term in its row
     most = int(counts.max()) if counts.size else 0
-    table = np.full((flat_rows, fine_bucket(most) if buckets else max(most, 1)), flat.size, dtype=np.int64)
+    table = np.full((flat_rows, buckets(most) if buckets else max(most, 1)), flat.size, dtype=np.int64)
     table[rows, rank] = terms
     return table
 

@@ -273,7 +273,7 @@ def test_a_decode_steps_plan_costs_few_launches_whatever_the_number_of_groups():
 def test_a_layer_issues_few_launches_with_the_gpu_tiles():
     """Launches are what a GPU pays for (a CPU prefers small chunks that stay in its cache: more ops): the
     GPU's tiles, laid out as a plain pass and in buckets (a captured step's layout: its rows padded with zero
-    terms, an addition each, `plan.fine_bucket`). The CPU cannot prove the GPU's scan of those additions."""
+    terms, an addition each, `plan.bucket`'s fine sizes). The CPU cannot prove the GPU's scan of those additions."""
     for buckets in (False, True):
         step, prefill = launches_per_layer(CUDA_TILES, buckets=buckets)
         assert step <= 80, f"decode step{' in buckets' * buckets}: {step} launches per layer"
