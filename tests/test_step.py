@@ -169,6 +169,17 @@ def test_row_order_adds_the_terms_of_block_order(qs, doc, decode, tiles, window,
     assert torch.equal(in_row_order, by_block)
 
 
+def test_a_rows_terms_pad_finely_unless_each_shape_costs_a_compile():
+    """A decode step whose rows add 9 terms (a 520-token document): J is 9 laid out plainly, 12 in the buckets
+    a captured step takes (powers of two and 1.5 times them: 3 zero terms, not 7), 16 in a compiled step's
+    (powers of two: fewer shapes, each a compile)."""
+    cache, segs, poss = layout(tiny_config(kv_heads=2, heads=4, head_dim=8), 520, [3, 5], [], decode=True)
+    big = dataclasses.replace(SMALL_TILES.attention, keep=1 << 20)
+    terms = [plan_attention(cache, segs, poss, 2, 16, big, buckets=buckets, at_once=at_once).order.shape[1]
+             for buckets, at_once in ((False, False), (True, False), (True, True))]
+    assert terms == [9, 12, 16]
+
+
 def _row_order_against_by_block(scan: bool) -> tuple[bool, bool]:
     """A decode step's attention (3 questions on a 150-token document, 7 terms a row) with `plan.scan` as given
     (its row-order additions as one scan): (the plan's own scan, row order == block order to the bit)."""
