@@ -32,7 +32,7 @@ from .config import LlamaConfig
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
 from .plan import AttentionPlan
 from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
-from .step import Step, Steps, lay_out
+from .step import Step, Steps, lay_out, pass_rows
 
 
 class RMSNorm(nn.Module):
@@ -280,6 +280,13 @@ class Llama(nn.Module):
                 logits_rows: torch.Tensor | None, buckets: bool, at_once: bool = False) -> Step:
         """The host half of a pass (step.lay_out): positions and segments on the host, a `Step` out."""
         return lay_out(self.config, self.kernels, cache, tokens, positions, segments, logits_rows, buckets, at_once)
+
+    def rows_end(self, n: int) -> int:
+        """The rows a pass of n tokens computes in its products: whole tiles (`Kernels.tile_end`) of the rows it
+        runs, a bucket of them where steps are captured or compiled (`step.pass_rows`). Up to here, more tokens
+        cost no more products."""
+        rows = pass_rows(self.config, self.kernels, self.device, n, self.steps.bucketed(self.device))
+        return self.kernels.tile_end(rows, self.device)
 
     @torch.no_grad()
     def run_step(self, cache: KVCache, step: Step) -> torch.Tensor:

@@ -123,6 +123,14 @@ class Step:
 ATTENTION_ROWS = 16  # the least bucket of attention's rows (`lay_out`)
 
 
+def pass_rows(config: LlamaConfig, kernels: Kernels, device: torch.device, n: int, buckets: bool) -> int:
+    """The rows a pass of n tokens runs: whole units of the kernels' own padding (`Kernels.row_unit`: whole or
+    short tiles of rows), their count a bucket with `buckets`."""
+    unit = kernels.row_unit(device, config)
+    whole = -(-max(n, 1) // unit)  # whole units of rows the tokens take
+    return (bucket(whole) if buckets else whole) * unit
+
+
 def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
             segments: torch.Tensor, logits_rows: torch.Tensor | None, buckets: bool, at_once: bool = False) -> Step:
     """The host half of a pass (`Llama.lay_out`): give the N new tokens cache slots and lay the step out (see
@@ -130,9 +138,7 @@ def lay_out(config: LlamaConfig, kernels: Kernels, cache: KVCache, tokens: torch
     `at_once`: attention holds every item of the pass at once, however many (a compiled step's layout)."""
     n = tokens.shape[0]
     device = cache.k.device
-    unit = kernels.row_unit(device, config)  # the kernels' own padding: whole (or short) tiles of rows
-    whole = -(-max(n, 1) // unit)  # whole units of rows the tokens take
-    rows = (bucket(whole) if buckets else whole) * unit
+    rows = pass_rows(config, kernels, device, n, buckets)
     g = config.num_attention_heads // config.num_key_value_heads
     slots = cache.append(segments, positions)  # (n,) a slot for each new token
     # Attention's rows need no whole linear tiles, only a bucket of their own (its ops on them are row-wise

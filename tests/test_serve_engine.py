@@ -74,6 +74,26 @@ def test_a_prompt_runs_on_to_the_end_of_the_pass_last_row_tile(model):
     _check_solo(model, first, running)
 
 
+def test_in_buckets_a_prompt_runs_on_to_the_end_of_the_bucket(model, monkeypatch):
+    """Where steps are laid out in buckets (captured, on a GPU), a pass computes its bucket's rows whatever it
+    holds: prompt tokens fill them (`Llama.rows_end`), past the last row tile's end. The answers stay the solo
+    runs'. Negative control: the engine before fills only to the tile's end (a second pass)."""
+    monkeypatch.setattr(model.llama.steps, "bucketed", lambda device: True)
+    rng = random.Random(2)
+    engine = Engine(model.llama, eos_of(model), max_batch_tokens=70, prefix_cache=False)
+    first = [[rng.randrange(3, 300) for _ in range(5)]]
+    running = _run(engine, first, steps=1)
+    fits = model.llama.rows_end(1 + 70) - 1
+    assert fits > model.llama.kernels.tile_end(1 + 70, model.llama.device) - 1
+    long = [[rng.randrange(3, 300) for _ in range(fits)]]
+    events = _run(engine, long, steps=1)  # 1 decode row + `fits` prompt rows: the bucket's every row
+    assert len(events[0]) == 1, "the long prompt needed a second pass"
+    while engine.running:
+        engine._step()
+    _check_solo(model, long, events)
+    _check_solo(model, first, running)
+
+
 def test_partial_blocks_follow_what_the_prompts_share(model):
     cache = model.llama.new_cache()
     prefix = PrefixCache(cache, block=4)

@@ -275,9 +275,9 @@ class Engine:
             if s.fed == len(s.tail) and not s.q.done:  # decode: one token each
                 rows.append(pack.put(s.segment, s.q.next_pos, [0 if id(s) in unread else s.q.answer.token_ids[-1]]))
                 decode.append(s)
-        # Prompt tokens: `max_batch_tokens`, and as many more as fill the pass's last row tile: an invariant
-        # pass computes whole tiles of rows (invariant.Tiles.tile_end), so rows up to the tile's end cost nothing.
-        budget = self.model.kernels.tile_end(len(pack) + self.max_batch_tokens, self.model.device) - len(pack)
+        # Prompt tokens: `max_batch_tokens`, and as many more as fill the rows the pass computes anyway: whole
+        # tiles of rows, in a bucket where steps are captured (a GPU's; `Llama.rows_end`).
+        budget = self.model.rows_end(len(pack) + self.max_batch_tokens) - len(pack)
         for s in self.running:  # prefill, in arrival order, parents before children
             if budget <= 0:
                 break
