@@ -2,12 +2,13 @@
 
 Each step packs, in one `model(tokens, positions, segments, cache)` call, the next token of every running
 sequence (decode) with the prompt tokens of sequences that arrived since (prefill, up to `max_batch_tokens`
-of them, or to the end of the pass's last row tile; a long prompt is fed over several steps), exactly as
-parallel mode packs a document's questions, through the same `Llama.forward` (step.py's host and device
-halves) that `generate` runs. A prompt's whole leading blocks come from the prefix cache (prefix.py) when
-an earlier prompt computed them, and the tokens that the prompts admitted together share past those blocks
-from one partial block; its other tokens go into its own segment, where its answer grows. Tokens are picked by
-`tokens.take_tokens`, with each sequence's own random stream `stream_key(seed, index)`, so a
+of them, or to the end of the rows the pass computes anyway, `Llama.rows_end`; a long prompt is fed over
+several steps), exactly as parallel mode packs a document's questions, through the same `Llama.forward`
+(step.py's host and device halves) that `generate` runs. A prompt's whole leading blocks come from the prefix
+cache (prefix.py) when an earlier prompt computed them, and the tokens that the prompts admitted together share
+past those blocks from one partial block; its other tokens go into its own segment, where its answer grows.
+Tokens are chosen and recorded by `tokens.choose_tokens` and `Chosen.record`, as `generate` does, with each
+sequence's own random stream `stream_key(seed, index)`, so a
 sequence's tokens and log-probs are those of `generate([prompt], params, mode="independent")` (index 0;
 choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
 
