@@ -53,11 +53,14 @@ class KVCache:
         self.config = config
         hkv = config.num_key_value_heads if kv_heads is None else kv_heads
         shape = self.shape(config, capacity, hkv)
-        if storage is None:
-            self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
-            self.v = torch.zeros(shape, device=device, dtype=dtype)
-        else:
-            self.k, self.v = (t.zero_() for t in storage)
+        # Ordinary tensors, even where a forward pass (inference mode) makes or grows the cache: it outlives the
+        # pass, and its storage is written outside one (a spare is zeroed here for the next cache: step.py).
+        with torch.inference_mode(False):
+            if storage is None:
+                self.k = torch.zeros(shape, device=device, dtype=dtype)  # (L, Hkv, S, D)
+                self.v = torch.zeros(shape, device=device, dtype=dtype)
+            else:
+                self.k, self.v = (t.zero_() for t in storage)
             if not self.holds(self.k, shape):
                 raise ValueError(f"storage of shape {tuple(self.k.shape)} cannot hold a cache of {shape}")
             shape = tuple(self.k.shape)
@@ -152,8 +155,9 @@ class KVCache:
         new = max(2 * old if double else old, old + needed)
         for name in ("k", "v"):
             t = getattr(self, name)
-            bigger = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
-            bigger[:, :, :old] = t
+            with torch.inference_mode(False):  # an ordinary tensor, as in __init__
+                bigger = t.new_zeros(t.shape[0], t.shape[1], new, t.shape[3])
+                bigger[:, :, :old] = t
             setattr(self, name, bigger)
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 

@@ -14,6 +14,7 @@ What a GPU's captured step relies on, checked on a CPU:
 
 import copy
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -316,6 +317,19 @@ def test_captured_steps_replay_the_eager_bits(mode, ahead):
     replayed = generate(model, PROMPTS, PARAMS, mode=mode)
     assert capture.captures >= 1 and capture.replays > capture.captures  # steps were replayed, not rerun
     assert_same_answers(eager, replayed)
+
+
+def test_a_cache_grown_in_a_pass_is_a_spare_the_next_call_can_take():
+    """A cache that grows inside a forward pass (inference mode: answers past its reserve, or the serve engine's
+    cache) becomes the spare storage of captured steps, which the next call zeroes outside one. Its storage is an
+    ordinary tensor, so that works. Negative control: the H200 run at f9e71c4 failed here (`gpu_check`'s first
+    step), as the code before did on a CPU: 'Inplace update to inference tensor outside InferenceMode'."""
+    model = _captured(tiny_model(tiny_config()), Rerun())
+    first = generate(model, PROMPTS, SamplingParams(max_new_tokens=300, ignore_eos=True), mode="independent")
+    gc.collect()
+    assert model.steps.spare is not None and not model.steps.spare.k.is_inference()
+    assert all(len(a.token_ids) == 300 for a in first)
+    assert_same_answers(generate(tiny_model(tiny_config()), PROMPTS, PARAMS), generate(model, PROMPTS, PARAMS))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="real CUDA graphs need a CUDA device (the CPU runs a stand-in)")
