@@ -59,6 +59,9 @@ def _compiled_calls(monkeypatch) -> list[int]:
 def test_compiled_steps_keep_parallel_equal_to_independent(monkeypatch, temperature):
     calls = _compiled_calls(monkeypatch)
     model = _compiled(tiny_model(tiny_config()))
+    # Not captured, so every step calls its layers (a replayed graph calls nothing); on a GPU, gpu_check's
+    # parity check runs the compiled steps captured.
+    model.steps.captured = False
     params = _params(temperature)
     parallel = generate(model, PROMPTS, params, mode="parallel")
     alone = generate(model, PROMPTS, params, mode="independent")
@@ -80,6 +83,9 @@ OPAQUE_OPS = ("tiled_linear", "tiled_mean_square", "batched_products", "batched_
 
 def _layer_code(model, prompts, params) -> list[str]:
     """Inductor's code for each layer graph of one parallel run, compiled afresh (every cache off)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # a layer graph of these shapes compiled by an earlier test would be reused unseen
     with torch._inductor.config.patch(force_disable_caches=True):
         _, code = run_and_get_code(generate, model, prompts, params, mode="parallel")
     assert code, "no layer graph was compiled"

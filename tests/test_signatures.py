@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minillama import batched
 from minillama.audit import Launches, ProductSignatures
 from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
@@ -106,6 +107,28 @@ def run_calls(signatures: set[tuple], tiles: Tiles, d: int) -> set[tuple]:
     return out
 
 
+def scan_calls(signatures: set[tuple]) -> set[tuple]:
+    """The calls of attention's row-order scans among `signatures`: one `cumsum` over a pass's (rows, J, D + 1)
+    terms, issued only where this process proved that it gives the J additions' bits for that J and D
+    (batched.proven_scan: a GPU's, never a CPU's). Its rows follow the pass, as a run's length does."""
+    proven = {(key[1][1:], key[2]) for key, ok in batched._PROVEN.items() if key[0] == "scan" and ok}
+    return {sig for sig in signatures if sig[0] == "aten.cumsum.default" and (sig[1][0][0][1:], sig[1][0][2]) in proven}
+
+
+def test_only_a_proven_scan_is_taken_apart(monkeypatch):
+    """A GPU's scans (its run of the CUDA tests at f9e71c4 saw them) are set aside only for a (J, D + 1) and
+    dtype this process proved: an unproven `cumsum`, or one of another dtype, stays and fails the check."""
+    monkeypatch.setattr(batched, "_PROVEN", {("scan", (98, 9, 65), torch.float32, torch.device("cpu")): (1,),
+                                              ("scan", (98, 5, 65), torch.float32, torch.device("cpu")): ()})
+
+    def cumsum(shape, dtype):
+        return ("aten.cumsum.default", ((shape, (shape[1] * shape[2], shape[2], 1), dtype, 0),), ("1",))
+
+    seen = {cumsum((300, 9, 65), torch.float32), cumsum((300, 5, 65), torch.float32),
+            cumsum((300, 9, 65), torch.bfloat16)}
+    assert scan_calls(seen) == {cumsum((300, 9, 65), torch.float32)}
+
+
 @st.composite
 def layouts(draw):
     """Documents of 0 to 200 tokens, 1 to 12 questions, answers of 1 to 5 tokens, chunked prefill, waves."""
@@ -155,7 +178,7 @@ def test_every_product_has_a_signature_fixed_by_config_and_tiles(work, which, pa
     with mock.patch.dict(os.environ, {ENV: path, GEMM_ENV: gemm}):
         seen = answer(model, *work)
         expected = expected_signatures(model, model.tiles)
-    seen -= run_calls(seen, model.tiles, model.config.head_dim)
+    seen -= run_calls(seen, model.tiles, model.config.head_dim) | scan_calls(seen)
     assert seen <= expected, sorted(seen - expected)
 
 
@@ -167,7 +190,7 @@ def test_a_norm_reduced_over_the_whole_pass_is_caught():
     prompts = [[5, 6, 7] * 20 + [8], [5, 6, 7] * 20 + [9, 10]]
     with mock.patch("minillama.model.tiled_mean_square", plain):
         seen = answer(model, prompts, [0, 0], SamplingParams(max_new_tokens=2), {})
-    extra = seen - expected_signatures(model, model.tiles)
+    extra = seen - expected_signatures(model, model.tiles) - scan_calls(seen)
     assert extra and all(sig[0] == "aten.mean.dim" for sig in extra), sorted(extra)
 
 
@@ -207,7 +230,7 @@ def test_varied_layouts_bring_no_new_signature():
     for n_doc, n_q, q_len in [(0, 1, 1), (500, 9, 30), (63, 3, 2), (64, 1, 64), (1000, 2, 200)]:
         d = rand(n_doc)
         later = answer(model, [d + rand(q_len) for _ in range(n_q)], [0] * n_q, SamplingParams(max_new_tokens=4), {})
-        later -= run_calls(later, model.tiles, model.config.head_dim)
+        later -= run_calls(later, model.tiles, model.config.head_dim) | scan_calls(later)
         assert later <= with_short_tiles(first, model.tiles), sorted(later - with_short_tiles(first, model.tiles))
 
 
