@@ -706,7 +706,7 @@ def test_gpu_check_falls_back_to_the_host_in_step_where_decoding_ahead_fails(mon
     that differ), the rest of the check runs with the host in step, and says so; where it works, nothing
     changes. The setting is the check's own: put back when it ends."""
     from minillama import step as step_module
-    from minillama.bench import gpu_check
+    from minillama.bench import device, gpu_check
     from tiny import tiny_config, tiny_model
 
     assert gpu_check.check_ahead("cpu") == AHEAD_PASSED
@@ -719,6 +719,11 @@ def test_gpu_check_falls_back_to_the_host_in_step_where_decoding_ahead_fails(mon
         assert not gpu_check.keep_ahead(broken, logged.append)
         assert step_module.OVERLAP is False and "FAILED" in logged[-1]
         assert tiny_model(tiny_config()).steps.overlap is False  # every model made after it
+        seen = []  # and every bench run of one (the H200 run at f9e71c4 ran ahead after its fallback)
+        model = tiny_model(tiny_config())
+        monkeypatch.setattr(device, "generate", lambda m, *a, **k: seen.append(m.steps.overlap) or [])
+        device._run_minillama(model, [[5, 6]], [0], 2, "parallel", True)
+        assert seen == [False], seen
     real = step_module.Steps.overlapping
 
     def planted(self, device):  # negative control of check_ahead: a loop ahead of the host that breaks

@@ -162,10 +162,12 @@ def _run_minillama(model: Any, prompts: list[list[int]], docs: list[int], g: int
                    invariant: bool, captured: bool | None = None, compiled: bool = False,
                    overlap: bool | None = None) -> list[list[int]]:
     """Token ids of every prompt; `captured`: the steps' capture setting for this run (None: the default);
-    `compiled`: the steps' layers through torch.compile; `overlap`: decoding ahead of the host (step.py)."""
+    `compiled`: the steps' layers through torch.compile; `overlap`: decoding ahead of the host (step.py; None:
+    the model's own setting, which gpu_check's fallback sets False where decoding ahead failed)."""
     steps = model.steps
     saved = model.invariant, steps.captured, steps.compiled, steps.overlap
-    model.invariant, steps.captured, steps.compiled, steps.overlap = invariant, captured, compiled, overlap
+    model.invariant, steps.captured, steps.compiled = invariant, captured, compiled
+    steps.overlap = steps.overlap if overlap is None else overlap
     try:
         out = generate(model, prompts, SamplingParams(max_new_tokens=g, ignore_eos=True), mode=mode, docs=docs)
     finally:
