@@ -191,7 +191,7 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
     unread, and rows being independent, no other row's bits change (tests/test_generate.py).
     """
     max_pos = model.config.max_position_embeddings
-    ahead, agree = model.steps.overlapping(cache.k.device), _agreement(model)
+    ahead = model.steps.overlapping(cache.k.device)
     live = [q for q in active if not q.done]
     feed = None  # the live questions' token ids on the device (the step before's choice), or None: the host's
     pending: tuple[list[Question], Chosen] | None = None  # the step launched last and not read yet
@@ -211,19 +211,25 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
         if not ahead:
             pending, launched = launched, None
         if pending is not None:  # read the step before (ahead: now that this one is under way)
-            recorded = pending[1].record(pending[0], max_pos, agree)
-            for q in recorded:
-                if q.done:
-                    cache.release(q.segment)
-            stats.generated_tokens += len(recorded)
-            if on_token and recorded:
-                on_token(len(recorded))
+            _read(*pending, model, cache, stats, on_token)
         pending, feed = launched, None
         if launched is None:
             live = [q for q in live if not q.done]
         else:
             live, feed = _next_step(*launched, max_pos)
         stats.decode_s += time.perf_counter() - t0
+
+
+def _read(step: list[Question], chosen: Chosen, model: Llama, cache: KVCache, stats: Stats,
+          on_token: Callable[[int], None] | None) -> None:
+    """Record a step's tokens (`Chosen.record`), free the segments of the questions they end, count them."""
+    recorded = chosen.record(step, model.config.max_position_embeddings, _agreement(model))
+    for q in recorded:
+        if q.done:
+            cache.release(q.segment)
+    stats.generated_tokens += len(recorded)
+    if on_token and recorded:
+        on_token(len(recorded))
 
 
 def _next_step(step: list[Question], chosen: Chosen, max_pos: int) -> tuple[list[Question], torch.Tensor]:
@@ -324,14 +330,8 @@ def _prefill_and_decode(model: Llama, work: list[tuple[Question, Sequence[int], 
         chosen = choose_tokens([q for q, _ in live], _run(model, cache, [piece for _, piece in live], chunk, stats))
     stats.prompt_tokens += sum(len(piece[2]) for _, piece in live)
     if chosen is not None and not model.steps.overlapping(cache.k.device):
-        chosen.record([q for q, _ in live], model.config.max_position_embeddings, _agreement(model))
+        _read([q for q, _ in live], chosen, model, cache, stats, on_token)
         chosen = None
-        stats.generated_tokens += len(live)
-        for q, _ in live:
-            if q.done:
-                cache.release(q.segment)
-        if on_token:
-            on_token(len(live))
     stats.prefill_s += time.perf_counter() - t0
     _decode(model, cache, [q for q, _ in live], stats, on_token, chosen)
 

@@ -24,17 +24,18 @@ def row_filter(vocab: int, temperature: float, min_p: float = 0.0,
     use_min_p = min_p > 0 and temperature > 0
     if not use_min_p and allowed is None:
         return None
-    dropped: dict[torch.device, torch.Tensor] = {}  # the mask, on each device it was used on (moved once)
+    dropped = None
     if allowed is not None:
-        dropped[torch.device("cpu")] = torch.ones(vocab, dtype=torch.bool)
-        dropped[torch.device("cpu")][torch.tensor(sorted(set(allowed)), dtype=torch.long)] = False
+        dropped = torch.ones(vocab, dtype=torch.bool)
+        dropped[torch.tensor(sorted(set(allowed)), dtype=torch.long)] = False
+    on_device: dict[torch.device, torch.Tensor] = {}  # `dropped` on each device it was used on: moved once
 
     def apply(row: torch.Tensor) -> torch.Tensor:  # row: (vocab,)
         x = row
-        if dropped:
-            if x.device not in dropped:
-                dropped[x.device] = dropped[torch.device("cpu")].to(x.device)
-            x = x.masked_fill(dropped[x.device], float("-inf"))
+        if dropped is not None:
+            if x.device not in on_device:
+                on_device[x.device] = dropped.to(x.device)
+            x = x.masked_fill(on_device[x.device], float("-inf"))
         if use_min_p:
             # p_i / p_max = exp((x_i - x_max) / T), in float64 so that a tiny temperature cannot overflow.
             z = (x.double() - x.double().max()) / temperature
