@@ -756,7 +756,8 @@ def test_gpu_check_times_the_serve_engine_ahead_and_in_step():
     with mock.patch.object(engine_module.Engine, "__init__", kept):
         t = gpu_check.engine_times(model, prompts, 3, torch.device("cpu"), repeats=1)
     assert t["in_step_over_ahead"] == t["in_step_s"] / t["ahead_s"] and t["ahead_s"] > 0
-    assert len(engines) == 4 and all(e.decode_tokens == 8 * 2 and not e.running for e in engines)
+    assert len(engines) == 2 * (gpu_check.WARM_RUNS + 1)  # each setting's warm-ups and its one timed run
+    assert all(e.decode_tokens == 8 * 2 and not e.running for e in engines)
     assert model.steps.overlap is None  # put back
 
 
@@ -788,3 +789,37 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     for split in tiles["host"].values():  # where the host's time went, ahead of the device and in step
         assert split["wall_s"] > split["lay_out_s"] > 0 and split["wait_s"] >= 0
         assert split["other_s"] == pytest.approx(split["wall_s"] - split["lay_out_s"] - split["wait_s"])
+
+
+def test_gpu_check_times_no_capture_in_the_host_split(monkeypatch):
+    """`host_split` times one run of each setting: with its `WARM_RUNS` before it, that run captures no step
+    (a stand-in for the CUDA graph counts captures on a CPU). Negative control: one warm-up, as at f9e71c4,
+    leaves the prefill's capture (a pass met once a run) in the timed run."""
+    from minillama.bench import device, gpu_check
+    from test_step import Rerun, _captured
+    from tiny import tiny_config, tiny_model
+
+    prompts = [[3 + i % 40 for i in range(40)] + [5 + q, 6, 7 + q] for q in range(6)]
+    real = device._run_minillama
+
+    def new_captures(warm_runs: int) -> list[int]:
+        capture = Rerun()
+        model = _captured(tiny_model(tiny_config()), capture)
+        calls = []
+
+        def counted(*args, **kwargs):
+            before = capture.captures
+            out = real(*args, **{**kwargs, "captured": True})  # None (the default) captures on CUDA only
+            calls.append(capture.captures - before)
+            return out
+
+        monkeypatch.setattr(gpu_check, "WARM_RUNS", warm_runs)
+        monkeypatch.setattr(device, "_run_minillama", counted)
+        split = gpu_check.host_split(model, prompts, [0] * len(prompts), 4, torch.device("cpu"))
+        assert set(split) == {"ahead", "in_step"} and len(calls) == 2 * (warm_runs + 1)
+        return calls
+
+    calls = new_captures(gpu_check.WARM_RUNS)
+    timed = calls[gpu_check.WARM_RUNS], calls[-1]
+    assert sum(calls) > 0 and timed == (0, 0), calls
+    assert new_captures(1)[1] > 0  # the negative control: the first timed run captured
