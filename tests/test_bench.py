@@ -780,8 +780,11 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     assert by_kernels[("invariant", False)] == by_kernels[("invariant", True)] == 0
     assert by_kernels[("plain", False)] > 0
     assert by_kernels[("invariant, compiled", False)] == by_kernels[("invariant, compiled", True)] == 0
-    assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent", "parallel_compiled"}
-    assert {"exact_over_plain", "parallel_over_floor", "compiled_over_parallel"} <= set(bench["targets"])
+    # at the units `minillama generate` takes by default (the tiny shape's 2 KV heads), the invariant kernels
+    assert by_kernels[("invariant, units 2", False)] == by_kernels[("invariant, units 2", True)] == 0
+    assert {r["method"] for r in bench["records"]} >= {"parallel", "parallel_plain", "independent", "parallel_compiled",
+                                                       "parallel_units"}
+    assert {"exact_over_plain", "parallel_over_floor", "compiled_over_parallel", "units_over_one"} <= set(bench["targets"])
     assert bench["targets"]["compiled_first_run_s"] == bench["meta"]["compiled_first_run_s"] > 0
     tiles = data["steps"]["tiles tiny float32"]["result"]
     assert "Self CPU" in tiles["profile"]["by_device_time"] and "Self CPU" in tiles["profile_compiled"]["by_device_time"]

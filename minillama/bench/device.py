@@ -190,8 +190,10 @@ def _sample(n: int, k: int) -> list[int]:
 
 
 def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: tuple[str, ...], repeats: int,
-             sample: int, rates: dict[str, float], log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Every method on one task: a warm-up, then `repeats` round-robin rounds; one record per method."""
+             sample: int, rates: dict[str, float], log: Callable[[str], None] = print,
+             units_model: Any = None) -> list[dict[str, Any]]:
+    """Every method on one task: a warm-up, then `repeats` round-robin rounds; one record per method.
+    `units_model`: the same weights at the CLI's default units (the KV heads), which `parallel_units` runs."""
     config = model.config
     prompts, docs = task.build(config.vocab_size)
     g, n = task.new_tokens, len(prompts)
@@ -204,7 +206,8 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
         if m == "hf_batched":
             out = _run_hf(hf, ps, g, device)
         else:
-            out = _run_minillama(model, ps, ds, g, "independent" if m == "independent" else "parallel",
+            out = _run_minillama(units_model if m == "parallel_units" else model, ps, ds, g,
+                                 "independent" if m == "independent" else "parallel",
                                  invariant=m != "parallel_plain", captured=False if m == "parallel_eager" else None,
                                  compiled=m == "parallel_compiled", overlap=False if m == "parallel_in_step" else None)
         _sync(device)
@@ -283,12 +286,15 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables: bool, repeats: int, sample: int,
                use_hf: bool, log: Callable[[str], None] = print, tp: int = 1,
-               dtypes: bool = False, parity_check: bool = False, compiled: bool = False) -> dict[str, Any] | None:
+               dtypes: bool = False, parity_check: bool = False, compiled: bool = False,
+               units: bool = False) -> dict[str, Any] | None:
     """The whole run: rates, the headline with every method, the paper's tables with parallel alone.
     tp > 1: this is one rank of torchrun's; the model is sharded (distributed/tp.py), rank 0 returns the
     results and the others None. `dtypes`: also the headline's `parallel` in every dtype (`dtype_sweep`).
     `parity_check`: first, parallel against independent logits bit for bit (bench/parity.py); `compiled`:
-    the headline also with compiled steps (`parallel_compiled`), and the parity check too."""
+    the headline also with compiled steps (`parallel_compiled`), and the parity check too; `units`: the headline
+    also at the units `minillama generate` takes by default, the KV heads (`parallel_units`; the other methods
+    issue each product whole), and the parity check there too."""
     dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
     here = None
@@ -326,15 +332,21 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         _sync(device)
         first_compile["compiled_first_run_s"] = time.perf_counter() - t1
         log(f"first compiled run of the headline (its compiles): {first_compile['compiled_first_run_s']:.1f} s")
+    units_model = None
+    if units and here is None:  # the same tensors, laid out for the units (their own graphs and layout)
+        units_model = build_model(config, dict(sd), device, dtype)
+        units_model.units = config.num_key_value_heads
     checked = []
     if parity_check:
         sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}
         checked = parity(model, log=log, compiled=compiled, **sizes)
+        if units_model is not None:
+            checked += parity(units_model, log=log, controls=False, **sizes)
     methods = ("parallel", "parallel_plain", "independent") + (("hf_batched",) if hf is not None else ()) + \
         (("parallel_eager",) if model.steps.capturing(model.device) else ()) + \
         (("parallel_in_step",) if model.steps.overlapping(model.device) else ()) + \
-        (("parallel_compiled",) if compiled else ())
-    records = run_task(headline, model, hf, device, methods, repeats, sample, rates, log)
+        (("parallel_compiled",) if compiled else ()) + (("parallel_units",) if units_model is not None else ())
+    records = run_task(headline, model, hf, device, methods, repeats, sample, rates, log, units_model)
     if tables:
         for t in PAPER_TABLES:
             records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)

@@ -109,6 +109,8 @@ def targets(bench: dict[str, Any]) -> dict[str, Any]:
         out["eager_over_captured"] = by["parallel_eager"]["wall_s"] / by["parallel"]["wall_s"]
     if "parallel" in by and "parallel_in_step" in by:
         out["in_step_over_ahead"] = by["parallel_in_step"]["wall_s"] / by["parallel"]["wall_s"]
+    if "parallel" in by and "parallel_units" in by:
+        out["units_over_one"] = by["parallel_units"]["wall_s"] / by["parallel"]["wall_s"]
     if "parallel" in by and "parallel_compiled" in by:
         out["compiled_over_parallel"] = by["parallel_compiled"]["wall_s"] / by["parallel"]["wall_s"]
         out["compiled_first_run_s"] = bench["meta"].get("compiled_first_run_s")
@@ -382,7 +384,8 @@ def _bench(shape: str, dtype: str, device: str, quick: bool, log, compiled: bool
     from .device import shape_main
 
     data = shape_main(shape, device, dtype, tiny=quick, tables=False, repeats=1 if quick else 3,
-                      sample=2 if quick else 4, use_hf=True, log=log, parity_check=True, compiled=compiled)
+                      sample=2 if quick else 4, use_hf=True, log=log, parity_check=True, compiled=compiled,
+                      units=True)
     return {**data, "targets": targets(data)}
 
 

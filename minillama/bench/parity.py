@@ -42,7 +42,8 @@ def compare(model: Any, prompts: list[list[int]], new_tokens: int, sampled: bool
         packed = generate(model, prompts, params, mode="parallel")
     finally:
         model.invariant, model.steps.compiled, model.steps.overlap = saved
-    kernels = ("invariant" if invariant else "plain") + (", compiled" if compiled else "")
+    kernels = ("invariant" if invariant else "plain") + (", compiled" if compiled else "") + \
+        (f", units {model.units}" if model.units != 1 else "")
     return {"sampled": sampled, "kernels": kernels, **differing(alone, packed)}
 
 
@@ -75,13 +76,16 @@ def compare_captured(model: Any, prompts: list[list[int]], new_tokens: int, samp
 
 
 def parity(model: Any, doc_tokens: int = 554, questions: int = 16, lengths: tuple[int, int] = (6, 20),
-           new_tokens: int = 8, log: Callable[[str], None] = print, compiled: bool = False) -> list[dict[str, Any]]:
+           new_tokens: int = 8, log: Callable[[str], None] = print, compiled: bool = False,
+           controls: bool = True) -> list[dict[str, Any]]:
     """Greedy and sampled, invariant and plain kernels: four comparisons on one workload (and on CUDA captured
-    steps against eager ones); `compiled`: the invariant ones again with compiled steps."""
+    steps against eager ones); `compiled`: the invariant ones again with compiled steps; `controls` False: the
+    invariant kernels alone (a model whose controls another call ran: the same weights at other units)."""
     prompts = workload(model.config.vocab_size, doc_tokens, questions, lengths)
-    kernels = [(True, False), (False, False)] + ([(True, True)] if compiled else [])  # (invariant, compiled)
+    kernels = [(True, False)] + ([(False, False)] if controls else []) + \
+        ([(True, True)] if compiled else [])  # (invariant, compiled)
     # where steps are captured (CUDA): captured against eager too, with each compile setting
-    captured = ([False, True] if compiled else [False]) if model.device.type == "cuda" else []
+    captured = ([False, True] if compiled else [False]) if model.device.type == "cuda" and controls else []
     records = []
     for sampled in (False, True):
         for invariant, compile_ in kernels:
