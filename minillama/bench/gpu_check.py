@@ -14,7 +14,9 @@ In order, each step recorded whatever the others do:
    with `--compiled`, the same with compiled steps (step.py);
 2. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
    parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run
-   (with `--compiled`, parallel with compiled steps too, compiled from cold in a fresh cache directory);
+   (with `--compiled`, parallel with compiled steps too, compiled from cold in a fresh cache directory), and
+   parallel at the units `minillama generate` takes by default (the KV heads; the others take 1), with the
+   parity check there too;
 3. the targets the GPU work is measured by, as ratios from that one run;
 4. at Llama-3-8B's shape: `parallel` with each candidate set of GPU tiles (`_candidates`), side by
    side in round-robin repeats, and a profile of one `parallel` run (the ops that take the device's and the
@@ -22,6 +24,8 @@ In order, each step recorded whatever the others do:
    of one compiled run too); and where a run's wall time goes on the host (`host_split`: laying out,
    waiting for the device, the rest), ahead of the device and in step, there and at SmolLM2's shape, where
    `minillama serve`'s engine (no HTTP) answers the same questions one pass ahead and in step, timed;
+   at both shapes, `row_probe`: which of the device's products give a row the whole tile's bits with fewer
+   rows (or items) beside it, and what each row count costs (data for issuing less, not used by the model);
 5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
    (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
@@ -53,6 +57,7 @@ from .. import step as step_module
 from ..errors import run_command
 from ..files import json_text, make_dir, write_file
 from ..oracle.record import git_commit
+from . import row_probe
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_model.py", "tests/test_cache.py",
@@ -159,6 +164,8 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
     step(f"tiles {shape} {dtype}", lambda: sweep_tiles(shape, dtype, device, quick, log, compiled))
     if not quick:  # the 8B shape's is in the tiles step, beside its profile
         step(f"host {CASES[0][0]} {CASES[0][1]}", lambda: small_host_split(*CASES[0], device))
+    for shape, dtype in CASES[:1] if quick else CASES:
+        step(f"rows {'tiny' if quick else shape} {dtype}", lambda s=shape, d=dtype: row_probe.probe(s, d, device, quick))
     # The tests last, in whatever the loan has left (at least a minute): the figures above come first.
     left = max(60.0, budget_s - (time.perf_counter() - t_start)) if budget_s else test_timeout_s
     step("tests", lambda: run_tests(device, min(test_timeout_s, left), files, workers=0 if quick else 8))
