@@ -62,8 +62,9 @@ class Tiles:
     `short`: smaller row counts that may stand in for a pass's last linear tile, so that a pass of a few
     rows (one sequence decoding) does not pay for a whole tile. A short product is used for a weight only
     where this process has shown that it gives every row the bits the whole tile gives it (`proven_short`:
-    on a CPU, oneDNN's and MKL's kernels add along K in the same order for any number of rows from 2 up), so
-    a short tile changes no bit: the answers are the whole tiles' wherever it is used or not.
+    on a CPU, oneDNN's and MKL's kernels add along K in the same order for any number of rows from 2 up; a
+    GPU proves its own), so a short tile changes no bit: the answers are the whole tiles' wherever it is used
+    or not.
 
     `long`: bigger row counts, whole numbers of tiles, that may stand in for as many whole tiles in a row:
     one product instead of several, used for a weight only where this process has shown that it gives every
@@ -104,9 +105,11 @@ def last_tile(rest: int, tile: int, short: tuple[int, ...]) -> int:
 
 
 CPU_TILES = Tiles(rows=64, attention=CPU_ATTENTION, short=(4, 8, 16, 32), long=(512, 256))
-# A GPU: bigger row tiles (a 256-row product still reads each weight once per tile). No short or long tiles:
-# cuBLAS picks another kernel (and split of K) for other row counts.
-CUDA_TILES = Tiles(rows=256, attention=CUDA_ATTENTION)
+# A GPU: bigger row tiles (a 256-row product still reads each weight once per tile). Its short tiles are
+# used only where the GPU proves them for the weight (cuBLAS may pick another kernel, and split K another
+# way, for fewer rows: then the pass pays for the whole tile); without them a decode step of 64 questions
+# computes 256 rows, and at Llama-3-8B's shape its products are bound by arithmetic, not by the weights' read.
+CUDA_TILES = Tiles(rows=256, attention=CUDA_ATTENTION, short=(16, 32, 64, 128))
 
 
 def default_tiles(device: torch.device) -> Tiles:
@@ -179,7 +182,7 @@ def _whole_tiles(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, int]:
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
     m = rows.shape[0]
     pad = (-m) % tile
-    return (torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows), m
+    return (F.pad(rows, (0, 0, 0, pad)) if pad else rows), m  # one launch (a GPU's pass of short tiles pads here)
 
 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[int, ...] = (),

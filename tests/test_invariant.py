@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillama import invariant, precision, proofs
-from minillama.invariant import CPU_TILES, Kernels, TiledLinear, Tiles, linear, tiled_linear
+from minillama.invariant import CPU_TILES, CUDA_TILES, Kernels, TiledLinear, Tiles, linear, tiled_linear
 from minillama.proofs import proven_long, proven_short
 from minillama.precision import onednn_linear
 from tiny import DEVICE, tiny_config, tiny_model
@@ -87,7 +87,7 @@ def test_forward_hooks_see_every_projection():
 SMOL = [(576, 576), (192, 576), (1536, 576), (576, 1536), (8192, 576)]  # SmolLM2's (N, K), an LM head's slice
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="short tiles are a CPU's (invariant.CUDA_TILES has none)")
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU_TILES on a CPU's kernels (a GPU's: the test after)")
 @pytest.mark.parametrize("gemm", ["mm", "onednn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_short_last_tile_gives_every_row_the_whole_tiles_bits(gemm, dtype, monkeypatch):
@@ -111,6 +111,21 @@ def test_a_short_last_tile_gives_every_row_the_whole_tiles_bits(gemm, dtype, mon
         assert set(proven) <= set(short) and (dtype == torch.float32 or proven == ()), (n, k, proven)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_tiles_short_tiles_give_every_row_the_whole_tiles_bits(dtype):
+    """The GPU's tiles (CUDA_TILES: 256 rows, short tiles of 16 to 128 where proven), on the test device: every
+    row count gives every row the whole tile's bits, whatever sizes the device proves for each weight (a
+    GPU proves 16-bit products too, on cancelling rows; a CPU float32 ones only); shapes of SmolLM2 and of
+    Llama-3-8B's attention projections."""
+    g = torch.Generator().manual_seed(4)
+    tile, short = CUDA_TILES.rows, CUDA_TILES.short
+    for n, k in [*SMOL[:4], (1024, 4096)]:
+        w = torch.randn(n, k, generator=g).mul_(0.02).to(DEVICE, dtype)
+        x = torch.randn(2 * tile, k, generator=g).to(DEVICE, dtype)
+        for m in (1, 7, 16, 17, 33, 64, 65, 100, 128, 129, 200, 256, 300):
+            assert torch.equal(tiled_linear(x[:m], w, tile, short), tiled_linear(x[:m], w, tile)), (n, k, m)
+
+
 def test_a_row_independent_kernel_proves_every_short_and_long_size(monkeypatch):
     """Positive control of the two proofs: a library whose products give each row the same bits at every row
     count (here: `torch.mm` issued one row at a time) proves every short and every long size, so a proof that
@@ -129,27 +144,55 @@ def test_a_row_independent_kernel_proves_every_short_and_long_size(monkeypatch):
     assert proven_long(w.t(), CPU_TILES.rows, CPU_TILES.long, False) == CPU_TILES.long
 
 
-def test_a_short_tile_of_other_bits_is_refused(monkeypatch):
+@pytest.mark.parametrize("tiles", [CPU_TILES, CUDA_TILES], ids=["cpu_tiles", "gpu_tiles"])
+def test_a_short_tile_of_other_bits_is_refused(tiles, monkeypatch):
     """Negative control: a library whose fewer-row products add in another order (here: `torch.mm` nudging
-    the last bit below 64 rows) proves no short tile, so the pass keeps the whole tile's bits; taken
-    unproven, the short tile would have changed them."""
+    the last bit below a tile's rows) proves no short tile, so the pass keeps the whole tile's bits; taken
+    unproven, the short tile would have changed them. With the CPU's tiles and the GPU's."""
     monkeypatch.setenv(precision.GEMM_ENV, "mm")
     real_mm = torch.mm
 
     def nudged(r, p, out=None):
         got = real_mm(r, p)
-        got = got.nextafter(torch.full_like(got, float("inf"))) if r.shape[0] < CPU_TILES.rows else got
+        got = got.nextafter(torch.full_like(got, float("inf"))) if r.shape[0] < tiles.rows else got
         return got if out is None else out.copy_(got)
 
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(576, 576, generator=g), torch.randn(5, 576, generator=g)
-    whole = tiled_linear(x, w, CPU_TILES.rows)
+    whole = tiled_linear(x, w, tiles.rows)
     monkeypatch.setattr(proofs, "_PROVEN", {})
     monkeypatch.setattr(torch, "mm", nudged)
-    assert torch.equal(tiled_linear(x, w, CPU_TILES.rows, CPU_TILES.short), whole)
+    assert torch.equal(tiled_linear(x, w, tiles.rows, tiles.short), whole)
     assert list(proofs._PROVEN.values()) == [()]
     monkeypatch.setattr(invariant, "proven_short", lambda p, tile, short, onednn: short)  # taken unproven
-    assert not torch.equal(tiled_linear(x, w, CPU_TILES.rows, CPU_TILES.short), whole)
+    assert not torch.equal(tiled_linear(x, w, tiles.rows, tiles.short), whole)
+
+
+def test_a_16_bit_short_tile_of_another_order_is_refused_on_cancelling_rows(monkeypatch):
+    """A GPU proves a 16-bit product's short tiles too (proofs.provable), on cancelling rows as well as random
+    ones. A short product that adds along K in another order (a split-K stand-in: two float32 halves added,
+    then rounded to bfloat16) changes most elements of the cancelling rows' products and few of the random
+    rows' (whose rounding hides it), and is refused; the product in the whole tile's order is proven."""
+    monkeypatch.setattr(proofs, "provable", lambda dtype, device, linear=False: True)  # as on a GPU
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    tile, real_mm = 64, torch.mm
+    p = (torch.randn(512, 1024, generator=torch.Generator().manual_seed(7)) * 0.02).to(torch.bfloat16).t()
+
+    def split_k(r, q, out=None):  # fewer rows than the tile: K added in two float32 halves
+        h = r.shape[1] // 2
+        got = real_mm(r, q) if r.shape[0] == tile else \
+            (real_mm(r[:, :h].float(), q[:h].float()) + real_mm(r[:, h:].float(), q[h:].float())).to(r.dtype)
+        return got if out is None else out.copy_(got)
+
+    (x, _), (xc, pc) = proofs._operands(p, tile, False)
+    for rows, q, lo, hi in ((x, p, 0.0, 0.001), (xc, pc, 0.3, 1.0)):
+        differ = torch.cat([split_k(rows[i:i + 16], q) != real_mm(rows, q)[i:i + 16] for i in range(0, tile, 16)])
+        assert lo <= differ.float().mean() <= hi
+    monkeypatch.setattr(torch, "mm", split_k)
+    assert proven_short(p, tile, (16,), False) == ()
+    monkeypatch.setattr(torch, "mm", real_mm)
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    assert proven_short(p, tile, (16,), False) == (16,)  # this CPU's bfloat16 `mm`: one order at 16 rows
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="long tiles are a CPU's (invariant.CUDA_TILES has none)")

@@ -250,10 +250,11 @@ def test_a_bucket_never_changes_a_real_rows_bits(dtype):
 
 
 def test_padding_rows_skip_attention_and_change_no_bit(monkeypatch):
-    """A step of a few tokens in a 256-row linear tile (a GPU's) attends over a bucket of its own rows
-    (AttentionPlan.rows: 16 for 5 tokens, 128 for 85), not the tile's 256; its logits are those of the same
-    steps attending over every padded row (ATTENTION_ROWS that large: the layout before plan.rows)."""
-    model = tiny_model(tiny_config(), tiles=CUDA_TILES)
+    """A step of a few tokens in a 256-row linear tile (a GPU's, where it proves no short tile) attends over a
+    bucket of its own rows (AttentionPlan.rows: 16 for 5 tokens, 128 for 85), not the tile's 256; its logits
+    are those of the same steps attending over every padded row (ATTENTION_ROWS that large: the layout
+    before plan.rows)."""
+    model = tiny_model(tiny_config(), tiles=dataclasses.replace(CUDA_TILES, short=()))
     lay, steps = model.lay_out, []
     model.lay_out = lambda *a, **k: steps.append(lay(*a, **k)) or steps[-1]
     trimmed = _steps_in_lockstep(model)[1]  # [(key, logits)] of the steps laid out in buckets

@@ -281,6 +281,7 @@ def _candidates() -> dict[str, Any]:
     replace, a = dataclasses.replace, t.attention
     whole64, partial8 = ItemTiles(rows=64, batch=256, chunk=8192), ItemTiles(rows=8, batch=1024, chunk=16384)
     return {"default": t,
+            "no_short": replace(t, short=()),  # every product a whole tile: the GPU's tiles at f9e71c4
             "rows128": replace(t, rows=128),
             "whole64_partial8": replace(t, attention=replace(a, whole=whole64, partial=partial8)),  # until 2026-11-27
             "whole64": replace(t, attention=replace(a, whole=whole64)),

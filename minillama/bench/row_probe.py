@@ -1,23 +1,21 @@
-"""Whether a device's products give a row the same bits with fewer rows beside it: data for issuing less.
+"""Whether a device's products give a row the same bits with fewer rows beside it, and what each costs.
 
-On a GPU every linear product is a whole tile (`invariant.CUDA_TILES`: 256 rows), because cuBLAS may pick
-another kernel, and so another order of additions, for another row count. A decode step of 64 questions
-therefore multiplies 192 rows of zeros: at Llama-3-8B's shape in bfloat16 a 256-row product is bound by
-arithmetic (~2x the time of reading its weight once), where 64 rows would be bound by the read. A CPU uses
-a short tile only where the process has first shown that it changes no bit (proofs.proven_short); a GPU
-shows nothing yet. This probe asks the GPU the question for each product the model issues, and times the
-answers, so that a later change can rest on what the device did:
+On a GPU a linear product is a whole tile of 256 rows (`invariant.CUDA_TILES`), or a short tile of 16 to 128
+rows where the process has shown, for that weight, that cuBLAS adds the same way for the fewer rows
+(`proofs.proven_short`, in the first step that meets the weight). A decode step of 64 questions then
+computes 64 rows, not 256: at Llama-3-8B's shape in bfloat16 a 256-row product is bound by arithmetic (~2x
+the time of reading its weight once), where 64 rows are bound by the read. This probe reports, for the
+record and with times, what the device does for each product the model issues:
 
 - linear: for each weight's shape and layout (and each unit's, at the units `minillama generate` takes by
   default), whether a product of s rows gives each row exactly the bits of the whole tile's product, on
-  random rows and on *cancelling* rows (a large term and its negative in every output's sum, so that in a
-  16-bit product an order of additions that differs shows in the rounded result too, where random rows can
-  hide it); and, for a column split, whether one product over all the units gives each unit its own bits;
+  random rows and on *cancelling* rows (`proofs.cancelling`: a large term and its negative in every
+  output's sum, so that in a 16-bit product an order of additions that differs shows in the rounded result
+  too, where random rows can hide it); and, for a column split, whether one product over all the units
+  gives each unit its own bits (`proofs.proven_units`);
 - attention: for each kind of item, whether a call of fewer items, or items of fewer rows, gives each item
-  the whole call's bits (the float32 products and sums of `batched`);
+  the whole call's bits (the float32 products and sums of `batched`), which no GPU proves yet;
 - each product's median time at each row count.
-
-Nothing here changes what the model issues: it is a probe, not a proof the model relies on.
 """
 
 from __future__ import annotations
@@ -31,10 +29,10 @@ import torch
 from ..batched import batched_products, batched_row_sums
 from ..blocks import KEY_BLOCK
 from ..invariant import default_tiles, unit_bounds
+from ..proofs import cancelling
 from .shapes import SHAPES
 
 ROWS = (1, 16, 64, 128)  # the row counts tried against a whole tile
-BIG = 2.0 ** 14  # a cancelling pair's term: its float32 ulp (2^-9) is above the small terms' rounding
 
 
 def _weights(config: Any, units: int) -> dict[str, tuple[int, int, bool]]:
@@ -55,22 +53,6 @@ def _operand(n: int, k: int, column_major: bool, dtype: torch.dtype, device: tor
     """A weight (N, K) of random values in the layout the model keeps, as the product takes it: (K, N)."""
     w = (torch.randn(n, k, generator=g, device=device) * 2.0 ** -8).to(dtype)
     return (w.t().contiguous().t() if column_major else w).t()
-
-
-def _cancelling(x: torch.Tensor, p: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """x and p changed so that every output's sum holds +BIG and -BIG at two of 32 fixed positions along K:
-    the exact sum is the small terms', and the small terms added while BIG is in the partial sum lose bits."""
-    k, n = p.shape
-    where = torch.linspace(0, k - 1, min(32, k), device=x.device).long()
-    x, p = x.clone(), p.clone()
-    x[:, where] = 1.0
-    p[where, :] = 0.0
-    pick = torch.rand(n, len(where), generator=g, device=x.device).argsort(dim=1)[:, :2]  # (N, 2) positions
-    cols = torch.arange(n, device=x.device)
-    p[where[pick[:, 0]], cols] = BIG
-    if len(where) > 1:
-        p[where[pick[:, 1]], cols] = -BIG
-    return x, p
 
 
 def _same_rows(x: torch.Tensor, p: torch.Tensor, s: int) -> bool:
@@ -110,7 +92,7 @@ def linear_rows(config: Any, dtype: torch.dtype, device: torch.device, tile: int
     for name, (n, k, column_major) in _weights(config, units).items():
         p = _operand(n, k, column_major, dtype, device, g)
         x = torch.randn(tile, k, generator=g, device=device).to(dtype)
-        xc, pc = _cancelling(x, p, g)
+        xc, pc = cancelling(x, p)
         rec: dict[str, Any] = {"n": n, "k": k, "column_major": column_major,
                                "same_bits_random": [s for s in counts if _same_rows(x, p, s)],
                                "same_bits_cancelling": [s for s in counts if _same_rows(xc, pc, s)],
@@ -119,7 +101,7 @@ def linear_rows(config: Any, dtype: torch.dtype, device: torch.device, tile: int
         if name.endswith("unit") and not _weights(config, 1)[name[:-5]][2]:  # a column unit of a whole weight
             whole_n = _weights(config, 1)[name[:-5]][0]
             wp = _operand(whole_n, k, False, dtype, device, g)
-            wc = _cancelling(x, wp, g)
+            wc = cancelling(x, wp)
             rec["one_product_same_bits"] = all(
                 torch.equal(torch.mm(xi, pi)[:, a:b], torch.mm(xi, pi[:, a:b].contiguous()))
                 for xi, pi in ((x, wp), wc) for a, b in unit_bounds(whole_n, units))
