@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minillama.attention as attention_module
 import minillama.batched as batched
 import minillama.plan as plan_module
+import minillama.proofs as proofs
 import minillama.step as step_module
 import minillama.transfer as transfer
 from minillama.attention import blocked_attention
@@ -318,6 +319,42 @@ def test_captured_steps_replay_the_eager_bits(mode, ahead):
     replayed = generate(model, PROMPTS, PARAMS, mode=mode)
     assert capture.captures >= 1 and capture.replays > capture.captures  # steps were replayed, not rerun
     assert_same_answers(eager, replayed)
+
+
+class ProvedBefore(Rerun):
+    """A capture stand-in that fails where the captured step makes a proof (proofs.py): a GPU's proofs read
+    their results back, which a CUDA graph's capture refuses. `forget`: the proofs are dropped just before
+    each capture, as if the step had not run eagerly first (the negative control)."""
+
+    def __init__(self, forget=False):
+        super().__init__()
+        self.forget = forget
+
+    def __call__(self, run, pool=None):
+        if self.forget:
+            proofs._PROVEN.clear()
+        made = dict(proofs._PROVEN)
+        out = super().__call__(run, pool)
+        assert proofs._PROVEN == made, f"proofs made in a capture: {set(proofs._PROVEN) - set(made)}"
+        return out
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the CPU's proofs stand in for a GPU's")
+def test_a_captured_step_makes_no_proof(monkeypatch):
+    """On a GPU, short tiles and units as one product are proven in the step that first meets a weight's
+    shape (proofs.py). That step runs eagerly, so the capture of the bucket's second step finds every proof
+    made: with the GPU's tiles (short tiles) and units (one product over them), greedy and sampled, in
+    parallel and alone, one step ahead of the host. Negative control: proofs dropped before each capture."""
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    for mode, ahead in (("parallel", True), ("independent", False)):
+        model = _captured(tiny_model(tiny_config(), tiles=CUDA_TILES), ProvedBefore())
+        model.units, model.steps.overlap = 2, ahead
+        generate(model, PROMPTS, PARAMS, mode=mode)
+        assert model.steps.capture.captures >= 1 and proofs._PROVEN  # steps captured, proofs made
+    model = _captured(tiny_model(tiny_config(), tiles=CUDA_TILES), ProvedBefore(forget=True))
+    model.units = 2
+    with pytest.raises(AssertionError, match="proofs made in a capture"):
+        generate(model, PROMPTS, PARAMS)
 
 
 def test_a_cache_grown_in_a_pass_is_a_spare_the_next_call_can_take():
