@@ -336,7 +336,18 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log,
             for n, ts in times.items()}
     for n, r in rows.items():
         log(f"  tiles {n}: {r['wall_s']:.3f} s, x{r['x_default']:.2f} the default")
-    return {"task": task.describe(), "candidates": {n: repr(c) for n, c in cands.items()}, "runs": rows, **profile}
+    return {"task": task.describe(), "candidates": {n: repr(c) for n, c in cands.items()}, "runs": rows,
+            "proofs": proofs_made(), **profile}
+
+
+def proofs_made() -> list[dict[str, Any]]:
+    """Every linear proof this process made (proofs.py): which short tiles (and units as one product) the
+    device showed give a tile's bits, per operand's shape, layout and dtype, and so which the runs took."""
+    from .. import proofs
+
+    return [{"kind": key[0], "shape": key[1], "stride": key[2], "dtype": str(key[3]),
+             "proven": list(value) if key[0] != "units" else bool(value)}
+            for key, value in proofs._PROVEN.items() if key[0] in ("short", "long", "units")]
 
 
 def host_split(model: Any, prompts: list[list[int]], docs: list[int], new_tokens: int,
