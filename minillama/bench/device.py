@@ -294,7 +294,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     `parity_check`: first, parallel against independent logits bit for bit (bench/parity.py); `compiled`:
     the headline also with compiled steps (`parallel_compiled`), and the parity check too; `units`: the headline
     also at the units `minillama generate` takes by default, the KV heads (`parallel_units`; the other methods
-    issue each product whole), and the parity check there too."""
+    run at one unit), and the parity check there too."""
     dtype = getattr(torch, dtype_name)
     config = SHAPES[shape]
     here = None
