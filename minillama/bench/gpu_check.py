@@ -25,7 +25,7 @@ In order, each step recorded whatever the others do:
    waiting for the device, the rest), ahead of the device and in step, there and at SmolLM2's shape, where
    `minillama serve`'s engine (no HTTP) answers the same questions one pass ahead and in step, timed;
    at both shapes, `row_probe`: which of the device's products give a row the whole tile's bits with fewer
-   rows (or items) beside it, and what each row count costs (data for issuing less, not used by the model);
+   rows (or items) beside it, and what each row count costs (for the record: the model proves for itself);
 5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
    (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
