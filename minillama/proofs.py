@@ -39,9 +39,17 @@ def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: boo
         with unwatched(), torch.no_grad():
             tried = [(x, q, _product(x, q, onednn)) for x, q in _operands(p, tile, onednn)]
             _PROVEN[key] = tuple(s for s in short if s < tile and all(
-                torch.equal(_product(x[i:i + s].clone(), q, onednn), full[i:i + s])
-                for x, q, full in tried for i in range(0, tile - s + 1, s)))
+                same_rows(x, q, s, onednn, full) for x, q, full in tried))
     return _PROVEN[key]
+
+
+def same_rows(x: torch.Tensor, p: torch.Tensor, s: int, onednn: bool = False, full: torch.Tensor | None = None
+              ) -> bool:
+    """Whether every s-row slice of the rows x, as a product of its own with p, gives exactly the rows of x's
+    one product (`full`, made here when not given): `proven_short`'s question, asked of one operand."""
+    full = _product(x, p, onednn) if full is None else full
+    return all(torch.equal(_product(x[i:i + s].clone(), p, onednn), full[i:i + s])
+               for i in range(0, x.shape[0] - s + 1, s))
 
 
 def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool) -> tuple[int, ...]:

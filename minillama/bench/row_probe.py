@@ -29,7 +29,7 @@ import torch
 from ..batched import batched_products, batched_row_sums
 from ..blocks import KEY_BLOCK
 from ..invariant import default_tiles, unit_bounds
-from ..proofs import cancelling
+from ..proofs import cancelling, same_rows
 from .shapes import SHAPES
 
 ROWS = (1, 16, 64, 128)  # the row counts tried against a whole tile
@@ -53,12 +53,6 @@ def _operand(n: int, k: int, column_major: bool, dtype: torch.dtype, device: tor
     """A weight (N, K) of random values in the layout the model keeps, as the product takes it: (K, N)."""
     w = (torch.randn(n, k, generator=g, device=device) * 2.0 ** -8).to(dtype)
     return (w.t().contiguous().t() if column_major else w).t()
-
-
-def _same_rows(x: torch.Tensor, p: torch.Tensor, s: int) -> bool:
-    """Every s-row slice of the tile x, as its own product with p, against the whole tile's product's rows."""
-    full = torch.mm(x, p)
-    return all(torch.equal(torch.mm(x[i:i + s], p), full[i:i + s]) for i in range(0, x.shape[0] - s + 1, s))
 
 
 def _median_ms(fn, device: torch.device, repeats: int) -> float:
@@ -87,19 +81,19 @@ def linear_rows(config: Any, dtype: torch.dtype, device: torch.device, tile: int
     units gives it its bits."""
     g = torch.Generator(device=device).manual_seed(0)
     counts = [s for s in ROWS if s < tile]
-    units = config.num_key_value_heads
+    units, whole = config.num_key_value_heads, _weights(config, 1)
     out = {}
     for name, (n, k, column_major) in _weights(config, units).items():
         p = _operand(n, k, column_major, dtype, device, g)
         x = torch.randn(tile, k, generator=g, device=device).to(dtype)
         xc, pc = cancelling(x, p)
         rec: dict[str, Any] = {"n": n, "k": k, "column_major": column_major,
-                               "same_bits_random": [s for s in counts if _same_rows(x, p, s)],
-                               "same_bits_cancelling": [s for s in counts if _same_rows(xc, pc, s)],
+                               "same_bits_random": [s for s in counts if same_rows(x, p, s)],
+                               "same_bits_cancelling": [s for s in counts if same_rows(xc, pc, s)],
                                "ms": {str(s): _median_ms(lambda s=s: torch.mm(x[:s], p), device, repeats)
                                       for s in counts + [tile]}}
-        if name.endswith("unit") and not _weights(config, 1)[name[:-5]][2]:  # a column unit of a whole weight
-            whole_n = _weights(config, 1)[name[:-5]][0]
+        if name.endswith("unit") and not whole[name[:-5]][2]:  # a column unit of a whole weight
+            whole_n = whole[name[:-5]][0]
             wp = _operand(whole_n, k, False, dtype, device, g)
             wc = cancelling(x, wp)
             rec["one_product_same_bits"] = all(
