@@ -140,12 +140,13 @@ def scan_matches(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.
         return torch.equal(loop, scan) and torch.equal(loop.signbit(), scan.signbit())
 
 
-def _items(kind: ItemTiles, d: int) -> tuple[torch.Tensor, ...]:
-    """A whole batch of random items of the kind: q (n, T, D), k and v (n, B, D), e (n, T, B) in exp's range."""
+def _items(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A whole batch of random items of the kind, in the attention's dtype on its device: q (n, T, D), k and v
+    (n, B, D), e (n, T, B) in exp's range."""
     n, t, b = kind.batch, kind.rows, KEY_BLOCK
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, rows, d, generator=g) for rows in (t, b, b))
-    return q, k, v, torch.rand(n, t, b, generator=g)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v, torch.rand(n, t, b, generator=g)))
 
 
 def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -155,14 +156,15 @@ def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, n
 
 def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """The item counts in `kind.short` whose calls give each item exactly the bits a call of a whole batch
-    gives it, shown once per process, kind, head size and thread count on random items, a short call placed
-    as a pass's last batch is (after a whole one)."""
+    gives it, shown once per process, device, kind, head size and thread count on random items, a short call
+    placed as a pass's last batch is (after a whole one), where `provable`. On a GPU, as a CPU, the proof runs
+    in the host half (plan.py), before any step that takes a short batch: never inside a captured step."""
     if not kind.short or not provable(dtype, device):
         return ()
-    key = ("batches", kind, d, dtype, torch.get_num_threads())
+    key = ("batches", kind, d, dtype, device, torch.get_num_threads())
     if key not in _PROVEN:
         n = kind.batch
-        items = _items(kind, d)
+        items = _items(kind, d, dtype, device)
 
         def same(s: int, i: int) -> bool:
             """Items i .. i + s - 1, called alone after a whole batch, against the whole batch's call."""
@@ -176,15 +178,15 @@ def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.de
 
 def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """The tile sizes in `kind.short_rows` whose items, in whole batches, give each row exactly the bits a
-    tile of `kind.rows` rows gives it, every slice of a whole tile tried, shown once per process, kind, head
-    size and thread count. (A short batch of such tiles is proven on its own: `proven_batches` of the kind
-    with that many rows.)"""
+    tile of `kind.rows` rows gives it, every slice of a whole tile tried, shown once per process, device,
+    kind, head size and thread count, where `provable` (in the host half, as `proven_batches`). (A short
+    batch of such tiles is proven on its own: `proven_batches` of the kind with that many rows.)"""
     if not kind.short_rows or not provable(dtype, device):
         return ()
-    key = ("rows", kind, d, dtype, torch.get_num_threads())
+    key = ("rows", kind, d, dtype, device, torch.get_num_threads())
     if key not in _PROVEN:
         n = kind.batch
-        q, k, v, e = _items(kind, d)
+        q, k, v, e = _items(kind, d, dtype, device)
         whole = _calls(q, k, v, e, n)
 
         def same(t: int, r: int) -> bool:

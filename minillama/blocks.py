@@ -51,7 +51,7 @@ class ItemTiles:
     # Smaller item counts that may stand in for a pass's last batch of this kind, so that a pass of few items
     # (one sequence decoding) does not pay for a whole batch: used only where the process has shown that a
     # call of that many items gives every item the bits a whole batch's call gives it
-    # (`batched.proven_batches`, on a CPU in float32). The answers are the whole batches' either way.
+    # (`batched.proven_batches`: on a CPU in float32, on a GPU). The answers are the whole batches' either way.
     short: tuple[int, ...] = ()
     # Smaller tiles that may stand in for `rows` in a pass whose every group of rows fits one (a decode step
     # brings each block G rows per question: 3 of 32), used only where the process has shown that a call of
@@ -124,5 +124,13 @@ CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, sho
 # (masked) the time of 64-row / 8-row tiles in batches of 256 / 1,024, in three runs on two days; a decode step
 # of 64 questions then fills its batch of 512 masked items rather than padding 512 to 1,024. Batches and chunks
 # stay big enough that a pass issues few launches (tests/test_signatures.py counts them).
-CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=128, batch=128, chunk=8192),
-                                partial=ItemTiles(rows=16, batch=512, chunk=16384), index_add=True)
+# Where the GPU proves them (batched.py, in the host half, once per process and shape), a pass whose groups are
+# all small takes short item tiles, and a pass of fewer items than a batch a short batch, as a CPU does, in
+# buckets too: a decode step of 64 questions at Llama-3-8B's shape brings 4 rows (the G query heads of one
+# token) to each question's own masked block, a 16-row tile; one question alone brings 4 rows to each of the
+# document's blocks, a 128-row tile, in 64 of a batch's 128 items. Unproven, a pass pays for the whole tile.
+CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=128, batch=128, chunk=8192, short=(16, 32, 64),
+                                                short_rows=(4, 8, 16, 32, 64)),
+                                partial=ItemTiles(rows=16, batch=512, chunk=16384, short=(64, 128, 256),
+                                                  short_rows=(4, 8)),
+                                index_add=True)

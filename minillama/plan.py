@@ -136,7 +136,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     segment_list, position_list = segments.tolist(), positions.tolist()
     whole_groups, partial_groups = group_tokens(cache, segment_list, position_list, window)
     layout = _Pass(cache, position_list, group_size, row_stride=n_rows * group_size + 1, window=window)
-    short = not tiles.fused and not buckets
+    short = not tiles.fused  # proven short batches and item tiles (the fused kernel's items are its own)
     whole_groups, small_groups = _split_small(layout, whole_groups, tiles.whole) if short else (whole_groups, {})
     (whole, whole_rows), (partial, partial_rows) = (
         _lay_out(layout, groups, kind, masked=masked, buckets=buckets, short=short)
@@ -144,7 +144,7 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
     laid = [(whole, whole_rows, tiles.whole)]
     small = None
     if small_groups:
-        small, small_rows = _lay_out(layout, small_groups, tiles.whole, masked=False, buckets=False, short=True)
+        small, small_rows = _lay_out(layout, small_groups, tiles.whole, masked=False, buckets=buckets, short=True)
         laid.append((small, small_rows, tiles.whole))
     laid.append((partial, partial_rows, tiles.partial))
     plan = AttentionPlan(positions=positions, group_size=group_size, whole=whole, partial=partial, small=small,
@@ -186,9 +186,12 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
     items' flat rows (I, T) on the host, for `row_order`. The items are padded to whole batches, the last
     one short where `short` and a short batch is proven (batched.proven_batches); where `short`, a pass whose
-    every group fits a proven smaller tile takes the smallest that holds the largest (batched.proven_rows)."""
+    every group fits a proven smaller tile takes the smallest that holds the largest (batched.proven_rows).
+    In `buckets` too: the proven sizes are fixed per process, so a bucket's shapes stay few (a tile of 4
+    rows, a short batch of 64 items, are buckets of their own), and a pass of fewer items than a batch
+    takes the smallest proven short batch that holds them, else a whole batch."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
-    if short and not buckets and order:
+    if short and order:
         most = layout.group_size * max(len(tokens) for tokens in groups.values())  # rows of the largest group
         if most < kind.rows:
             kind = replace(kind, rows=last_tile(most, kind.rows, _proven(proven_rows, kind, layout.cache)),
@@ -198,7 +201,7 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     block_keys = _block_keys(layout, order)  # (groups, B)
     blocks = np.array([block for _, block in order], dtype=np.int64)  # (groups,)
     real = layout.kv_heads * int(tiles_per_group.sum())
-    if buckets:
+    if buckets and not (short and 0 < real < kind.batch):
         padded = bucket(real, kind.batch)
     else:
         whole, rest = divmod(real, kind.batch)
@@ -216,7 +219,7 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     items = Items(to_device(torch.from_numpy(rows), device), to_device(torch.from_numpy(keys), device), hidden,
                   bounds=[*starts, int(item_blocks.size)], blocks=distinct_blocks,
                   group_size=layout.group_size, row_stride=layout.row_stride, key_stride=layout.key_stride)
-    if kind.runs and short and not masked:  # not fused, not bucketed
+    if kind.runs and short and not masked and not buckets:  # runs follow the pass's blocks, not its shapes
         items.runs = key_runs(keys, rows, kind, lambda n: _proven(proven_run, kind, layout.cache, n))
     return items, rows
 

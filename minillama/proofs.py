@@ -5,8 +5,8 @@ where the process has first shown, on random rows, that they change no bit: a pa
 short product of fewer rows (`proven_short`), a run of whole tiles as one long product (`proven_long`),
 and a column-split projection's units as one product over all of them (`proven_units`).
 Each proof runs once per process, weight-slice shape, thread count and library, when first needed: on a CPU
-in float32 (a 16-bit model computes its CPU products in float32, precision.py); a linear tile's proofs on a
-GPU too, in any dtype (`provable`). A 16-bit product rounds its float32 sums to 8 or 11 bits, which hides
+in float32 (a 16-bit model computes its CPU products in float32, precision.py); on a GPU in any dtype
+(`provable`). A 16-bit product rounds its float32 sums to 8 or 11 bits, which hides
 another order of additions from random rows in all but a few elements, so a 16-bit proof also tries
 *cancelling* rows (`cancelling`), which show it in most. Attention's short batches and item tiles have their
 own proofs (batched.py).
@@ -32,7 +32,7 @@ def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: boo
     differed on slices a random-rows proof passed), so in 16 bits the proof also takes cancelling rows
     (`cancelling`), whose products show it. `p` is what the product takes: (N, K) for oneDNN's linear, (K, N)
     for `torch.mm`."""
-    if not short or not provable(p.dtype, p.device, linear=True):  # whole tiles: the same bits
+    if not short or not provable(p.dtype, p.device):  # whole tiles: the same bits
         return ()
     key = ("short", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, short)
     if key not in _PROVEN:
@@ -57,7 +57,7 @@ def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool)
     row exactly the bits its own (tile, K) product gives it, shown as `proven_short` shows a short tile's: once
     per process, slice shape, thread count and library, on random rows (and cancelling ones in 16 bits),
     where `provable`."""
-    if not long or not provable(p.dtype, p.device, linear=True):
+    if not long or not provable(p.dtype, p.device):
         return ()
     key = ("long", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, long)
     if key not in _PROVEN:
@@ -79,7 +79,7 @@ def proven_units(weight: torch.Tensor, bounds: list[tuple[int, int]], rows: tupl
     every kind of product a pass issues), shown once per process, weight shape and layout, units and thread
     count, on random rows (and cancelling ones in 16 bits), only where `provable`. `product(x, w)` is the
     tiled product."""
-    if not provable(weight.dtype, weight.device, linear=True):
+    if not provable(weight.dtype, weight.device):
         return False
     if len(bounds) == 1 and weight.is_contiguous():  # the unit's own product, on its own block
         return True
@@ -110,17 +110,18 @@ def opaque_op(name: str, fn: Callable[..., torch.Tensor], fake: Callable[..., to
     return op
 
 
-def provable(dtype: torch.dtype, device: torch.device, linear: bool = False) -> bool:
+def provable(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a proof can stand for products of this dtype on this device (here, and attention's in
-    batched.py), outside `torch.compile` (which takes whole tiles and calls): on a CPU in float32; `linear`,
-    a linear product's (short and long tiles, units), on a CUDA device too, in any floating dtype. A GPU
-    proves in the first step that meets a weight's shape, which runs eagerly (step.py): a captured step
-    replays a step whose proofs were made, and reads nothing back."""
+    batched.py), outside `torch.compile` (which takes whole tiles and calls): on a CPU in float32 (a 16-bit
+    model's CPU products are float32, precision.py); on a CUDA device in any floating dtype (attention's
+    products are float32 or wider). A linear product's proof runs in the first step that meets a weight's
+    shape, which a GPU runs eagerly (step.py); attention's run in the host half, before its step. Either
+    way a captured step replays a step whose proofs were made, and reads nothing back."""
     if torch.compiler.is_compiling():
         return False
     if device.type == "cpu":
         return dtype == torch.float32
-    return linear and device.type == "cuda" and dtype.is_floating_point
+    return device.type == "cuda" and dtype.is_floating_point
 
 
 BIG = 2.0 ** 14  # a cancelling term: its float32 ulp (2^-9) is a good part of the other terms (~2^-8)

@@ -380,15 +380,14 @@ def _nudge_bmm(monkeypatch, when) -> None:
     monkeypatch.setattr(torch, "bmm", nudged)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches are a CPU's (CUDA_ATTENTION has none)")
 def test_a_short_last_batch_gives_every_row_the_whole_batches_bits(threads):
     """A kind's items past its last whole batch run as one short call (ItemTiles.short) where proven: at
     SmolLM2's attention shape, a decode step of one question, of a few, and prefills equal the same passes in
-    whole batches bit for bit, whatever counts this CPU's kernels prove (every one here; which is a fact of
+    whole batches bit for bit, whatever counts the device's kernels prove (every one on this CPU; which is a fact of
     the CPU and the torch build, and `test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them`
     shows they are taken where proven)."""
     for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
-        assert set(proven_batches(kind, 64, torch.float32, torch.device("cpu"))) <= set(kind.short)
+        assert set(proven_batches(kind, 64, torch.float32, DEVICE)) <= set(kind.short)
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
     for doc, qs, decode in SHORT_CASES:
         plan, short, whole = _short_and_whole(config, doc, qs, decode)
@@ -399,7 +398,6 @@ SHORT_CASES = [(567, [1], True), (150, [3, 20], True), (700, [1] * 9, True), (0,
                (300, [20, 45, 7], False), (64, [64], False)]
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches are a CPU's (CUDA_ATTENTION has none)")
 def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
     """Negative control: a library whose calls of fewer items add in another order (here: `torch.bmm`
     nudging the last bit below 64 items) proves no short batch, so the pass keeps whole batches and their
@@ -414,13 +412,12 @@ def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
     assert plan.whole.count % CPU_ATTENTION.whole.batch and not torch.equal(short, whole)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
 def test_a_pass_of_small_groups_takes_short_item_tiles_with_the_whole_tiles_bits(threads):
     """Where every group of a kind's rows fits a smaller proven tile (ItemTiles.short_rows), a pass takes it;
-    each pass equals the same pass in whole tiles bit for bit, whatever tiles this CPU's kernels prove (every
+    each pass equals the same pass in whole tiles bit for bit, whatever tiles the device's kernels prove (every
     one here; the tiles a pass then takes: `test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them`)."""
     for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
-        assert set(proven_rows(kind, 64, torch.float32, torch.device("cpu"))) <= set(kind.short_rows)
+        assert set(proven_rows(kind, 64, torch.float32, DEVICE)) <= set(kind.short_rows)
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
     for doc, qs, decode, _ in [*SMALL_GROUPS, (100, [40] + [3] * 6, True, None)]:
         plan, short, whole = _short_and_whole(config, doc, qs, decode)
@@ -432,9 +429,8 @@ SMALL_GROUPS = [(567, [1], True, (4, 4)), (150, [3, 20], True, (8, 4)), (700, [1
                 (300, [20, 45, 7], False, (32, 16))]
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="short batches and tiles are a CPU's (CUDA_ATTENTION has none)")
 def test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them(monkeypatch):
-    """Positive control of the proofs, on any CPU: with a stand-in `torch.bmm` and row sums that add each
+    """Positive control of the proofs, on any device: with a stand-in `torch.bmm` and row sums that add each
     output's terms in one fixed order, element by element, whatever the call's shape (so every item's and
     every row's bits are their own by construction), every short batch and short tile proves, passes of few
     items take short batches, and a pass takes the smallest tile that holds its largest group: one question's
@@ -457,8 +453,8 @@ def test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them(monkeypa
     monkeypatch.setattr(torch, "bmm", bmm)
     monkeypatch.setattr(batched, "_row_sums", row_sums)
     for kind in (CPU_ATTENTION.whole, CPU_ATTENTION.partial):
-        assert proven_batches(kind, 64, torch.float32, torch.device("cpu")) == kind.short
-        assert proven_rows(kind, 64, torch.float32, torch.device("cpu")) == kind.short_rows
+        assert proven_batches(kind, 64, torch.float32, DEVICE) == kind.short
+        assert proven_rows(kind, 64, torch.float32, DEVICE) == kind.short_rows
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
     shortened = 0
     for doc, qs, decode in SHORT_CASES:
@@ -478,7 +474,7 @@ def test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them(monkeypa
     assert plan.small.blocks == [1] and torch.equal(short, whole)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="short item tiles are a CPU's (CUDA_ATTENTION has none)")
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="expects this CPU's proof of 8-row item tiles")
 def test_a_short_item_tile_of_other_bits_is_refused(monkeypatch):
     """Negative control: a library whose products of 4-row tiles add in another order (here: `torch.bmm`
     nudging the last bit) proves no 4-row tile, so one question's decode step takes 8-row tiles, with the

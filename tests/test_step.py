@@ -267,6 +267,61 @@ def test_padding_rows_skip_attention_and_change_no_bit(monkeypatch):
         assert torch.equal(a, b)
 
 
+def _bucketed_steps(tiles):
+    """`_steps_in_lockstep`'s steps laid out in buckets (a GPU's captured layout) with `tiles`: [(step, its
+    wanted logits)]."""
+    model = tiny_model(tiny_config(), tiles=tiles)
+    lay, laid = model.lay_out, []
+    model.lay_out = lambda *a, **k: laid.append(lay(*a, **k)) or laid[-1]
+    logits = [b for _, b in _steps_in_lockstep(model)[1]]
+    return list(zip(laid[-len(logits):], logits))
+
+
+WHOLE_ITEMS = dataclasses.replace(CUDA_TILES, attention=CUDA_TILES.whole_only().attention)
+
+
+def test_a_bucket_takes_the_short_item_tiles_and_batches_its_device_proves():
+    """Steps in buckets (a GPU's, captured) take a short item tile where every group of a kind fits one, and a
+    short batch where a kind has fewer items than a batch, exactly where the device proves them (batched.py,
+    in the host half): with the GPU's tiles, 5 questions' decode steps bring 2 rows (G) to each question's own
+    masked block and 10 to the document's, which take 4- and 16-row tiles in short batches on this CPU, not
+    16 and 128 rows in batches of 512 and 128. Every step's logits equal those of whole tiles and batches."""
+    short, whole = _bucketed_steps(CUDA_TILES), _bucketed_steps(WHOLE_ITEMS)
+    a = CUDA_TILES.attention
+    d = tiny_config().head_dim
+    tile = {kind: plan_module.last_tile(rows, kind.rows, batched.proven_rows(kind, d, torch.float32, DEVICE))
+            for kind, rows in ((a.whole, 10), (a.partial, 2))}
+    assert len(short) == len(whole) == 4
+    for (_, logits), (_, whole_logits) in zip(short, whole):
+        assert torch.equal(logits, whole_logits)
+    for step, _ in short[1:]:  # the decode steps
+        assert (step.plan.whole.rows.shape[1], step.plan.partial.rows.shape[1]) == (tile[a.whole], tile[a.partial])
+        assert step.plan.whole.count <= a.whole.batch and step.plan.partial.count <= a.partial.batch
+    for step, _ in whole[1:]:
+        assert step.plan.whole.rows.shape == (a.whole.batch, a.whole.rows)
+        assert step.plan.partial.rows.shape == (a.partial.batch, a.partial.rows)
+    if DEVICE.type == "cpu":  # this CPU's kernels prove them all (float32, oneDNN's and MKL's bmm)
+        assert [step.plan.partial.rows.shape for step, _ in short[1:]] == [(64, 4)] * 3
+        assert [step.plan.whole.rows.shape for step, _ in short[1:]] == [(16, 16)] * 3
+
+
+def test_negative_control_a_bucket_refuses_an_item_tile_of_other_bits(monkeypatch):
+    """A library whose 4-row items add in another order (`torch.bmm` nudging the last bit) proves no 4-row
+    tile: the decode steps' own blocks go in 8-row tiles, with the whole tiles' bits; taken unproven, the
+    4-row tiles change them."""
+    from test_attention import _nudge_bmm
+
+    _nudge_bmm(monkeypatch, lambda a: a.shape[1] == 4)
+    whole = _bucketed_steps(WHOLE_ITEMS)
+    refused = _bucketed_steps(CUDA_TILES)
+    assert [step.plan.partial.rows.shape[1] for step, _ in refused[1:]] == [8] * 3
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(refused, whole))
+    monkeypatch.setattr(plan_module, "proven_rows", lambda kind, d, dtype, device: kind.short_rows)  # unproven
+    taken = _bucketed_steps(CUDA_TILES)
+    assert [step.plan.partial.rows.shape[1] for step, _ in taken[1:]] == [4] * 3
+    assert not all(torch.equal(x, y) for (_, x), (_, y) in zip(taken, whole))
+
+
 def test_negative_control_padding_that_adds_a_real_term_is_caught(monkeypatch):
     row_order = plan_module.row_order
 
@@ -458,8 +513,11 @@ def test_a_chunked_prefill_is_never_captured():
     assert capture.captures == 1
 
 
-def test_captured_parallel_equals_captured_independent():
-    model = _captured(tiny_model(tiny_config(kv_heads=1, heads=3)), Rerun())
+@pytest.mark.parametrize("tiles", [None, CUDA_TILES])
+def test_captured_parallel_equals_captured_independent(tiles):
+    """In buckets, with the device's tiles and the GPU's (whose short item tiles and batches the questions
+    alone take far more of than the pack)."""
+    model = _captured(tiny_model(tiny_config(kv_heads=1, heads=3), tiles=tiles), Rerun())
     assert_same_answers(generate(model, PROMPTS, PARAMS, mode="independent"),
                         generate(model, PROMPTS, PARAMS, mode="parallel"))
 
