@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
-from .proofs import opaque, opaque_op, proven_long, proven_short, proven_units
+from .proofs import held_short, opaque, opaque_op, proven_long, proven_short, proven_units
 
 if TYPE_CHECKING:
     from .config import LlamaConfig
@@ -91,11 +91,11 @@ class Tiles:
         model.py.)"""
         return min([s for s in self.short if all(s * w % 128 == 0 for w in widths)] + [self.rows])
 
-    def tile_end(self, n: int) -> int:
+    def tile_end(self, n: int, short: tuple[int, ...] | None = None) -> int:
         """The rows a pass of n rows computes in its linear products: whole tiles, and the last tile
-        (`last_tile`) of the rest, taking every short tile as proven."""
+        (`last_tile`) of the rest, taking the `short` tiles as proven (all of them where None)."""
         whole, rest = divmod(n, self.rows)
-        return whole * self.rows + last_tile(rest, self.rows, self.short)
+        return whole * self.rows + last_tile(rest, self.rows, self.short if short is None else short)
 
 
 def last_tile(rest: int, tile: int, short: tuple[int, ...]) -> int:
@@ -161,10 +161,15 @@ class Kernels:
                   *(b - a for a, b in unit_bounds(config.intermediate_size, self.units)))
         return self.tiles_for(device).unit(widths)
 
-    def tile_end(self, n: int, device: torch.device) -> int:
+    def tile_end(self, n: int, device: torch.device, dtype: torch.dtype | None = None) -> int:
         """The rows a pass of n rows computes (`Tiles.tile_end`), n with the plain kernels: rows up to here
-        cost nothing more."""
-        return self.tiles_for(device).tile_end(n) if self.invariant else n
+        cost nothing more. With the model's `dtype`, only the short tiles that this process's proofs hold for
+        every weight so far (`proofs.held_short`): on a GPU that proves none, every pass computes whole tiles."""
+        if not self.invariant:
+            return n
+        t = self.tiles_for(device)
+        held = None if dtype is None else held_short(t.rows, t.short, compute_dtype(device, dtype), device)
+        return t.tile_end(n, held)
 
     @property
     def sharded(self) -> bool:

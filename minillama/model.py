@@ -283,10 +283,10 @@ class Llama(nn.Module):
 
     def rows_end(self, n: int) -> int:
         """The rows a pass of n tokens computes in its products: whole tiles (`Kernels.tile_end`) of the rows it
-        runs, a bucket of them where steps are captured or compiled (`step.pass_rows`). Up to here, more tokens
-        cost no more products."""
+        runs, the last one short only where the process's proofs so far hold it, a bucket of them where steps
+        are captured or compiled (`step.pass_rows`). Up to here, more tokens cost no more products."""
         rows = pass_rows(self.config, self.kernels, self.device, n, self.steps.bucketed(self.device))
-        return self.kernels.tile_end(rows, self.device)
+        return self.kernels.tile_end(rows, self.device, self.dtype)
 
     @torch.no_grad()
     def run_step(self, cache: KVCache, step: Step) -> torch.Tensor:

@@ -34,13 +34,24 @@ def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: boo
     for `torch.mm`."""
     if not short or not provable(p.dtype, p.device):  # whole tiles: the same bits
         return ()
-    key = ("short", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, short)
+    key = ("short", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, short, p.device.type)
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             tried = [(x, q, _product(x, q, onednn)) for x, q in _operands(p, tile, onednn)]
             _PROVEN[key] = tuple(s for s in short if s < tile and all(
                 same_rows(x, q, s, onednn, full) for x, q, full in tried))
     return _PROVEN[key]
+
+
+def held_short(tile: int, short: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """The sizes in `short` that every short-tile proof this process has made for products of `tile` rows in
+    `dtype` on `device`'s kind holds (every one of them before the first): the last tile a pass's products
+    take, for all of its weights, as far as the process knows (`Llama.rows_end`)."""
+    held = set(short)
+    for key, sizes in _PROVEN.items():
+        if key[0] == "short" and key[3] == dtype and key[6] == tile and key[8] == device.type:
+            held &= set(sizes)
+    return tuple(s for s in short if s in held)
 
 
 def same_rows(x: torch.Tensor, p: torch.Tensor, s: int, onednn: bool = False, full: torch.Tensor | None = None
@@ -59,7 +70,7 @@ def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool)
     where `provable`."""
     if not long or not provable(p.dtype, p.device):
         return ()
-    key = ("long", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, long)
+    key = ("long", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, long, p.device.type)
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             longest = max(long)
@@ -83,7 +94,8 @@ def proven_units(weight: torch.Tensor, bounds: list[tuple[int, int]], rows: tupl
         return False
     if len(bounds) == 1 and weight.is_contiguous():  # the unit's own product, on its own block
         return True
-    key = ("units", tuple(weight.shape), weight.stride(), weight.dtype, torch.get_num_threads(), tuple(bounds), rows)
+    key = ("units", tuple(weight.shape), weight.stride(), weight.dtype, torch.get_num_threads(), tuple(bounds), rows,
+           weight.device.type)
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             _PROVEN[key] = all(torch.equal(product(x[:m], w),

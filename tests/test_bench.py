@@ -790,6 +790,7 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     assert "Self CPU" in tiles["profile"]["by_device_time"] and "Self CPU" in tiles["profile_compiled"]["by_device_time"]
     assert "minillama::tiled_linear" in tiles["profile_compiled"]["by_device_time"]  # the compiled layers ran
     assert any(p["kind"] == "short" and p["proven"] for p in tiles["proofs"])  # the CPU's short tiles, proven
+    assert any(p["kind"] == "attention rows" and p["proven"] for p in tiles["proofs"])  # and short item tiles
     rows = data["steps"]["rows tiny float32"]["result"]  # which products keep a row's bits with fewer rows
     assert rows["tile"] == 64 and {"q", "down", "q unit", "down unit"} <= set(rows["linear"])
     for r in rows["linear"].values():

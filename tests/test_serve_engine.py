@@ -12,6 +12,7 @@ import random
 
 import torch
 
+from minillama import proofs
 from minillama.generate import SamplingParams, generate
 from minillama.serve.engine import Choice, Engine, Event
 from minillama.serve.identity import eos_of
@@ -87,6 +88,38 @@ def test_in_buckets_a_prompt_runs_on_to_the_end_of_the_bucket(model, monkeypatch
     assert fits > model.llama.kernels.tile_end(1 + 70, model.llama.device) - 1
     long = [[rng.randrange(3, 300) for _ in range(fits)]]
     events = _run(engine, long, steps=1)  # 1 decode row + `fits` prompt rows: the bucket's every row
+    assert len(events[0]) == 1, "the long prompt needed a second pass"
+    while engine.running:
+        engine._step()
+    _check_solo(model, long, events)
+    _check_solo(model, first, running)
+
+
+def test_where_no_short_tile_is_proven_a_prompt_fills_the_whole_tile(model, monkeypatch):
+    """`Llama.rows_end` takes a short last tile only where this process's proofs hold it for every weight so far
+    (`proofs.held_short`). Where the device proves none (here: proofs whose products of fewer rows nudge the
+    last bit, as a GPU whose kernel for fewer rows adds in another order), every pass computes whole tiles,
+    and prompt tokens fill the tile a pass computes anyway. The answers stay the solo runs'. Negative control:
+    the engine before took every short tile as proven, so its pass ended at the short tile (a second pass)."""
+    llama = model.llama
+    tile = llama.tiles.rows
+    product = proofs._product
+
+    def nudged(r, p, onednn):
+        got = product(r, p, onednn)
+        return got.nextafter(torch.full_like(got, float("inf"))) if r.shape[0] < tile else got
+
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    monkeypatch.setattr(proofs, "_product", nudged)
+    rng = random.Random(3)
+    engine = Engine(llama, eos_of(model), max_batch_tokens=4, prefix_cache=False)
+    first = [[rng.randrange(3, 300) for _ in range(5)]]
+    running = _run(engine, first, steps=1)  # its prompt: every product's proof refuses every short tile
+    assert proofs._PROVEN and set(proofs._PROVEN.values()) <= {(), True, False}
+    assert llama.kernels.tile_end(1 + 4, llama.device) < tile  # every short tile taken as proven
+    assert llama.rows_end(1 + 4) == tile
+    long = [[rng.randrange(3, 300) for _ in range(tile - 1)]]
+    events = _run(engine, long, steps=1)  # 1 decode row + 63 prompt rows: the whole tile
     assert len(events[0]) == 1, "the long prompt needed a second pass"
     while engine.running:
         engine._step()

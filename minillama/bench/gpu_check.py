@@ -281,7 +281,8 @@ def _candidates() -> dict[str, Any]:
     replace, a = dataclasses.replace, t.attention
     whole64, partial8 = ItemTiles(rows=64, batch=256, chunk=8192), ItemTiles(rows=8, batch=1024, chunk=16384)
     return {"default": t,
-            "no_short": replace(t, short=()),  # every product a whole tile: the GPU's tiles at f9e71c4
+            "no_short": t.whole_only(),  # every product and call whole: the GPU's tiles at f9e71c4
+            "whole_items": replace(t, attention=t.whole_only().attention),  # short linear tiles, whole items
             "rows128": replace(t, rows=128),
             "whole64_partial8": replace(t, attention=replace(a, whole=whole64, partial=partial8)),  # until 2026-11-27
             "whole64": replace(t, attention=replace(a, whole=whole64)),
@@ -341,13 +342,17 @@ def sweep_tiles(shape: str, dtype_name: str, device_name: str, quick: bool, log,
 
 
 def proofs_made() -> list[dict[str, Any]]:
-    """Every linear proof this process made (proofs.py): which short tiles (and units as one product) the
-    device showed give a tile's bits, per operand's shape, layout and dtype, and so which the runs took."""
-    from .. import proofs
+    """Every proof this process made: which short linear tiles (and units as one product) the device showed
+    give a tile's bits, per operand's shape, layout and dtype (proofs.py); which short item tiles and batches
+    of each kind of attention item, per head size (batched.py); and so which the runs took."""
+    from .. import batched, proofs
 
-    return [{"kind": key[0], "shape": key[1], "stride": key[2], "dtype": str(key[3]),
-             "proven": list(value) if key[0] != "units" else bool(value)}
-            for key, value in proofs._PROVEN.items() if key[0] in ("short", "long", "units")]
+    linear = [{"kind": key[0], "shape": key[1], "stride": key[2], "dtype": str(key[3]),
+               "proven": list(value) if key[0] != "units" else bool(value)}
+              for key, value in proofs._PROVEN.items() if key[0] in ("short", "long", "units")]
+    return linear + [{"kind": f"attention {key[0]}", "tile": [key[1].rows, key[1].batch], "head_dim": key[2],
+                      "dtype": str(key[3]), "proven": list(value)}
+                     for key, value in batched._PROVEN.items() if key[0] in ("batches", "rows")]
 
 
 def host_split(model: Any, prompts: list[list[int]], docs: list[int], new_tokens: int,
