@@ -44,13 +44,13 @@ def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: boo
 
 
 def held_short(tile: int, short: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
-    """The sizes in `short` that every short-tile proof this process has made for products of `tile` rows in
-    `dtype` on `device`'s kind holds (every one of them before the first): the last tile a pass's products
+    """The sizes in `short` that no short-tile proof this process has made for products of `tile` rows in
+    `dtype` on `device`'s kind refused (every one of them before the first): the last tile a pass's products
     take, for all of its weights, as far as the process knows (`Llama.rows_end`)."""
     held = set(short)
     for key, sizes in _PROVEN.items():
         if key[0] == "short" and key[3] == dtype and key[6] == tile and key[8] == device.type:
-            held &= set(sizes)
+            held -= set(key[7]) - set(sizes)  # the sizes it was asked about and refused
     return tuple(s for s in short if s in held)
 
 

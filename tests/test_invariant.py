@@ -309,3 +309,29 @@ def test_units_taken_as_one_product_of_other_bits_are_refused(monkeypatch):
         assert [v for key, v in proofs._PROVEN.items() if key[0] == "units"] == [False]
         monkeypatch.setattr(invariant, "proven_units", lambda *a: True)  # taken unproven
         assert not torch.equal(layer(x), want)
+
+
+def test_a_pass_ends_at_the_short_tiles_no_proof_refused(monkeypatch):
+    """`proofs.held_short`: the short tiles a pass's every weight takes, as far as the process's proofs tell
+    (`Llama.rows_end`): all of them before any proof; then those no proof of the tile, dtype and device kind
+    refused. A proof asked of fewer sizes leaves the others alone; proofs of other dtypes, tiles or devices
+    count for nothing. Made by real proofs, with `torch.mm` nudged for products of 16 rows or more."""
+    cpu, short = torch.device("cpu"), (4, 8, 16, 32)
+    monkeypatch.setattr(proofs, "_PROVEN", {})
+    assert proofs.held_short(64, short, torch.float32, cpu) == short
+    real_mm = torch.mm
+
+    def nudged(r, p, out=None):
+        got = real_mm(r, p)
+        got = got.nextafter(torch.full_like(got, float("inf"))) if 16 <= r.shape[0] < 64 else got
+        return got if out is None else out.copy_(got)
+
+    monkeypatch.setattr(torch, "mm", nudged)
+    w = torch.randn(96, 40, generator=torch.Generator().manual_seed(0))
+    assert proven_short(w.t(), 64, short, onednn=False) == (4, 8)
+    assert proven_short(w[:48].t(), 64, (4, 8), onednn=False) == (4, 8)  # asked of 4 and 8 only
+    assert proven_short(w.t(), 32, (4, 8, 16), onednn=False) == (16,)  # another tile, itself nudged
+    assert proofs.held_short(64, short, torch.float32, cpu) == (4, 8)
+    assert proofs.held_short(32, short, torch.float32, cpu) == (16, 32)
+    assert proofs.held_short(64, short, torch.float32, torch.device("meta")) == short
+    assert proofs.held_short(64, short, torch.bfloat16, cpu) == short
