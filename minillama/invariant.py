@@ -165,11 +165,9 @@ class Kernels:
         """The rows a pass of n rows computes (`Tiles.tile_end`), n with the plain kernels: rows up to here
         cost nothing more. With the model's `dtype`, only the short tiles that this process's proofs hold for
         every weight so far (`proofs.held_short`): on a GPU that proves none, every pass computes whole tiles."""
-        if not self.invariant:
-            return n
         t = self.tiles_for(device)
         held = None if dtype is None else held_short(t.rows, t.short, compute_dtype(device, dtype), device)
-        return t.tile_end(n, held)
+        return t.tile_end(n, held) if self.invariant else n
 
     @property
     def sharded(self) -> bool:
