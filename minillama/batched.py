@@ -8,6 +8,8 @@ short batch only where this process has shown that it gives every item the whole
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 from .blocks import KEY_BLOCK, ItemTiles
@@ -75,7 +77,18 @@ def run_row_sums(e: torch.Tensor) -> torch.Tensor:
     return e.sum(dim=-1, keepdim=True)
 
 
-_PROVEN: dict[tuple, tuple[int, ...]] = {}
+class ItemProof(NamedTuple):
+    """What one proof of attention's calls was asked, its record's key: on one kind of device (a CPU's proof does
+    not stand for a GPU's) and thread count, each proof from its own `kind`."""
+    kind: str  # "run", "batches", "rows" or "scan"
+    tiles: ItemTiles | None  # the kind of item (None: a scan)
+    shape: tuple[int, ...]  # the head size D (a scan: its terms' (rows, J, D + 1)); a run's length n after it
+    dtype: torch.dtype
+    device: str  # the device's kind
+    threads: int
+
+
+_PROVEN: dict[ItemProof, Any] = {}
 
 
 def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -84,7 +97,7 @@ def proven_run(kind: ItemTiles, d: int, n: int, dtype: torch.dtype, device: torc
     kind, head size, n and thread count on random items; only where `provable` and oneDNN runs the products."""
     if not kind.runs or not provable(dtype, device) or not uses_onednn(device, dtype):
         return False
-    key = ("run", kind.rows, kind.batch, d, n, dtype, torch.get_num_threads())
+    key = ItemProof("run", kind, (d, n), dtype, device.type, torch.get_num_threads())
     if key not in _PROVEN:
         whole = -(-n // kind.batch) * kind.batch  # the run's items and the rest of their last batch
         g = torch.Generator().manual_seed(n)
@@ -121,7 +134,7 @@ def proven_scan(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.d
     if device.type == "cpu" or torch.compiler.is_compiling():
         return False
     shape = (min(shape[0], 8192), shape[1], shape[2])  # the scan runs each row alone, in order
-    key = ("scan", shape, dtype, device)
+    key = ItemProof("scan", None, shape, dtype, device.type, 0)
     if key not in _PROVEN:
         _PROVEN[key] = (1,) if scan_matches(shape, dtype, device) else ()
     return bool(_PROVEN[key])
@@ -161,7 +174,7 @@ def proven_batches(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.de
     in the host half (plan.py), before any step that takes a short batch: never inside a captured step."""
     if not kind.short or not provable(dtype, device):
         return ()
-    key = ("batches", kind, d, dtype, device, torch.get_num_threads())
+    key = ItemProof("batches", kind, (d,), dtype, device.type, torch.get_num_threads())
     if key not in _PROVEN:
         n = kind.batch
         items = _items(kind, d, dtype, device)
@@ -183,7 +196,7 @@ def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.devic
     batch of such tiles is proven on its own: `proven_batches` of the kind with that many rows.)"""
     if not kind.short_rows or not provable(dtype, device):
         return ()
-    key = ("rows", kind, d, dtype, device, torch.get_num_threads())
+    key = ItemProof("rows", kind, (d,), dtype, device.type, torch.get_num_threads())
     if key not in _PROVEN:
         n = kind.batch
         q, k, v, e = _items(kind, d, dtype, device)

@@ -28,9 +28,8 @@ Same signature in, same kernel out, so every row meets the same arithmetic in ev
 - Softmax, log-softmax, maxima and elementwise ops are invariant as they are: torch computes each row of a
   softmax alone, in an order set by the row's length, and a maximum is exact in any order.
 
-`Kernels.invariant = False` swaps in the plain ops (one `F.linear`, one masked softmax): the same
-mathematics with batch-dependent bits. That switch exists for the negative control (tests show parity breaks
-without it) and for measuring what invariance costs.
+`Kernels.invariant = False` swaps in the plain ops (one `F.linear`, one masked softmax): the same mathematics
+with batch-dependent bits, for the negative control (tests show parity breaks without it) and to measure the cost.
 """
 
 from __future__ import annotations
@@ -165,9 +164,11 @@ class Kernels:
         """The rows a pass of n rows computes (`Tiles.tile_end`), n with the plain kernels: rows up to here
         cost nothing more. With the model's `dtype`, only the short tiles that this process's proofs hold for
         every weight so far (`proofs.held_short`): on a GPU that proves none, every pass computes whole tiles."""
+        if not self.invariant:
+            return n
         t = self.tiles_for(device)
         held = None if dtype is None else held_short(t.rows, t.short, compute_dtype(device, dtype), device)
-        return t.tile_end(n, held) if self.invariant else n
+        return t.tile_end(n, held)
 
     @property
     def sharded(self) -> bool:

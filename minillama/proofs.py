@@ -14,13 +14,28 @@ own proofs (batched.py).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from .precision import onednn_linear
 
-_PROVEN: dict[tuple, tuple[int, ...]] = {}
+
+class Proof(NamedTuple):
+    """What one proof was asked, its record's key: the products of one operand, on one kind of device (a CPU's
+    proof does not stand for a GPU's) and thread count, each proof from its own `kind`."""
+    kind: str  # "short", "long" or "units"
+    shape: tuple[int, ...]  # the operand's shape and layout
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str  # the device's kind
+    threads: int
+    tile: int  # the tile's rows (0 for units)
+    sizes: tuple[int, ...]  # the row counts asked about
+    how: Any  # whether oneDNN runs the product (short, long); the units' bounds (units)
+
+
+_PROVEN: dict[Proof, Any] = {}
 
 
 def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: bool) -> tuple[int, ...]:
@@ -34,7 +49,8 @@ def proven_short(p: torch.Tensor, tile: int, short: tuple[int, ...], onednn: boo
     for `torch.mm`."""
     if not short or not provable(p.dtype, p.device):  # whole tiles: the same bits
         return ()
-    key = ("short", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, short, p.device.type)
+    key = Proof("short", tuple(p.shape), p.stride(), p.dtype, p.device.type, torch.get_num_threads(), tile, short,
+                onednn)
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             tried = [(x, q, _product(x, q, onednn)) for x, q in _operands(p, tile, onednn)]
@@ -49,8 +65,8 @@ def held_short(tile: int, short: tuple[int, ...], dtype: torch.dtype, device: to
     take, for all of its weights, as far as the process knows (`Llama.rows_end`)."""
     held = set(short)
     for key, sizes in _PROVEN.items():
-        if key[0] == "short" and key[3] == dtype and key[6] == tile and key[8] == device.type:
-            held -= set(key[7]) - set(sizes)  # the sizes it was asked about and refused
+        if key.kind == "short" and key.dtype == dtype and key.tile == tile and key.device == device.type:
+            held -= set(key.sizes) - set(sizes)  # the sizes it was asked about and refused
     return tuple(s for s in short if s in held)
 
 
@@ -70,7 +86,8 @@ def proven_long(p: torch.Tensor, tile: int, long: tuple[int, ...], onednn: bool)
     where `provable`."""
     if not long or not provable(p.dtype, p.device):
         return ()
-    key = ("long", tuple(p.shape), p.stride(), p.dtype, onednn, torch.get_num_threads(), tile, long, p.device.type)
+    key = Proof("long", tuple(p.shape), p.stride(), p.dtype, p.device.type, torch.get_num_threads(), tile, long,
+                onednn)
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             longest = max(long)
@@ -94,8 +111,8 @@ def proven_units(weight: torch.Tensor, bounds: list[tuple[int, int]], rows: tupl
         return False
     if len(bounds) == 1 and weight.is_contiguous():  # the unit's own product, on its own block
         return True
-    key = ("units", tuple(weight.shape), weight.stride(), weight.dtype, torch.get_num_threads(), tuple(bounds), rows,
-           weight.device.type)
+    key = Proof("units", tuple(weight.shape), weight.stride(), weight.dtype, weight.device.type,
+                torch.get_num_threads(), 0, rows, tuple(bounds))
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             _PROVEN[key] = all(torch.equal(product(x[:m], w),

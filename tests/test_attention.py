@@ -406,10 +406,21 @@ def test_a_short_batch_of_other_bits_is_refused(monkeypatch):
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch == plan.partial.count % CPU_ATTENTION.partial.batch == 0
-    assert torch.equal(short, whole) and {v for k, v in batched._PROVEN.items() if k[0] == "batches"} == {()}
+    assert torch.equal(short, whole) and {v for k, v in batched._PROVEN.items() if k.kind == "batches"} == {()}
     monkeypatch.setattr(plan_module, "proven_batches", lambda kind, d, dtype, device: kind.short)  # taken unproven
     plan, short, whole = _short_and_whole(config, 567, [1], True)
     assert plan.whole.count % CPU_ATTENTION.whole.batch and not torch.equal(short, whole)
+
+
+def test_one_kind_of_device_makes_each_proof_once(monkeypatch):
+    """A proof of attention's short sizes is kept by the device's kind, as the linear products' are: a cache
+    on "cuda:0" and a test's "cuda" (here "cpu:0" and "cpu") read one proof, not two of the same answer."""
+    monkeypatch.setattr(batched, "_PROVEN", {})
+    kind = ItemTiles(rows=8, batch=4, chunk=64, short=(2,), short_rows=(4,))
+    for device in (torch.device(DEVICE.type), torch.device(DEVICE.type, 0)):
+        proven_batches(kind, 16, torch.float32, device), proven_rows(kind, 16, torch.float32, device)
+    assert sorted(key.kind for key in batched._PROVEN) == ["batches", "rows"]
+    assert {key.device for key in batched._PROVEN} == {DEVICE.type}
 
 
 def test_a_pass_of_small_groups_takes_short_item_tiles_with_the_whole_tiles_bits(threads):

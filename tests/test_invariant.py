@@ -281,7 +281,7 @@ def test_a_column_split_layers_units_run_as_one_product_with_each_units_bits(mon
     with torch.no_grad():
         for m in (1, 3, 20, 64, 65, 200, 512, 700):
             assert torch.equal(layer(x[:m]), _each_unit(layer, x[:m])), m
-        assert [v for key, v in proofs._PROVEN.items() if key[0] == "units"] == [True]
+        assert [v for key, v in proofs._PROVEN.items() if key.kind == "units"] == [True]
         calls = []
         real = invariant.tiled_linear
         monkeypatch.setattr(invariant, "tiled_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
@@ -306,7 +306,7 @@ def test_units_taken_as_one_product_of_other_bits_are_refused(monkeypatch):
 
         monkeypatch.setattr(invariant, "tiled_linear", nudged)
         assert torch.equal(layer(x), want)
-        assert [v for key, v in proofs._PROVEN.items() if key[0] == "units"] == [False]
+        assert [v for key, v in proofs._PROVEN.items() if key.kind == "units"] == [False]
         monkeypatch.setattr(invariant, "proven_units", lambda *a: True)  # taken unproven
         assert not torch.equal(layer(x), want)
 

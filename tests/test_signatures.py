@@ -11,6 +11,7 @@ its split of a row from the shape (on an H100 a row's sum took other bits for 8 
 Also here: the launches a pass issues per layer (each work-launching aten op is a kernel launch on a GPU).
 """
 
+import functools
 import os
 from unittest import mock
 
@@ -111,15 +112,15 @@ def scan_calls(signatures: set[tuple]) -> set[tuple]:
     """The calls of attention's row-order scans among `signatures`: one `cumsum` over a pass's (rows, J, D + 1)
     terms, issued only where this process proved that it gives the J additions' bits for that J and D
     (batched.proven_scan: a GPU's, never a CPU's). Its rows follow the pass, as a run's length does."""
-    proven = {(key[1][1:], key[2]) for key, ok in batched._PROVEN.items() if key[0] == "scan" and ok}
+    proven = {(key.shape[1:], key.dtype) for key, ok in batched._PROVEN.items() if key.kind == "scan" and ok}
     return {sig for sig in signatures if sig[0] == "aten.cumsum.default" and (sig[1][0][0][1:], sig[1][0][2]) in proven}
 
 
 def test_only_a_proven_scan_is_taken_apart(monkeypatch):
     """A GPU's scans (its run of the CUDA tests at f9e71c4 saw them) are set aside only for a (J, D + 1) and
     dtype this process proved: an unproven `cumsum`, or one of another dtype, stays and fails the check."""
-    monkeypatch.setattr(batched, "_PROVEN", {("scan", (98, 9, 65), torch.float32, torch.device("cpu")): (1,),
-                                              ("scan", (98, 5, 65), torch.float32, torch.device("cpu")): ()})
+    scan = functools.partial(batched.ItemProof, "scan", None, dtype=torch.float32, device="cpu", threads=0)
+    monkeypatch.setattr(batched, "_PROVEN", {scan((98, 9, 65)): (1,), scan((98, 5, 65)): ()})
 
     def cumsum(shape, dtype):
         return ("aten.cumsum.default", ((shape, (shape[1] * shape[2], shape[2], 1), dtype, 0),), ("1",))
