@@ -9,26 +9,16 @@ import torch
 
 from minillama import api
 from minillama.tokenizer import HFTokenizer
+from minillama.tokenizer.bpe import CHATML, trained_byte_bpe
 from tiny import tiny_config, tiny_model
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: as SmolLM2
 DOC = "The Elm bridge over the river Tay was built in 1932 by the town of Elmford. It is 120 metres long."
 QUESTIONS = ["Who built the bridge?", "When was it built?", "How long is it?", "Which river does it cross?"]
 
 
 def tiny_tokenizer(chat_template: str | None = CHATML) -> HFTokenizer:
     """A byte-level BPE (any UTF-8 text encodes) trained on a few sentences: 300 ids, BOS 1, EOS 2."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([DOC, *QUESTIONS, "Answer the question using the text below."] * 10, trainer)
-    return HFTokenizer(tok, bos_token="<|im_start|>", eos_tokens=["<|im_end|>"], chat_template=chat_template)
+    return trained_byte_bpe([DOC, *QUESTIONS, "Answer the question using the text below."] * 10, 300, chat_template)
 
 
 def tiny_loaded(chat_template: str | None = CHATML, max_pos: int = 2048) -> api.LoadedModel:

@@ -763,7 +763,8 @@ def test_gpu_check_times_the_serve_engine_ahead_and_in_step():
 
 def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     """The GPU machine's one script, its steps at tiny sizes on a CPU: the test run's counts, parity
-    (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios."""
+    (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios, and
+    the served run's identity (the plain kernels' choices differ from their solo runs: the control)."""
     import json
 
     from minillama.bench import gpu_check
@@ -799,6 +800,20 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     for split in tiles["host"].values():  # where the host's time went, ahead of the device and in step
         assert split["wall_s"] > split["lay_out_s"] > 0 and split["wait_s"] >= 0
         assert split["other_s"] == pytest.approx(split["wall_s"] - split["lay_out_s"] - split["wait_s"])
+    served = data["steps"]["serve"]["result"]  # `minillama serve` over HTTP: each choice against its solo run
+    assert served["invariant"]["identical"] == served["invariant"]["choices"] > 0
+    assert served["plain"]["identical"] < served["plain"]["choices"]  # the control: the plain kernels differ
+
+
+def test_gpu_check_serve_step_says_what_is_missing(monkeypatch):
+    """Where the device's Python lacks starlette or uvicorn, the served run is skipped with what to carry."""
+    import importlib.util
+
+    from minillama.serve import identity
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert identity.on_device("cpu", 2, 1) == {"skipped": "uvicorn not installed: carry the wheels (docs/gpu.md)"}
 
 
 def test_gpu_check_times_no_capture_in_the_host_split(monkeypatch):

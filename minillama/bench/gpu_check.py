@@ -8,7 +8,7 @@ In order, each step recorded whatever the others do:
 0. `ahead`: decoding one step ahead of the host (generate._decode, on by default on a GPU) against the host in
    step, on a tiny random model: the same answers, greedy and sampled. Where it fails, the rest of the check
    runs with the host in step (`ahead_fallback` in the JSON, and said in the log), so that one fault of that
-   path does not cost the loan's other figures; the test run (5.) still shows it;
+   path does not cost the loan's other figures; the test run (6.) still shows it;
 1. `parity` (bench/parity.py) at SmolLM2's shape in float32 and Llama-3-8B's in bfloat16: parallel against
    independent, every step's logits, invariant and plain kernels, and captured steps against eager ones;
    with `--compiled`, the same with compiled steps (step.py);
@@ -26,7 +26,10 @@ In order, each step recorded whatever the others do:
    `minillama serve`'s engine (no HTTP) answers the same questions one pass ahead and in step, timed;
    at both shapes, `row_probe`: which of the device's products give a row the whole tile's bits with fewer
    rows (or items) beside it, and what each row count costs (for the record: the model proves for itself);
-5. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
+5. `serve`: `minillama serve` over HTTP on the device (serve/identity.py): random requests from concurrent
+   clients, every choice against its solo run, with the invariant kernels and the plain ones (the control);
+   skipped where starlette or uvicorn is not installed;
+6. the CUDA test run, last, in the time the loan has left (`--budget`): the device tests
    (`MINILLAMA_TEST_DEVICE`) as a subprocess, pass/fail counts and the failures' lines.
 
 The JSON (default docs/bench/gpu/<device>-check.json) holds the device's name, torch's version, the commit,
@@ -57,6 +60,7 @@ from .. import step as step_module
 from ..errors import run_command
 from ..files import json_text, make_dir, write_file
 from ..oracle.record import git_commit
+from ..serve import identity
 from . import row_probe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,6 +170,7 @@ def _steps(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s:
         step(f"host {CASES[0][0]} {CASES[0][1]}", lambda: small_host_split(*CASES[0], device))
     for shape, dtype in CASES[:1] if quick else CASES:
         step(f"rows {'tiny' if quick else shape} {dtype}", lambda s=shape, d=dtype: row_probe.probe(s, d, device, quick))
+    step("serve", lambda: identity.on_device(device, *((16, 4) if quick else (80, 16))))
     # The tests last, in whatever the loan has left (at least a minute): the figures above come first.
     left = max(60.0, budget_s - (time.perf_counter() - t_start)) if budget_s else test_timeout_s
     step("tests", lambda: run_tests(device, min(test_timeout_s, left), files, workers=0 if quick else 8))
@@ -347,12 +352,11 @@ def proofs_made() -> list[dict[str, Any]]:
     of each kind of attention item, per head size (batched.py); and so which the runs took."""
     from .. import batched, proofs
 
-    linear = [{"kind": key[0], "shape": key[1], "stride": key[2], "dtype": str(key[3]),
-               "proven": list(value) if key[0] != "units" else bool(value)}
-              for key, value in proofs._PROVEN.items() if key[0] in ("short", "long", "units")]
-    return linear + [{"kind": f"attention {key[0]}", "tile": [key[1].rows, key[1].batch], "head_dim": key[2],
-                      "dtype": str(key[3]), "proven": list(value)}
-                     for key, value in batched._PROVEN.items() if key[0] in ("batches", "rows")]
+    linear = [{"kind": key.kind, "shape": key.shape, "stride": key.stride, "dtype": str(key.dtype),
+               "proven": list(value) if key.kind != "units" else bool(value)} for key, value in proofs._PROVEN.items()]
+    return linear + [{"kind": f"attention {key.kind}", "tile": [key.tiles.rows, key.tiles.batch],
+                      "head_dim": key.shape[0], "dtype": str(key.dtype), "proven": list(value)}
+                     for key, value in batched._PROVEN.items() if key.kind in ("batches", "rows")]
 
 
 def host_split(model: Any, prompts: list[list[int]], docs: list[int], new_tokens: int,

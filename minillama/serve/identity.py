@@ -12,6 +12,7 @@ same generator (`workload`, with chat requests) and comparison (`mismatches`) on
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -111,12 +112,13 @@ def mismatches(model: api.LoadedModel, url: str, reqs: list[dict[str, Any]], see
     return bad
 
 
-def identity_model(tokenizer: Any, context: int, seed: int = 0) -> api.LoadedModel:
-    """Random weights at IDENTITY_SHAPE with `tokenizer`'s vocabulary."""
+def identity_model(tokenizer: Any, context: int, seed: int = 0, device: str = "cpu") -> api.LoadedModel:
+    """Random weights at IDENTITY_SHAPE with `tokenizer`'s vocabulary, on `device`."""
     from ..bench.shapes import random_llama
+    from ..weights.load import build_model
 
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, max_position_embeddings=context, **IDENTITY_SHAPE)
-    return api.LoadedModel(random_llama(config, seed), tokenizer)
+    return api.LoadedModel(build_model(config, random_llama(config, seed).state_dict(), device), tokenizer)
 
 
 def workload(rng: random.Random, n: int, doc_prompts: Sequence[list[int] | str], questions: Sequence[str],
@@ -161,14 +163,15 @@ def workload(rng: random.Random, n: int, doc_prompts: Sequence[list[int] | str],
 
 
 def run(tokenizer: Any, doc_prompts: Sequence[list[int]], questions: Sequence[str], requests: int, clients: int,
-        seed: int = 0, invariant: bool = True) -> dict[str, Any]:
-    """Serve the identity model in this process, fire `requests` random requests from `clients` concurrent
-    clients, compare every choice with its solo run. `invariant=False` (plain kernels) is the control."""
+        seed: int = 0, invariant: bool = True, device: str = "cpu") -> dict[str, Any]:
+    """Serve the identity model in this process, on `device`, fire `requests` random requests from `clients`
+    concurrent clients, compare every choice with its solo run. `invariant=False` (plain kernels) is the
+    control."""
     from .app import build_app
     from .cli import serve_in_thread
     from .engine import Engine
 
-    model = identity_model(tokenizer, max(len(p) for p in doc_prompts) + 128, seed)
+    model = identity_model(tokenizer, max(len(p) for p in doc_prompts) + 128, seed, device)
     model.llama.invariant = invariant
     c = model.llama.config
     kv_per_token = c.kv_bytes_per_token(4)  # float32 keys and values
@@ -186,3 +189,22 @@ def run(tokenizer: Any, doc_prompts: Sequence[list[int]], questions: Sequence[st
             "echoed": seen.get("echo", 0), "prefix_hit_tokens": stats["prefix_hit_tokens"],
             "evicted_blocks": stats["evicted_blocks"], "wall_s": time.perf_counter() - t0,
             "first_mismatch": bad[0][:2000] if bad else None}
+
+
+def on_device(device: str, requests: int, clients: int, doc_tokens: int = 256) -> dict[str, Any]:
+    """The randomized run served on `device` (gpu_check's `serve` step), with the invariant kernels and, as the
+    control, the plain ones: the synthetic task's document and questions, and a byte-level BPE trained here on
+    their text (no checkpoint's tokenizer travels to a device). {"skipped": why} where starlette or uvicorn is
+    not installed (a device machine's image lacks them: docs/gpu.md says how their wheels travel)."""
+    from ..bench.task import TaskConfig, WordTokenizer, make_task, plain_prompt_ids
+    from ..tokenizer.bpe import trained_byte_bpe
+
+    missing = [m for m in ("starlette", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        return {"skipped": f"{' and '.join(missing)} not installed: carry the wheels (docs/gpu.md)"}
+    config = TaskConfig(doc_tokens, 1, 8, new_tokens=8)
+    words = make_task(WordTokenizer(512), config, plain_prompt_ids(WordTokenizer(512)))
+    tok = trained_byte_bpe([*words.doc_texts, *words.questions] * 4, vocab_size=400)
+    task = make_task(tok, config, plain_prompt_ids(tok))
+    return {kernels: run(tok, task.prompts, task.questions, requests, clients, invariant=kernels == "invariant",
+                         device=device) for kernels in ("invariant", "plain")}

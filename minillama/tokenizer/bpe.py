@@ -106,6 +106,27 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
 }
 
 
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def trained_byte_bpe(texts: Sequence[str], vocab_size: int = 300, chat_template: str | None = CHATML
+                     ) -> HFTokenizer:
+    """A byte-level BPE trained on `texts` (any UTF-8 text encodes): ids 0, 1, 2 the control tokens
+    <|endoftext|>, <|im_start|> (BOS) and <|im_end|> (EOS), as SmolLM2's, with a ChatML template. For random
+    models where no checkpoint's tokenizer is at hand (the tests; gpu_check's served run)."""
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = _Tok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts), trainer)
+    return HFTokenizer(tok, bos_token="<|im_start|>", eos_tokens=["<|im_end|>"], chat_template=chat_template)
+
+
 def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre: str,
                        *, bos_id: int | None, add_bos: bool) -> Any:
     """A `tokenizers.Tokenizer` for a GGUF `gpt2` vocabulary: BPE over byte-level symbols, text split
