@@ -289,6 +289,8 @@ def _candidates() -> dict[str, Any]:
             "no_short": t.whole_only(),  # every product and call whole: the GPU's tiles at f9e71c4
             "whole_items": replace(t, attention=t.whole_only().attention),  # short linear tiles, whole items
             "rows128": replace(t, rows=128),
+            # 64-row tiles, runs of them as one product where proven: decode's 64 rows, prefill's big products
+            "rows64_long": replace(t, rows=64, short=(16, 32), long=(512, 256)),
             "whole64_partial8": replace(t, attention=replace(a, whole=whole64, partial=partial8)),  # until 2026-11-27
             "whole64": replace(t, attention=replace(a, whole=whole64)),
             "partial8": replace(t, attention=replace(a, partial=partial8)),
