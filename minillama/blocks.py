@@ -92,6 +92,10 @@ class AttentionTiles:
     # by torch's fused CPU attention kernel, which returns each row's softmax over the block and the block's
     # log-sum-exp (attention.fused_items): another arithmetic, so other bits, each a function of its item.
     fused: bool = False
+    # A compiled step holds every item of its pass at once (step.lay_out's `at_once`): a pass whose estimate of
+    # that memory (`Llama.held_at_once`) passes this many bytes goes as passes of half its tokens, as many
+    # times as it takes (the same bits: a row's result is its own). 0: no bound.
+    at_once: int = 0
 
     def held_at_once(self, count: int, kind: ItemTiles) -> bool:
         """Whether the kernel holds every one of `count` items of a kind at once: one chunk, or at most `keep`."""
@@ -118,7 +122,7 @@ class AttentionTiles:
 CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16),
                                                 runs=16),
                                partial=ItemTiles(rows=16, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4, 8)),
-                               keep=640, hold=16384)
+                               keep=640, hold=16384, at_once=256 << 20)
 # A GPU (an H200, Llama-3-8B's shape, the paper's configuration): whole-block tiles of 128 rows in batches of
 # 128, masked own-block tiles of 16 rows in batches of 512. Each alone ran 0.86-0.96x (whole) and 0.82-0.92x
 # (masked) the time of 64-row / 8-row tiles in batches of 256 / 1,024, in three runs on two days; a decode step
@@ -133,4 +137,4 @@ CUDA_ATTENTION = AttentionTiles(whole=ItemTiles(rows=128, batch=128, chunk=8192,
                                                 short_rows=(4, 8, 16, 32, 64)),
                                 partial=ItemTiles(rows=16, batch=512, chunk=16384, short=(64, 128, 256),
                                                   short_rows=(4, 8)),
-                                index_add=True)
+                                index_add=True, at_once=1 << 30)

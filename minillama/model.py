@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import blocked_attention, masked_attention
+from .blocks import KEY_BLOCK
 from .cache import KVCache, write_layer
 from .config import LlamaConfig
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
@@ -272,9 +273,38 @@ class Llama(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
 
+        bound = self.tiles.attention.at_once
+        if self.steps.compiled and bound and n > 1 and self.held_at_once(positions) > bound:
+            return self._in_halves(tokens, positions, segments, cache, logits_rows)
         step = self.lay_out(cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
                             buckets=self.steps.bucketed(self.device), at_once=self.steps.compiled)
         return self.steps.run(self.run_step, cache, step)
+
+    def held_at_once(self, positions: torch.Tensor) -> int:
+        """An estimate of the bytes attention holds in a pass of tokens at these positions where every item is
+        held at once (a compiled step's layout): per query row (a token's heads) and key block it sees (one
+        more for a block cut at both ends), the block's float32 scores and three copies of its terms (the
+        weighted values and the sum: the terms, joined, then in each row's order; attention.py)."""
+        c = self.config
+        keys = positions.cpu().long() + 1
+        keys = keys if c.sliding_window is None else keys.clamp(max=c.sliding_window)
+        blocks = int(((keys + KEY_BLOCK - 1) // KEY_BLOCK + 1).sum())
+        return 4 * c.num_attention_heads * blocks * (KEY_BLOCK + 3 * (c.head_dim + 1))
+
+    def _in_halves(self, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cache: KVCache,
+                   logits_rows: torch.Tensor | None) -> torch.Tensor:
+        """A pass as two, its first half of tokens then the rest (which sees the first half's keys in the
+        cache), each split again while too big: the wanted logits rows, in their order, with the bits of one
+        pass (a row's result is its own: prefill == decode)."""
+        n = tokens.shape[0]
+        wanted = torch.arange(n) if logits_rows is None else logits_rows.cpu()
+        out = None
+        for lo, hi in ((0, n // 2), (n // 2, n)):
+            mine = (wanted >= lo) & (wanted < hi)
+            logits = self(tokens[lo:hi], positions[lo:hi], segments[lo:hi], cache, logits_rows=wanted[mine] - lo)
+            out = logits.new_empty(wanted.shape[0], logits.shape[1]) if out is None else out
+            out[mine.to(out.device)] = logits
+        return out
 
     def lay_out(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor,
                 logits_rows: torch.Tensor | None, buckets: bool, at_once: bool = False) -> Step:

@@ -11,6 +11,7 @@ workload, whose shapes each process compiles once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 
@@ -139,6 +140,31 @@ def test_compiled_prefill_equals_decode():
         forced = model(torch.tensor(prompt + a.token_ids[:-1]))[len(prompt) - 1:]
         for step, (x, y) in enumerate(zip(a.logits, forced, strict=True)):
             assert torch.equal(x, y), f"step {step}: logits differ by {(x - y).abs().max()}"
+
+
+def test_a_compiled_pass_past_its_attention_bound_goes_in_halves_with_the_bits_of_one(monkeypatch):
+    """A compiled pass holds every attention item at once; past `AttentionTiles.at_once` bytes (its estimate,
+    `Llama.held_at_once`) it goes as passes of half its tokens, split again while too big: the wanted logits
+    rows, in their order, with the bits of one pass. (The layers run eagerly on the compiled layout here: the
+    split is checked, not the compiler, whose prefill == decode is the test above.)"""
+    model = _compiled(tiny_model(tiny_config()))
+    model.steps._compiled_block = step_module.run_block
+    tokens = torch.tensor(PROMPTS[1] * 2)  # 194 tokens: four key blocks
+    one = model(tokens)
+    passes: list[int] = []
+    lay_out = model.lay_out
+    monkeypatch.setattr(model, "lay_out", lambda cache, t, *a, **k: passes.append(len(t)) or lay_out(cache, t, *a, **k))
+    assert model(tokens).equal(one) and passes == [len(tokens)]  # the default bound: one pass
+    tiles = model.tiles
+    bound = model.held_at_once(torch.arange(len(tokens))) // 5
+    model.kernels.tiles = dataclasses.replace(tiles, attention=dataclasses.replace(tiles.attention, at_once=bound))
+    passes.clear()
+    assert torch.equal(model(tokens), one)
+    assert len(passes) >= 5 and sum(passes) == len(tokens)
+    starts = [sum(passes[:i]) for i in range(len(passes))]
+    assert all(model.held_at_once(torch.arange(s, s + n)) <= bound for s, n in zip(starts, passes))
+    rows = torch.tensor([len(tokens) - 1, 3, 150, 0])  # a decode step's rows, in any order
+    assert torch.equal(model(tokens, logits_rows=rows), one[rows])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on CUDA the parity check above runs real graphs of compiled steps")
