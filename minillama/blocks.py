@@ -93,7 +93,7 @@ class AttentionTiles:
     # log-sum-exp (attention.fused_items): another arithmetic, so other bits, each a function of its item.
     fused: bool = False
     # A compiled step holds every item of its pass at once (step.lay_out's `at_once`): a pass whose estimate of
-    # that memory (`Llama.held_at_once`) passes this many bytes goes as passes of half its tokens, as many
+    # that memory (`Llama.at_once_bytes`) passes this many bytes goes as passes of half its tokens, as many
     # times as it takes (the same bits: a row's result is its own). 0: no bound.
     at_once: int = 0
 

@@ -274,13 +274,13 @@ class Llama(nn.Module):
                              f"({self.config.max_position_embeddings})")
 
         bound = self.tiles.attention.at_once
-        if self.steps.compiled and bound and n > 1 and self.held_at_once(positions) > bound:
+        if self.steps.compiled and bound and n > 1 and self.at_once_bytes(positions) > bound:
             return self._in_halves(tokens, positions, segments, cache, logits_rows)
         step = self.lay_out(cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
                             buckets=self.steps.bucketed(self.device), at_once=self.steps.compiled)
         return self.steps.run(self.run_step, cache, step)
 
-    def held_at_once(self, positions: torch.Tensor) -> int:
+    def at_once_bytes(self, positions: torch.Tensor) -> int:
         """An estimate of the bytes attention holds in a pass of tokens at these positions where every item is
         held at once (a compiled step's layout): per query row (a token's heads) and key block it sees (one
         more for a block cut at both ends), in float32, the block's scores, the row gathered, and five copies

@@ -144,7 +144,7 @@ def test_compiled_prefill_equals_decode():
 
 def test_a_compiled_pass_past_its_attention_bound_goes_in_halves_with_the_bits_of_one(monkeypatch):
     """A compiled pass holds every attention item at once; past `AttentionTiles.at_once` bytes (its estimate,
-    `Llama.held_at_once`) it goes as passes of half its tokens, split again while too big: the wanted logits
+    `Llama.at_once_bytes`) it goes as passes of half its tokens, split again while too big: the wanted logits
     rows, in their order, with the bits of one pass. (The layers run eagerly on the compiled layout here: the
     split is checked, not the compiler, whose prefill == decode is the test above.)"""
     model = _compiled(tiny_model(tiny_config()))
@@ -156,13 +156,13 @@ def test_a_compiled_pass_past_its_attention_bound_goes_in_halves_with_the_bits_o
     monkeypatch.setattr(model, "lay_out", lambda cache, t, *a, **k: passes.append(len(t)) or lay_out(cache, t, *a, **k))
     assert model(tokens).equal(one) and passes == [len(tokens)]  # the default bound: one pass
     tiles = model.tiles
-    bound = model.held_at_once(torch.arange(len(tokens))) // 5
+    bound = model.at_once_bytes(torch.arange(len(tokens))) // 5
     model.kernels.tiles = dataclasses.replace(tiles, attention=dataclasses.replace(tiles.attention, at_once=bound))
     passes.clear()
     assert torch.equal(model(tokens), one)
     assert len(passes) >= 5 and sum(passes) == len(tokens)
     starts = [sum(passes[:i]) for i in range(len(passes))]
-    assert all(model.held_at_once(torch.arange(s, s + n)) <= bound for s, n in zip(starts, passes))
+    assert all(model.at_once_bytes(torch.arange(s, s + n)) <= bound for s, n in zip(starts, passes))
     rows = torch.tensor([len(tokens) - 1, 3, 150, 0])  # a decode step's rows, in any order
     assert torch.equal(model(tokens, logits_rows=rows), one[rows])
 
