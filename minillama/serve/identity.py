@@ -203,7 +203,8 @@ def on_device(device: str, requests: int, clients: int, doc_tokens: int = 256) -
     if missing:
         return {"skipped": f"{' and '.join(missing)} not installed: carry the wheels (docs/gpu.md)"}
     config = TaskConfig(doc_tokens, 1, 8, new_tokens=8)
-    words = make_task(WordTokenizer(512), config, plain_prompt_ids(WordTokenizer(512)))
+    stand_in = WordTokenizer(512)  # for the task's text only
+    words = make_task(stand_in, config, plain_prompt_ids(stand_in))
     tok = trained_byte_bpe([*words.doc_texts, *words.questions] * 4, vocab_size=400)
     task = make_task(tok, config, plain_prompt_ids(tok))
     return {kernels: run(tok, task.prompts, task.questions, requests, clients, invariant=kernels == "invariant",
