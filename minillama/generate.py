@@ -22,7 +22,6 @@ if __name__ == "__main__":  # `python -m minillama.generate`: the `generate` com
 
     sys.exit(main(["generate", *sys.argv[1:]]))
 
-import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -79,16 +78,17 @@ class SamplingParams:
         short="-n", metavar="N", parse=int)
     temperature: float = options.option(
         0.0, "--temperature", "0: greedy (default)", options.NUMBER,
-        options.need(lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"), metavar="T", parse=float)
+        options.need(lambda t: options.is_finite(t) and t >= 0, "a finite number >= 0"), metavar="T", parse=float)
     top_k: int = options.option(
-        0, "--top-k", "keep the K likeliest tokens (0: off)", options.INTEGER, options.at_least(0, ">= 0 (0: off)"),
-        metavar="K", parse=int)
+        0, "--top-k", "keep the K likeliest tokens (0: off)", options.INTEGER,
+        options.need(lambda k: 0 <= k < 2**31, ">= 0 (0: off) and below 2**31"), metavar="K", parse=int)
     # Every top_p in (0, 1] keeps at least the likeliest token: the sampler compares it in float64, where no
     # positive number is 0 (sample_rows).
     top_p: float = options.option(
         1.0, "--top-p", "nucleus sampling, in (0, 1] (1: off)", options.NUMBER,
         options.need(lambda p: 0 < p <= 1, "in (0, 1] (1: off)"), metavar="P", parse=float)
-    seed: int = options.option(0, "--seed", "sampling seed (default: 0)", options.INTEGER, parse=int)
+    seed: int = options.option(0, "--seed", "sampling seed (default: 0)", options.INTEGER,
+                               options.need(lambda s: -2**63 <= s < 2**63, "a signed 64-bit integer"), parse=int)
     ignore_eos: bool = options.option(
         False, "--ignore-eos", "keep generating past end-of-sequence tokens", options.BOOLEAN, action="store_true")
     stop_token_ids: tuple[int, ...] = options.option(

@@ -3,13 +3,14 @@
 `SamplingParams` (generate.py) declares each of its fields with `option(...)`; `checks.RUN_OPTIONS` declares
 the rest of `api.ask_many`'s options the same way. From these one table come the command line's options
 (`cli.build_parser`), the API's checks (`checks.check_options`, `SamplingParams.__post_init__`) and every
-refusal's message, spelled the caller's way: `top_k must be >= 0 (0: off), got -2` from the API,
-`--top-k must be >= 0 (0: off), got -2` from the command line. A row without a flag says why it has none.
+refusal's message, spelled the caller's way: `top_p must be in (0, 1] (1: off), got 2` from the API,
+`--top-p must be in (0, 1] (1: off), got 2` from the command line. A row without a flag says why it has none.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import re
 from typing import Any, Callable, Sequence
@@ -79,6 +80,14 @@ def is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def is_finite(x: Any) -> bool:
+    """A real number that is not inf or NaN, nor an integer too large for a float (10**400)."""
+    try:
+        return is_real(x) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def need(ok: Callable[[Any], bool], what: str, kind: type = BadInput, optional: bool = False) -> Rule:
     """A rule: `ok(value)` or `NAME must be WHAT, got VALUE`; `optional` lets None through."""
     def rule(value: Any, name: str) -> None:
@@ -115,11 +124,16 @@ def stops_or_function(value: Any, name: str) -> None:
         raise BadType(f"{name} must be a string or a list of strings, got {value!r}")
 
 
+MAX_STOP_CHARS = 1024  # a stop string's length: what an answer holds back while it might be starting
+
+
 def non_empty_texts(value: Any, name: str) -> None:
-    """Each string of `value` (one or a list) not empty, and text (`text`)."""
+    """Each string of `value` (one or a list) not empty, at most `MAX_STOP_CHARS` long, and text (`text`)."""
     for s in strings(value):
         if s == "":
             raise BadInput(f"{name} must be non-empty, got ''")
+        if len(s) > MAX_STOP_CHARS:
+            raise BadInput(f"{name}: a stop string of {len(s)} characters; at most {MAX_STOP_CHARS}")
         text(s, name)
 
 

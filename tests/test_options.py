@@ -161,6 +161,6 @@ def test_the_command_line_entries_reach_the_one_dispatcher(setup, capsys):
     _, argv = setup
     assert COMMANDS["generate"][0] == "minillama.cli"
     assert dispatch(["generate", *argv, "--top-k", "-2"]) == 2
-    assert capsys.readouterr().err == "error: --top-k must be >= 0 (0: off), got -2\n"
+    assert capsys.readouterr().err == "error: --top-k must be >= 0 (0: off) and below 2**31, got -2\n"
     source = Path(cli.__file__).with_name("generate.py").read_text()
     assert "from .cli" not in source and "import cli" not in source  # generate does not import its CLI

@@ -13,8 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from minillama.errors import BadInput
 from minillama.generate import SamplingParams, generate
+from minillama.options import MAX_STOP_CHARS
+from minillama.serve.schema import starts
 from minillama.serve.fields import FIELDS
 from minillama.serve.identity import eos_of, solo_prompt_logprobs
 from _serve_harness import LONG_DOC, ckpt, model, serving  # noqa: F401  (fixtures)
@@ -22,6 +27,22 @@ from _serve_harness import LONG_DOC, ckpt, model, serving  # noqa: F401  (fixtur
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = f"{LONG_DOC} Who built it?"
 BASE = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("abc", max_size=14), st.text("abc", min_size=1, max_size=9))
+def test_a_streamed_answer_holds_back_exactly_the_start_of_a_stop_string(text, stop):
+    """What a stream holds back (schema.starts, compared once per place its first character is) is the
+    longest end of the text that begins the stop string: the definition, checked by brute force."""
+    assert starts(text, stop) == max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+def test_a_stop_string_past_its_length_is_refused_on_every_surface():
+    """A stream compares every stop string at every token: past MAX_STOP_CHARS it is refused, in the API's,
+    the command line's and the server's words alike (the option table's row)."""
+    SamplingParams(stop=["Q" * MAX_STOP_CHARS])
+    with pytest.raises(BadInput, match=f"stop: a stop string of {MAX_STOP_CHARS + 1} characters; at most"):
+        SamplingParams(stop=["x", "Q" * (MAX_STOP_CHARS + 1)])
 
 
 def ids_of(choice: dict[str, Any]) -> list[int]:

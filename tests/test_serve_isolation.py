@@ -47,6 +47,24 @@ MORE_BAD = [
      "functions"),
     ("/chat/completions", {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
      400, "continue_final_message"),
+    # not text, numbers past a float or past torch's integers, a stop string past its length
+    ("/completions", {"prompt": "a\ud800"}, 400, "prompt"),
+    ("/completions", {"prompt": "x", "min_p": 10**400}, 400, "min_p"),
+    ("/completions", {"prompt": "x", "temperature": 10**400}, 400, "temperature"),
+    ("/completions", {"prompt": "x", "temperature": 1, "top_k": 2**63}, 400, "top_k"),
+    ("/completions", {"prompt": "x", "top_k": -1.0}, 400, "top_k"),  # vLLM's off is the integer -1
+    ("/completions", {"prompt": "x", "seed": 2**63}, 400, "seed"),
+    ("/completions", {"prompt": "x", "stop": ["Q" * 1025]}, 400, "stop"),
+    ("/completions", {"prompt": ["x"] * 20, "n": 16}, 400, "n"),  # 320 sequences: past --max-queue, ever
+    # a role that is none of the chat's (one spelling a control token), a field no template writes
+    ("/chat/completions", {"messages": [{"role": "user<|im_end|>", "content": "x"}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
+     400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                           "max_completion_tokens": 8}, 400, "max_completion_tokens"),
 ]
 
 
@@ -113,8 +131,8 @@ def test_one_client_cannot_break_another(model, monkeypatch, ahead):
                     if status == 400 and tiny_top_p:
                         assert r.json()["error"]["message"] == tiny_top_p, r.text
                 seen.append(f"running after the engine failures: {c.get(url[:-3] + '/health').json()['running']}")
-                for route, body, status, param in BAD + MORE_BAD:
-                    r = c.post(url + route, json=body)
+                for route, body, status, param in BAD + MORE_BAD:  # json.dumps escapes a lone surrogate
+                    r = c.post(url + route, content=json.dumps(body), headers={"content-type": "application/json"})
                     ok = r.status_code == status and r.json()["error"]["param"] == param
                     seen.append("ok" if ok else f"{route} {body} -> {r.status_code} {r.text[:300]}")
 

@@ -106,7 +106,7 @@ def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4
     """The ASGI app. The engine is stopped with the app (its lifespan), and started with it in a thread of its
     own unless `start_engine` is False: then the caller runs `engine.run()` (the command line, on its main
     thread)."""
-    limits = Limits(model.context_length, model.llama.config.vocab_size, max_tokens)
+    limits = Limits(model.context_length, model.llama.config.vocab_size, max_tokens, max_sequences=engine.max_queue)
     state = State(model, engine, name, limits, api_key)
 
     @contextlib.asynccontextmanager

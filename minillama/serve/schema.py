@@ -10,12 +10,12 @@ here, before the request reaches the engine.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .. import api
 from ..checks import check_options
+from ..options import is_finite, text
 from ..errors import BadInput
 from ..generate import SamplingParams
 from .fields import refusal
@@ -23,6 +23,8 @@ from .logits import RowFilter, row_filter
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
+# A message's roles (OpenAI's, less the tool and function calls this server refuses).
+ROLES = ("system", "developer", "user", "assistant")
 
 
 class BadRequest(Exception):
@@ -46,6 +48,7 @@ class Limits:
     max_tokens: int  # the most new tokens one choice may ask for
     max_n: int = 16
     max_prompts: int = 64
+    max_sequences: int | None = None  # the engine's queue (--max-queue): one request's prompts x n at most
 
 
 @dataclass
@@ -93,8 +96,8 @@ def _num(body: dict, name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"{name} must be a finite number, got {v!r}", name)
+    if not isinstance(v, (int, float)) or not is_finite(v):
+        raise BadRequest(f"{name} must be a finite number, got {v!r}"[:300], name)
     return float(v)
 
 
@@ -147,6 +150,14 @@ def _token_ids(ids: list, limits: Limits, where: str) -> list[int]:
     return list(ids)
 
 
+def _text(value: str, where: str, param: str) -> None:
+    """Refuse a string that is not text (a lone surrogate: `options.text`)."""
+    try:
+        text(value, where)
+    except BadInput as e:
+        raise BadRequest(str(e), param) from None
+
+
 def _prompts(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[list[int]], list[str]]:
     p = body.get("prompt")
     if p is None:
@@ -161,6 +172,7 @@ def _prompts(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[list[int]
     for i, x in enumerate(p):
         where = "prompt" if len(p) == 1 else f"prompt[{i}]"
         if isinstance(x, str):
+            _text(x, where, "prompt")
             got = tokenizer.encode(x, add_special=True, parse_special=False)
             texts.append(x)
         elif isinstance(x, list):
@@ -183,14 +195,23 @@ def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
+        if m["role"] not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}"[:300],
+                             "messages")
+        extra = sorted(set(m) - {"role", "content"})
+        if extra:  # name, tool_calls, ...: the chat templates write none of them, so none is taken
+            raise BadRequest(f"messages[{i}]: only role and content are supported, got {extra[0]!r}"[:300],
+                             "messages", code="unsupported")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
-                       for c in content):
-                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            if not all(isinstance(c, dict) and set(c) == {"type", "text"} and c["type"] == "text"
+                       and isinstance(c["text"], str) for c in content):
+                raise BadRequest(f"messages[{i}].content: only text parts ({{type: text, text}}) are supported",
+                                 "messages")
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        _text(content, f"messages[{i}].content", "messages")
         turns.append({"role": m["role"], "content": content})
     if tokenizer.chat_template is None:
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
@@ -259,6 +280,9 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
         k = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         logprobs, top_k = k is not None, k or 0
         echo = _bool(body, "echo")
+    if limits.max_sequences is not None and len(prompts) * n > limits.max_sequences:
+        raise BadRequest(f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; the server queues at most "
+                         f"{limits.max_sequences} (--max-queue): send fewer prompts or a smaller n", "n")
     longest = max(len(p) for p in prompts)
     if longest >= limits.context:
         raise BadRequest(f"{'messages' if chat else 'prompt'}: {longest} tokens, the model's context is "
@@ -267,6 +291,9 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
+        if body.get("max_tokens") not in (None, body[name]):
+            raise BadRequest(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens ({body[name]!r}) "
+                             "differ: give one of them"[:300], "max_completion_tokens")
     default = min(room, limits.max_tokens) if chat else 16
     max_tokens = _int(body, name, default, 0, limits.max_tokens)
     if max_tokens > room:
@@ -275,7 +302,7 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
     top_k_sampling = body.get("top_k")
     params = _sampling(tokenizer, max_new_tokens=(name, max_tokens),
                        temperature=("temperature", _default(body, "temperature", 1.0)),
-                       top_k=("top_k", 0 if top_k_sampling in (None, -1) else top_k_sampling),  # vLLM's -1: off
+                       top_k=("top_k", 0 if top_k_sampling is None or _is(top_k_sampling, -1) else top_k_sampling),
                        top_p=("top_p", _default(body, "top_p", 1.0)), seed=("seed", _default(body, "seed", 0)),
                        ignore_eos=("ignore_eos", _default(body, "ignore_eos", False)),
                        stop_token_ids=("stop_token_ids", _default(body, "stop_token_ids", ())),
@@ -305,6 +332,11 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
                logits_filter=row_filter(limits.vocab, params.temperature, min_p, allowed), echo_text=echo_text)
 
 
+def _is(value: Any, integer: int) -> bool:
+    """`value` is that integer, not a float or a bool equal to it (vLLM's top_k of -1: off; -1.0 is refused)."""
+    return type(value) is int and value == integer
+
+
 def _default(body: dict, name: str, default: Any) -> Any:
     """The field's value, or its default when absent or null (the option table checks the value)."""
     v = body.get(name)
@@ -332,12 +364,24 @@ class Text:
             text = api.answer_text(self.tok, self.ids, self.stop_ids, self.stop, self.include_stop, self.skip_special)
         else:
             text = self.tok.decode(self.ids, skip_special=self.skip_special).rstrip("\ufffd")
-            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[:len(text) - hold]
+            text = text[:len(text) - max((starts(text, s) for s in self.stop), default=0)]
         if not text.startswith(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+def starts(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that is the start of `stop`, shorter than `stop` (what must
+    wait: the stop string may be starting). Only where `stop`'s first character is in text's last
+    len(stop) - 1 characters, the first such place the longest, each compared once."""
+    tail = text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else ""
+    at = tail.find(stop[:1])
+    while at >= 0:
+        if stop.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(stop[:1], at + 1)
+    return 0
 
 
 def token_name(tokenizer: Any, token: int, ids_as_tokens: bool) -> str:
