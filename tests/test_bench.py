@@ -763,7 +763,8 @@ def test_gpu_check_times_the_serve_engine_ahead_and_in_step():
 
 def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     """The GPU machine's one script, its steps at tiny sizes on a CPU: the test run's counts, parity
-    (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios, and
+    (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios, a
+    second process's compiled run on the first's compile cache (read, not compiled), and
     the served run's identity (the plain kernels' choices differ from their solo runs: the control)."""
     import json
 
@@ -787,6 +788,10 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
                                                        "parallel_units"}
     assert {"exact_over_plain", "parallel_over_floor", "compiled_over_parallel", "units_over_one"} <= set(bench["targets"])
     assert bench["targets"]["compiled_first_run_s"] == bench["meta"]["compiled_first_run_s"] > 0
+    # a second process on the cache directory the first compiled into: every graph read, none compiled cold
+    second = bench["meta"]["compiled_warm"]
+    assert second["graph_cache_hits"] > 0 and second["graph_cache_misses"] == 0
+    assert bench["targets"]["compiled_warm_first_run_s"] == second["first_run_s"] > second["steady_s"] > 0
     tiles = data["steps"]["tiles tiny float32"]["result"]
     assert "Self CPU" in tiles["profile"]["by_device_time"] and "Self CPU" in tiles["profile_compiled"]["by_device_time"]
     assert "minillama::tiled_linear" in tiles["profile_compiled"]["by_device_time"]  # the compiled layers ran

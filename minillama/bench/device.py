@@ -175,6 +175,25 @@ def _run_minillama(model: Any, prompts: list[list[int]], docs: list[int], g: int
     return [a.token_ids for a in out]
 
 
+def compiled_run_s(model: Any, task: IdTask, device: torch.device) -> float:
+    """Seconds of one `parallel` run of `task` with compiled steps; a process's first holds the compiles of its
+    shapes (or, from a warm cache directory, their tracing and loading: bench/warm.py)."""
+    prompts, docs = task.build(model.config.vocab_size)
+    _sync(device)
+    t0 = time.perf_counter()
+    _run_minillama(model, prompts, docs, task.new_tokens, "parallel", invariant=True, compiled=True)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def shrunk(task: IdTask, tiny: bool) -> IdTask:
+    """`task` with every size divided down where `tiny` (seconds on a CPU), else itself."""
+    if not tiny:
+        return task
+    return dataclasses.replace(task, doc_tokens=max(8, task.doc_tokens // 16), questions=max(2, task.questions // 16),
+                               question_tokens=max(2, task.question_tokens // 4), new_tokens=min(task.new_tokens, 3))
+
+
 def _run_hf(hf: Any, prompts: list[list[int]], g: int, device: torch.device) -> list[list[int]]:
     m = max(map(len, prompts))
     ids = torch.tensor([[0] * (m - len(p)) + p for p in prompts], device=device)  # (B, m), left-padded
@@ -319,18 +338,10 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     small = dict(n=256, mib=64) if tiny else dict(n=4096, mib=1024)
     rates = {"gemm_tflops": gemm_tflops(device, dtype, small["n"]), "bandwidth_gbs": bandwidth_gbs(device, small["mib"])}
     log(f"device: GEMM {rates['gemm_tflops']:.2f} TFLOP/s ({dtype_name}), copy bandwidth {rates['bandwidth_gbs']:.0f} GB/s")
-    shrink = (lambda t: dataclasses.replace(t, doc_tokens=max(8, t.doc_tokens // 16), questions=max(2, t.questions // 16),
-                                            question_tokens=max(2, t.question_tokens // 4),
-                                            new_tokens=min(t.new_tokens, 3))) if tiny else (lambda t: t)
-    headline = shrink(HEADLINE)
+    headline = shrunk(HEADLINE, tiny)
     first_compile = {}
     if compiled:  # the process's first compiled run, before anything else compiles: the compiles of its shapes
-        prompts, docs = headline.build(config.vocab_size)
-        _sync(device)
-        t1 = time.perf_counter()
-        _run_minillama(model, prompts, docs, headline.new_tokens, "parallel", invariant=True, compiled=True)
-        _sync(device)
-        first_compile["compiled_first_run_s"] = time.perf_counter() - t1
+        first_compile["compiled_first_run_s"] = compiled_run_s(model, headline, device)
         log(f"first compiled run of the headline (its compiles): {first_compile['compiled_first_run_s']:.1f} s")
     units_model = None
     if units and here is None:  # the same tensors, laid out for the units (their own graphs and layout)
@@ -349,7 +360,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
     records = run_task(headline, model, hf, device, methods, repeats, sample, rates, log, units_model)
     if tables:
         for t in PAPER_TABLES:
-            records += run_task(shrink(t), model, None, device, ("parallel",), repeats, sample, rates, log)
+            records += run_task(shrunk(t, tiny), model, None, device, ("parallel",), repeats, sample, rates, log)
     by_dtype = dtype_sweep(config, device, headline, repeats, log) if dtypes else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if here is not None and not here.leave():

@@ -14,7 +14,8 @@ In order, each step recorded whatever the others do:
    with `--compiled`, the same with compiled steps (step.py);
 2. the shape bench (bench/device.py) at both shapes: parallel (captured steps), parallel with plain kernels,
    parallel with eager steps, independent on a sample, HF batched `generate` and the roofline floor, one run
-   (with `--compiled`, parallel with compiled steps too, compiled from cold in a fresh cache directory), and
+   (with `--compiled`, parallel with compiled steps too, compiled from cold in a fresh cache directory, and
+   at SmolLM2's shape a second process's first compiled run on that directory: bench/warm.py), and
    parallel at the units `minillama generate` takes by default (the KV heads; the others take 1), with the
    parity check there too;
 3. the targets the GPU work is measured by, as ratios from that one run;
@@ -61,7 +62,7 @@ from ..errors import run_command
 from ..files import json_text, make_dir, write_file
 from ..oracle.record import git_commit
 from ..serve import identity
-from . import row_probe
+from . import row_probe, warm
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_TESTS = ["tests/test_parity.py", "tests/test_attention.py", "tests/test_model.py", "tests/test_cache.py",
@@ -123,6 +124,7 @@ def targets(bench: dict[str, Any]) -> dict[str, Any]:
     if "parallel" in by and "parallel_compiled" in by:
         out["compiled_over_parallel"] = by["parallel_compiled"]["wall_s"] / by["parallel"]["wall_s"]
         out["compiled_first_run_s"] = bench["meta"].get("compiled_first_run_s")
+        out["compiled_warm_first_run_s"] = bench["meta"].get("compiled_warm", {}).get("first_run_s")
     return out
 
 
@@ -131,12 +133,10 @@ def check(device: str, quick: bool, out: Path, test_timeout_s: float, budget_s: 
     make_dir(out.parent)
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else device
     commit = git_commit() or os.environ.get("MINILLAMA_COMMIT", "")  # no .git there: the caller names it
-    # The code that ran, whatever the copy's git metadata says (a copied tree may carry a stale .git, seen
-    # on the H200: "+dirty" then flags it): `source_digest()` of a checkout says whether it is that code.
+    # The code that ran, whatever a copy's (stale) git metadata says: `source_digest()` of a checkout tells.
     result: dict[str, Any] = {"device_name": name, "device": device, "torch": torch.__version__, "commit": commit,
                               "source_sha256": source_digest(), "quick": quick, "compiled": compiled, "steps": {}}
-    # Compiled from cold: a fresh cache directory for this check (the environment is restored after), so the
-    # first compiled run (`compiled_first_run_s`) holds the compiles of its shapes.
+    # A fresh cache directory (the environment is restored after): the first compiled run compiles cold.
     fresh = {"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="minillama-inductor-")} if compiled else {}
     with mock.patch.dict(os.environ, fresh), mock.patch.object(step_module, "OVERLAP", step_module.OVERLAP):
         return _steps(device, quick, out, test_timeout_s, budget_s, log, compiled, result)
@@ -416,6 +416,8 @@ def _bench(shape: str, dtype: str, device: str, quick: bool, log, compiled: bool
     data = shape_main(shape, device, dtype, tiny=quick, tables=False, repeats=1 if quick else 3,
                       sample=2 if quick else 4, use_hf=True, log=log, parity_check=True, compiled=compiled,
                       units=True)
+    if compiled and (quick or (shape, dtype) == CASES[0]):  # a second process on the cache this one filled
+        data["meta"]["compiled_warm"] = warm.warm_run(shape, dtype, device, quick)
     return {**data, "targets": targets(data)}
 
 
