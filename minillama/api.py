@@ -97,6 +97,20 @@ def prompt_text(tokenizer: Tokenizer, doc: str, question: str, system: str | Non
     return f"{system}\n\n{text}" if system is not None else text
 
 
+def template_parts(tokenizer: Tokenizer, system: str | None = None, chat_template: bool = True) -> tuple[str, str, str]:
+    """The prompt's text before the document, between it and the question, and after the question (the same
+    for every prompt): rendered with a private-use mark for each. A chat template that does not write both,
+    once each and in order, would lose the user's text: BadInput naming the template's field."""
+    text = prompt_text(tokenizer, "\ue000", "\ue001", system, chat_template)
+    head, _, rest = text.partition("\ue000")
+    middle, _, tail = rest.partition("\ue001")
+    if not (text.count("\ue000") == text.count("\ue001") == 1 and head + "\ue000" + middle + "\ue001" + tail == text):
+        source = getattr(tokenizer, "template_source", "the chat template")
+        raise BadInput(f"{source}: the template does not write each message's content as given (the document or "
+                       "the question would be lost): mend it, or use --no-chat-template")
+    return head, middle, tail
+
+
 def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None = None,
                chat_template: bool = True) -> list[int]:
     """The token ids of one question's complete stand-alone prompt. Document, question and system
@@ -216,6 +230,7 @@ def build_prompts(tokenizer: Tokenizer, jobs: Sequence[tuple[str, Sequence[str]]
     why = None if context is None else too_long(tokenizer, jobs, context)
     if why is not None:
         raise PromptTooLong(why)
+    template_parts(tokenizer, system, chat_template)
     prompts, docs, where = [], [], []
     for d, (doc, questions) in enumerate(jobs):
         for qi, q in enumerate(questions):

@@ -144,7 +144,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
         why = too_long(loaded.tokenizer, read, loaded.context_length)  # before tokenizing anything
         if why is not None:
             raise BadInput(why)
-        api.prompt_text(loaded.tokenizer, "", "", args.system, args.chat_template)  # the chat template renders
+        api.template_parts(loaded.tokenizer, args.system, args.chat_template)  # it renders, writing the text
         return read, loaded
 
     jobs, model = here.agree(prepare)
@@ -176,6 +176,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     if not here.world.writes:
         return 0
 
+    n_most = max(len(q) for _, q in jobs)
     summary = {"load_s": round(load_s, 3), "generate_s": round(totals.generate_s, 3),
                "prefill_s": round(totals.prefill_s, 3), "decode_s": round(totals.decode_s, 3),
                "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
@@ -184,8 +185,8 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
                "peak_memory_mb": round(peak_rss_mb(), 1), "documents": len(jobs), "questions": n_questions,
                "mode": args.mode, "device": args.device, "dtype": args.dtype,
                "products": precision.describe(args.device, getattr(torch, args.dtype)),
-               "parallel_size": plan.parallel_size or max(len(q) for _, q in jobs),
-               "batch_docs": plan.batch_docs or len(jobs), "max_memory_mb": args.max_memory,
+               "parallel_size": min(plan.parallel_size or n_most, n_most),  # a wave holds what there is
+               "batch_docs": min(plan.batch_docs or len(jobs), len(jobs)), "max_memory_mb": args.max_memory,
                "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
     print(json_text(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
@@ -256,6 +257,8 @@ def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invar
 
     if path is not None and not Path(path).exists():
         raise BadInput(f"--model {path}: no such file or directory")
+    if compiled and not invariant:
+        raise BadInput(step.PLAIN_COMPILED)
     try:
         if shard is not None:
             model = api.LoadedModel(*load_model(path, device=device, dtype=dtype, shard=shard))
@@ -353,6 +356,7 @@ def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question
     user left open. What a pass holds: each document's KV once, and per question its own tokens' KV
     (prompt suffix and answer) and a few rows of activations (its logits row over the vocabulary, the
     MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice."""
+    max_new_tokens = min(max_new_tokens, config.max_position_embeddings)  # no answer runs past the context
     kv_per_token = config.kv_bytes_per_token(dtype_bytes)
     per_row = 4 * (2 * config.vocab_size + 3 * config.intermediate_size + 4 * config.hidden_size)
     per_question = [2 * kv_per_token * (max(q, default=0) + max_new_tokens) + per_row for q in question_tokens]
@@ -377,9 +381,7 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     if args.mode != "parallel":
         return WavePlan(args.parallel_size, args.batch_docs, 0)
     tok, config = model.tokenizer, model.llama.config
-    text = api.prompt_text(tok, "\ue000", "\ue001", args.system, args.chat_template)
-    head, rest = text.split("\ue000", 1)
-    middle, tail = rest.split("\ue001", 1)
+    head, middle, tail = api.template_parts(tok, args.system, args.chat_template)
     around_doc = len(tok.encode(head + middle, parse_special=False))
     after_question = len(tok.encode(tail, parse_special=False)) + 2  # + tokens merged across a boundary
     doc_tokens = [len(tok.encode(doc, parse_special=False)) + around_doc for doc, _ in jobs]

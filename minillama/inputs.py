@@ -108,6 +108,16 @@ def lines(text: str) -> list[str]:
     return text.split("\n")
 
 
+def once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys differ (json.loads' object_pairs_hook): a repeated key, whose first value
+    JSON would drop, is an error."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        raise ValueError(f"the key {next(k for k, _ in pairs if k in seen or seen.add(k))!r} is repeated")
+    return obj
+
+
 def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
                  expected: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, object) for each non-blank line of JSON Lines text; lines end at \\n only (`lines`). A line
@@ -117,7 +127,7 @@ def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
             continue
         at = where(n)
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, object_pairs_hook=once_each)
         except ValueError as e:
             raise error(f"{at}: not JSON ({e})") from None
         except RecursionError:

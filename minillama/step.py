@@ -259,6 +259,11 @@ def compile_block() -> Callable[..., torch.Tensor]:
     return run
 
 
+# Compiled steps are the exact path made fast; the plain kernels (the negative control: a mask over every cache
+# slot, whose count a compiled graph holds as a symbol) run eagerly.
+PLAIN_COMPILED = "--compile takes the batch-invariant kernels: drop --plain-kernels or --compile"
+
+
 def keep_compiled_code() -> None:
     """Compiled code goes to $TORCHINDUCTOR_CACHE_DIR; where that is unset, or torch's temporary default (torch
     sets the variable when it is first imported), to minillama's cache directory, which outlives a reboot."""
@@ -344,6 +349,8 @@ class Steps:
             return run_block
         if self.kernels.sharded:
             raise ValueError("compiled steps run in one process: a tensor-parallel rank's steps run eagerly")
+        if not self.kernels.invariant:
+            raise BadInput(PLAIN_COMPILED)
         if self._compiled_block is None:
             self._compiled_block = compile_block()
         return self._compiled_block

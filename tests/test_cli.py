@@ -157,6 +157,7 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
     (d / "nokey.jsonl").write_text('{"doc": "x"}\n')
     (d / "extra.jsonl").write_text('{"doc": "x", "questions": ["q"], "id": 3}\n')
     (d / "emptyq.jsonl").write_text('{"doc": "x", "questions": ["q", "  "]}\n')
+    (d / "twice.jsonl").write_text('{"doc": "x", "questions": ["q"], "doc": "y"}\n')
     corrupt = d / "corrupt"
     if not corrupt.exists():
         corrupt.mkdir()
@@ -205,6 +206,10 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
         "meta device": [*m, *doc, *qs, "--device", "meta"],
         "negative max-memory": [*m, *doc, *qs, "--max-memory", "-1"],
         "compile with tp": [*m, *doc, *qs, "--compile", "--tp", "2"],
+        "compile with plain kernels": [*m, *doc, *qs, "--compile", "--plain-kernels"],
+        "jsonl repeated key": [*m, "--input", d / "twice.jsonl"],
+        "top-k past 2**31": [*m, *doc, *qs, "--top-k", str(2**63)],
+        "stop past its length": [*m, *doc, *qs, "--stop", "Q" * 1025],
     }
 
 
@@ -215,7 +220,8 @@ CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "em
          "negative max-new-tokens", "max-new-tokens not int", "nan temperature", "negative temperature",
          "infinite temperature", "top-p zero", "top-p above one", "negative top-k", "unknown mode",
          "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
-         "unknown option", "meta device", "negative max-memory", "compile with tp"]
+         "unknown option", "meta device", "negative max-memory", "compile with tp", "compile with plain kernels",
+         "jsonl repeated key", "top-k past 2**31", "stop past its length"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -234,7 +240,10 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "corrupt model": "corrupt", "nan temperature": "--temperature", "top-p zero": "--top-p",
               "negative max-new-tokens": "--max-new-tokens", "unknown mode": "turbo",
               "jsonl not json": "line 2", "jsonl unknown key": "'id'", "missing model": "no-model",
-              "compile with tp": "--compile runs in one process"}
+              "compile with tp": "--compile runs in one process",
+              "compile with plain kernels": "--compile takes the batch-invariant kernels",
+              "jsonl repeated key": "the key 'doc' is repeated", "top-k past 2**31": "below 2**31",
+              "stop past its length": "at most 1024"}
     cases = bad_cases(ckpt, files)
     for case, words in expect.items():
         cli.main([str(a) for a in cases[case]])
@@ -373,6 +382,19 @@ def test_default_budget_bounds_thousands_of_questions():
     assert (few.parallel_size, few.batch_docs) == (None, None)  # the paper's 64 questions: one wave
     docs = cli.wave_plan(smollm2, 4, [3000] * 40, [[20] * 64] * 40, 64, budget)
     assert docs.batch_docs is not None and docs.bytes <= budget
+    # -n past the context: no answer runs past it, so the plan is the context's (not 1 question a wave)
+    endless = cli.wave_plan(smollm2, 4, [600], [[20] * 64], 10**20, budget)
+    assert endless == cli.wave_plan(smollm2, 4, [600], [[20] * 64], smollm2.max_position_embeddings, budget)
+    assert endless.parallel_size > 1
+
+
+def test_the_summary_says_the_waves_a_run_took(ckpt, files):
+    """--parallel-size or -n far past the input: the summary names the waves there were (all the questions
+    in one), not the number asked for."""
+    p = run_cli("--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "--json", "-n", "2",
+                "--parallel-size", str(10**21), "--batch-docs", str(10**21))
+    s = summary(p)
+    assert (s["parallel_size"], s["batch_docs"]) == (len(QUESTIONS), 1)
 
 
 def test_a_prompt_that_fills_the_context_warns_once(ckpt, files, capsys):

@@ -144,6 +144,8 @@ BAD_OPTIONS = [
     ({"ignore_eos": "yes"}, TypeError, "ignore_eos"), ({"chat_template": None}, TypeError, "chat_template"),
     ({"system": b"be brief"}, TypeError, "system"), ({"prefill_chunk": 0}, ValueError, "prefill_chunk"),
     ({"keep_logits": 1}, TypeError, "keep_logits"), ({"on_token": 3}, TypeError, "on_token"),
+    ({"temperature": 10**400}, ValueError, "temperature"), ({"top_k": 2**63}, ValueError, "top_k"),
+    ({"seed": 2**64}, ValueError, "seed"), ({"stop": "Q" * 1025}, ValueError, "stop"),
 ]
 
 
@@ -396,6 +398,13 @@ TOKENIZER_FILES = {
                              ['tokenizer_config.json: "chat_template" must be']),
     "eos_token_id text": ("generation_config.json", {"eos_token_id": "</s>"},
                           ['generation_config.json: "eos_token_id" must be']),
+    "template without the content": ("tokenizer_config.json", {"chat_template": "{{ 'hello' }}"},
+                                     ["field chat_template", "does not write each message's content"]),
+    "template that cuts the content": ("tokenizer_config.json",
+                                       {"chat_template": "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"},
+                                       ["field chat_template", "does not write each message's content"]),
+    "eos past the vocabulary": ("tokenizer_config.json", {"eos_token_ids": [999999]},
+                                ["end-of-sequence id 999999", "past the model's vocabulary"]),
     "id past the vocabulary": ("tokenizer.json", lambda t: _added_token(t, 300),
                                ["tokenizer.json, added_tokens: token id 300 ('<past>') is past the model's vocabulary"]),
 }

@@ -121,6 +121,9 @@ def test_text_prompts_and_minillama_reference(exact, ckpt, capsys):
     (["--url", "ftp://127.0.0.1/v1"], "not an http:// or https:// URL"),
     (["--url", "http://127.0.0.1:9/v1"], "cannot reach the server"),
     (["--url", "http://127.0.0.1:9/v1", "--json", "/no/such/folder/r.json"], "does not exist"),
+    (["--url", "http://[::1/v1"], "not a URL"),
+    (["--url", "http://127.0.0.1:99999/v1"], "not a URL"),
+    (["--url", "http://127.0.0.1:9/v1", "--json", "/proc/r.json"], "/proc/r.json: "),  # refused before any request
     (["--url", "http://127.0.0.1:9/v1", "--reference-model", "/no/such/ckpt"], "no such file or directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, capsys):

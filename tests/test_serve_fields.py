@@ -45,6 +45,21 @@ def test_a_stop_string_past_its_length_is_refused_on_every_surface():
         SamplingParams(stop=["x", "Q" * (MAX_STOP_CHARS + 1)])
 
 
+def test_a_chat_template_that_drops_the_content_is_refused_at_the_door():
+    """A template that does not write a message's content as given would answer a prompt without the client's
+    text: the chat route refuses it (400 naming messages), as `generate` refuses such a template."""
+    from minillama.serve.schema import BadRequest, Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    body = {"messages": [{"role": "user", "content": "Where is the tower?"}], "max_tokens": 2}
+    assert parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny").prompts  # its own template: taken
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"
+    with pytest.raises(BadRequest, match="does not write each message's content") as e:
+        parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny")
+    assert e.value.param == "messages"
+
+
 def ids_of(choice: dict[str, Any]) -> list[int]:
     return [int(t[9:]) for t in choice["logprobs"]["tokens"]]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,7 +34,7 @@ from .diff import Comparison, compare, diff_hidden, run_backend
 from .layers import diff_layers
 from .report import report
 from .tolerances import BACKEND_PRESETS, PRESETS, Tolerances
-from .server import OpenAIBackend
+from .server import OpenAIBackend, base_url
 from .record import Record, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
@@ -260,6 +261,10 @@ def _check_writable(out: Path) -> None:
     for f in (out, out.with_suffix(".json")):
         if f.is_dir():
             raise BadInput(f"{f}: is a folder")
+    try:  # where the folder says it is writable and is not (/proc, a read-only mount): a file made and gone
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        raise BadInput(f"{out}: cannot write in {parent} ({e.strerror})") from None
 
 
 def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
@@ -279,12 +284,12 @@ def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
 def _openai_backend(args: argparse.Namespace, ref_path: str | None) -> OpenAIBackend:
     if not args.url:
         raise BadInput("--backend openai needs --url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
-    decode = vocab = None
+    url, decode, vocab = base_url(args.url), None, None
     if ref_path is not None and Path(ref_path).exists():
         tok = load_tokenizer(Path(ref_path))  # the server's top-k come as texts: map them back to ids
         decode = tok.decode
         vocab = [tok.decode([i]) for i in range(tok.vocab_size)]
-    return OpenAIBackend(args.url, args.backend_model, top_k=args.top_k, decode=decode, vocab=vocab)
+    return OpenAIBackend(url, args.backend_model, top_k=args.top_k, decode=decode, vocab=vocab)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -294,6 +299,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise BadInput(f"--layers: the {args.backend} backend gives no layer-by-layer activations")
     if args.url and args.backend != "openai":
         raise BadInput("--url goes with --backend openai")
+    if args.url:
+        base_url(args.url)  # before any reference is made
     if args.kv_cache and args.backend != "llama-cpp":
         raise BadInput("--kv-cache goes with --backend llama-cpp")
     if args.backend:

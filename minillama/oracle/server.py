@@ -24,13 +24,29 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..errors import BadInput
 from .backends import BACKENDS, Backend, BackendError
 
+
+
+def base_url(url: str) -> str:
+    """--url without its trailing slashes, where it is an http(s) URL with a host and a port that parses;
+    else one line naming it (BadInput)."""
+    url = url.rstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as e:
+        raise BadInput(f"--url {url}: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadInput(f"--url {url}: not an http:// or https:// URL (e.g. http://127.0.0.1:8000/v1)")
+    return url
 
 class OpenAIBackend(Backend):
     """An OpenAI-compatible server at `url` (ending in /v1), teacher-forced through prompt log-probs.

@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import BadInput
 from ..serve.client import Refused, ask
 from .backends import BackendError
+from .server import base_url
 
 ID_LOW, ID_HIGH = 32, 256
 WORDS = ("the river bridge opened engineer steel road tracks long metres north city works year built design "
@@ -92,7 +93,7 @@ def probe_server(client: Any, url: str, model: str | None, prompts: str = "auto"
         try:
             r = client.get(url + "/models")
             model = r.json()["data"][0]["id"]
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise BackendError(f"{url}: cannot reach the server ({type(e).__name__}: {e})") from None
         except (ValueError, KeyError, IndexError, TypeError):
             raise BackendError(f"{url}/models: no model listed; give the served model's name with --model") from None
@@ -244,9 +245,7 @@ def run(url: str, model: str | None = None, requests: int = 200, clients: int = 
     for name, value in (("--requests", requests), ("--clients", clients), ("--max-tokens", max_tokens)):
         if value < 1:
             raise BadInput(f"{name} must be at least 1, got {value}")
-    url = url.rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise BadInput(f"--url {url}: not an http:// or https:// URL (e.g. http://127.0.0.1:8000/v1)")
+    url = base_url(url)
     rng = random.Random(seed)
     t0 = time.perf_counter()
     with _client(clients=clients) as client:

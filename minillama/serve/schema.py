@@ -215,6 +215,10 @@ def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
         turns.append({"role": m["role"], "content": content})
     if tokenizer.chat_template is None:
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
+    try:  # a template that drops or cuts a message's content would lose the client's text
+        api.template_parts(tokenizer)
+    except BadInput as e:
+        raise BadRequest(f"messages: {e}", "messages") from None
     generation = _bool(body, "add_generation_prompt", True)
     if _bool(body, "continue_final_message"):
         if generation:
