@@ -394,6 +394,8 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
     (["compare", "--bogus"], "unrecognized arguments: --bogus"),
     (["compare", "--reference", "REF", "--candidate", "REF", "--device", "warp9"], "--device warp9: not a torch device"),
     (["compare", "--reference", "REF", "--backend", "openai", "--url", "notaurl"], "not an http:// or https:// URL"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--layers"],
+     "--layers: the reference and the candidate hold no hidden states"),
     (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://[::1/v1"], "not a URL"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):

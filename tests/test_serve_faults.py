@@ -197,6 +197,8 @@ def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
     (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt: no such file or directory"),
     (["--host", "256.1.1.1"], "--host 256.1.1.1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+    (["--compile", "--plain-kernels"], "--compile takes the batch-invariant kernels"),
 ])
 def test_bad_command_lines_are_one_line_errors(args, says):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -336,6 +336,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         cand.manifest["describe"] = f"{args.candidate} ({made_by})" if made_by else args.candidate
         if args.preset is None and str(made_by).startswith("minillama") and _same_setup(ref, cand):
             tol = _tolerances(args, "exact")
+    if args.layers and args.candidate:  # a layer diff from files: both must hold hidden states
+        bare = [n for n, rec in (("reference", ref), ("candidate", cand)) if all(q.hidden is None for q in rec.questions)]
+        if bare:
+            raise BadInput(f"--layers: the {' and the '.join(bare)} hold{'s' * (len(bare) == 1)} no hidden states "
+                           "(export with --hidden)")
     results = compare(ref, cand, tol, allow_prefix=args.allow_prefix)
     if args.layers and args.candidate:
         for r, d in zip(results, diff_hidden(ref, cand, tol)):

@@ -78,6 +78,8 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput(f"--drain must be a number of seconds >= 0, got {args.drain}")
     if args.api_key is not None and not args.api_key:
         raise BadInput("--api-key must not be empty")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise BadInput("--served-model-name must not be empty")
     check_device(args.device)
 
 
