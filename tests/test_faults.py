@@ -403,6 +403,8 @@ TOKENIZER_FILES = {
     "template that cuts the content": ("tokenizer_config.json",
                                        {"chat_template": "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"},
                                        ["field chat_template", "does not write each message's content"]),
+    "bos not a token": ("tokenizer_config.json", {"bos_token": "<|nope|>", "add_bos_token": True},
+                        ['"bos_token" \'<|nope|>\' is not a token', "no BOS could be added"]),
     "eos past the vocabulary": ("tokenizer_config.json", {"eos_token_ids": [999999]},
                                 ["end-of-sequence id 999999", "past the model's vocabulary"]),
     "id past the vocabulary": ("tokenizer.json", lambda t: _added_token(t, 300),

@@ -87,6 +87,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok.eos_ids = _unique(extra + tok.eos_ids + list(cfg.get("eos_token_ids") or []) + eos_ids)
     else:
         raise TokenizerError(f"{p}: no tokenizer (looked for tokenizer.json and tokenizer.model)")
+    if bos is not None and cfg.get("add_bos_token") and tok.token_to_id(bos) is None:
+        raise TokenizerError(f'{cfg_path}: "bos_token" {bos!r} is not a token of the tokenizer, and '
+                             f'"add_bos_token" is true: no BOS could be added')
     if template is not None:
         tok.template_source = template_source
         check_template(template, template_source)  # a syntax error is found now, before any work
