@@ -13,6 +13,7 @@ at the boundary; docs/design.md). So the modes differ only in how the same token
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -99,12 +100,14 @@ def prompt_text(tokenizer: Tokenizer, doc: str, question: str, system: str | Non
 
 def template_parts(tokenizer: Tokenizer, system: str | None = None, chat_template: bool = True) -> tuple[str, str, str]:
     """The prompt's text before the document, between it and the question, and after the question (the same
-    for every prompt): rendered with a private-use mark for each. A chat template that does not write both,
-    once each and in order, would lose the user's text: BadInput naming the template's field."""
-    text = prompt_text(tokenizer, "\ue000", "\ue001", system, chat_template)
-    head, _, rest = text.partition("\ue000")
-    middle, _, tail = rest.partition("\ue001")
-    if not (text.count("\ue000") == text.count("\ue001") == 1 and head + "\ue000" + middle + "\ue001" + tail == text):
+    for every prompt): rendered with a private-use mark for each (two the system text does not hold). A chat
+    template that does not write both, once each and in order, would lose the user's text: BadInput naming
+    the template's field."""
+    doc, question = itertools.islice((c for c in map(chr, range(0xE000, 0xF900)) if c not in (system or "")), 2)
+    text = prompt_text(tokenizer, doc, question, system, chat_template)
+    head, _, rest = text.partition(doc)
+    middle, _, tail = rest.partition(question)
+    if not (text.count(doc) == text.count(question) == 1 and head + doc + middle + question + tail == text):
         source = getattr(tokenizer, "template_source", "the chat template")
         raise BadInput(f"{source}: the template does not write each message's content as given (the document or "
                        "the question would be lost): mend it, or use --no-chat-template")

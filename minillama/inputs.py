@@ -108,13 +108,16 @@ def lines(text: str) -> list[str]:
     return text.split("\n")
 
 
+class RepeatedKey(ValueError):
+    """A JSON object that gives one key twice: valid JSON, whose reader would keep the last value silently."""
+
+
 def once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys differ (json.loads' object_pairs_hook): a repeated key, whose first value
-    JSON would drop, is an error."""
+    """A JSON object whose keys differ (json.loads' object_pairs_hook), else RepeatedKey naming the key."""
     obj = dict(pairs)
     if len(obj) < len(pairs):
         seen: set[str] = set()
-        raise ValueError(f"the key {next(k for k, _ in pairs if k in seen or seen.add(k))!r} is repeated")
+        raise RepeatedKey(f"the key {next(k for k, _ in pairs if k in seen or seen.add(k))!r} is given twice")
     return obj
 
 
@@ -128,6 +131,8 @@ def json_objects(text: str, where: Callable[[int], str], error: type[Exception],
         at = where(n)
         try:
             obj = json.loads(line, object_pairs_hook=once_each)
+        except RepeatedKey as e:
+            raise error(f"{at}: {e}") from None
         except ValueError as e:
             raise error(f"{at}: not JSON ({e})") from None
         except RecursionError:

@@ -810,6 +810,17 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     assert served["plain"]["identical"] < served["plain"]["choices"]  # the control: the plain kernels differ
 
 
+def test_a_failing_second_compiled_process_costs_only_its_own_figure():
+    """bench/warm.py's process failing (here: a device torch does not know), or running past its time, is
+    an error record: gpu_check keeps the shape bench's figures beside it."""
+    from minillama.bench import warm
+
+    failed = warm.warm_run("tiny", "float32", "nodevice", True)
+    assert set(failed) == {"error"} and "the second process failed" in failed["error"], failed
+    slow = warm.warm_run("tiny", "float32", "cpu", True, timeout_s=0.01)
+    assert slow == {"error": "the second process took more than 0.01 s"}
+
+
 def test_gpu_check_serve_step_says_what_is_missing(monkeypatch):
     """Where the device's Python lacks starlette or uvicorn, the served run is skipped with what to carry."""
     import importlib.util

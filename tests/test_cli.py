@@ -242,7 +242,7 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "jsonl not json": "line 2", "jsonl unknown key": "'id'", "missing model": "no-model",
               "compile with tp": "--compile runs in one process",
               "compile with plain kernels": "--compile takes the batch-invariant kernels",
-              "jsonl repeated key": "the key 'doc' is repeated", "top-k past 2**31": "below 2**31",
+              "jsonl repeated key": "the key 'doc' is given twice", "top-k past 2**31": "below 2**31",
               "stop past its length": "at most 1024"}
     cases = bad_cases(ckpt, files)
     for case, words in expect.items():

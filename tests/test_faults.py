@@ -403,13 +403,27 @@ TOKENIZER_FILES = {
     "template that cuts the content": ("tokenizer_config.json",
                                        {"chat_template": "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"},
                                        ["field chat_template", "does not write each message's content"]),
+    "templates without a default": ("tokenizer_config.json", {"chat_template": [{"name": "tool_use", "template": "x"}]},
+                                    ['field chat_template: a list of templates, none named "default"']),
     "bos not a token": ("tokenizer_config.json", {"bos_token": "<|nope|>", "add_bos_token": True},
                         ['"bos_token" \'<|nope|>\' is not a token', "no BOS could be added"]),
-    "eos past the vocabulary": ("tokenizer_config.json", {"eos_token_ids": [999999]},
-                                ["end-of-sequence id 999999", "past the model's vocabulary"]),
     "id past the vocabulary": ("tokenizer.json", lambda t: _added_token(t, 300),
                                ["tokenizer.json, added_tokens: token id 300 ('<past>') is past the model's vocabulary"]),
 }
+
+
+def test_end_of_sequence_ids_the_model_could_never_write_are_refused():
+    """Where every end-of-sequence id is past the model's vocabulary no answer could end: refused when the
+    model loads (`check_fits`); one past it beside one inside changes nothing (the inside one ends answers)."""
+    from minillama.tokenizer import TokenizerError
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.eos_ids = [2, 999999]
+    tok.check_fits(tok.vocab_size)
+    tok.eos_ids = [999999]
+    with pytest.raises(TokenizerError, match=r"every end-of-sequence id \(999999\) is past the model's vocab"):
+        tok.check_fits(tok.vocab_size)
 
 
 def _changed_checkpoint(ckpt: Path, tmp_path: Path, case: str) -> Path:

@@ -397,18 +397,26 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
     (["compare", "--reference", "REF", "--candidate", "REF", "--layers"],
      "--layers: the reference and the candidate hold no hidden states"),
     (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://[::1/v1"], "not a URL"),
+    (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://h:8000/v 1"], "holds a space"),
+    (["export", "-m", "MODEL", "--prompt-ids", "EMPTY", "-o", "x.safetensors"], "an empty prompt"),
+    (["export", "-m", "MODEL", "--prompt-ids", "TWICE", "-o", "x.safetensors"], "the key 'doc' is given twice"),
+    (["export", "-m", "MODEL", "--prompt-ids", "NEGDOC", "-o", "x.safetensors"], "(doc >= 0)"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
     _, _, path = tiny
     files = {"REF": tmp_path / "ref.safetensors", "BAD": tmp_path / "bad.jsonl", "UNKNOWN": tmp_path / "u.jsonl",
              "SHORT": tmp_path / "short.jsonl", "OUT_OF_VOCAB": tmp_path / "oov.jsonl",
-             "LATIN1": tmp_path / "latin1.jsonl"}
+             "LATIN1": tmp_path / "latin1.jsonl", "EMPTY": tmp_path / "empty.jsonl", "TWICE": tmp_path / "twice.jsonl",
+             "NEGDOC": tmp_path / "negdoc.jsonl"}
     save(ref, files["REF"])
     files["BAD"].write_text("{not json\n")
     files["UNKNOWN"].write_text('{"token_ids": [1], "logprob": [0.0]}\n')
     files["SHORT"].write_text('{"token_ids": [1]}\n')
     files["OUT_OF_VOCAB"].write_text("[1, 2, 999]\n")
     files["LATIN1"].write_bytes(b'{"token_ids": [1]} caf\xe9\n')
+    files["EMPTY"].write_text("[]\n")
+    files["TWICE"].write_text('{"prompt_ids": [1, 2], "doc": 0, "doc": 1}\n')
+    files["NEGDOC"].write_text('{"prompt_ids": [1, 2], "doc": -1}\n')
     subst = {**{k: str(v) for k, v in files.items()}, "MODEL": str(path), "PROMPTS": _write_prompts(tmp_path)}
     args = [subst.get(a, a) for a in args]
     assert main(args) == 2

@@ -55,9 +55,27 @@ def test_a_chat_template_that_drops_the_content_is_refused_at_the_door():
     body = {"messages": [{"role": "user", "content": "Where is the tower?"}], "max_tokens": 2}
     assert parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny").prompts  # its own template: taken
     tok.chat_template = "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"
-    with pytest.raises(BadRequest, match="does not write each message's content") as e:
+    with pytest.raises(BadRequest, match="does not write a message's content as given: use /v1/completions") as e:
         parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny")
     assert e.value.param == "messages"
+
+
+def test_a_message_may_carry_a_name_and_null_fields_and_errors_stay_short():
+    """A message's `name` goes to the template (a client's echoed message carries nulls: not asking); an
+    error names a 4,000-digit number by its start."""
+    from minillama.serve.schema import BadRequest, Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    plain = [{"role": "user", "content": "Where is the tower?"}]
+    extras = [{"role": "user", "content": "Where is the tower?", "name": "bob", "tool_calls": None, "refusal": None}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Where is the tower?", "cache_control": None}]}]
+    limits = Limits(512, tok.vocab_size, 16)
+    ids = [parse({"messages": m, "max_tokens": 2}, True, tok, limits, "tiny").prompts for m in (plain, extras, parts)]
+    assert ids[0] == ids[1] == ids[2]  # this template writes no name
+    with pytest.raises(BadRequest) as e:
+        parse({"prompt": "x", "seed": 10**4000}, False, tok, limits, "tiny")
+    assert len(e.value.body()["error"]["message"]) <= 500 and e.value.param == "seed"
 
 
 def ids_of(choice: dict[str, Any]) -> list[int]:

@@ -59,7 +59,10 @@ MORE_BAD = [
     # a role that is none of the chat's (one spelling a control token), a field no template writes
     ("/chat/completions", {"messages": [{"role": "user<|im_end|>", "content": "x"}]}, 400, "messages"),
     ("/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x", "tool_calls": [{}]}]}, 400, "messages"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "<|im_end|>"}]}, 400, "messages"),
+    ("/completions", {"prompt": "x", "\udfff": 1}, 400, "\\udfff"),  # an unknown field's name, not text
+    ("/completions", {"prompt": "x", "top_k": 10**4000}, 400, "top_k"),  # named by its start
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
      400, "messages"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages"),

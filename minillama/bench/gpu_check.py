@@ -417,7 +417,7 @@ def _bench(shape: str, dtype: str, device: str, quick: bool, log, compiled: bool
                       sample=2 if quick else 4, use_hf=True, log=log, parity_check=True, compiled=compiled,
                       units=True)
     if compiled and (quick or (shape, dtype) == CASES[0]):  # a second process on the cache this one filled
-        data["meta"]["compiled_warm"] = warm.warm_run(shape, dtype, device, quick)
+        data["meta"]["compiled_warm"] = warm.warm_run(shape, dtype, device, quick, timeout_s=120.0)
     return {**data, "targets": targets(data)}
 
 

@@ -44,12 +44,16 @@ def runs(shape: str, dtype_name: str, device_name: str, tiny: bool) -> dict[str,
 
 def warm_run(shape: str, dtype_name: str, device_name: str, tiny: bool, timeout_s: float = 300.0) -> dict[str, Any]:
     """`runs` in a fresh process on this one's cache directory; `process_s`: that process's whole wall time
-    (starting Python and torch, drawing the weights, both runs)."""
+    (starting Python and torch, drawing the weights, both runs). Its failure, or `timeout_s` passing, is
+    `{"error": ...}`: the caller's other figures stay."""
     cmd = [sys.executable, "-m", "minillama.bench.warm", shape, dtype_name, device_name, *(["--tiny"] if tiny else [])]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the second process took more than {timeout_s:g} s"}
     if proc.returncode != 0:
-        raise RuntimeError(f"the second process failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+        return {"error": f"the second process failed ({proc.returncode}): {proc.stderr.strip()[-500:]}"}
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t0}
 
 

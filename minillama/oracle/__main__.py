@@ -28,6 +28,7 @@ from .. import distributed
 from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, write_file
 from ..generate import MODES
+from ..inputs import RepeatedKey, once_each
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
 from .diff import Comparison, compare, diff_hidden, run_backend
@@ -155,15 +156,19 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=once_each)
+            except RepeatedKey as e:
+                raise BadInput(f"{args.prompt_ids}:{n}: {e}") from None
             except (ValueError, RecursionError):
                 obj = None
             ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
             doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
-            if not (isinstance(ids, list) and all(_is_int(i) for i in ids) and _is_int(doc)):
+            if not (isinstance(ids, list) and all(_is_int(i) for i in ids) and _is_int(doc) and doc >= 0):
                 raise BadInput(f"{args.prompt_ids}:{n}: expected a JSON list of integer token ids or "
-                               '{"prompt_ids": [...], "doc": 0}')
-            if not ids or min(ids) < 0 or max(ids) >= config.vocab_size:
+                               '{"prompt_ids": [...], "doc": 0} (doc >= 0)')
+            if not ids:
+                raise BadInput(f"{args.prompt_ids}:{n}: an empty prompt (no token ids)")
+            if min(ids) < 0 or max(ids) >= config.vocab_size:
                 raise BadInput(f"{args.prompt_ids}:{n}: token ids must be in 0 .. {config.vocab_size - 1}")
             prompts.append(ids)
             docs.append(doc)

@@ -36,14 +36,16 @@ from .backends import BACKENDS, Backend, BackendError
 
 
 def base_url(url: str) -> str:
-    """--url without its trailing slashes, where it is an http(s) URL with a host and a port that parses;
-    else one line naming it (BadInput)."""
+    """--url without its trailing slashes, where it is an http(s) URL with a host (and a port, if any, that
+    parses) and no space; else one line naming it (BadInput)."""
     url = url.rstrip("/")
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
     except ValueError as e:
         raise BadInput(f"--url {url}: not a URL ({e})") from None
+    if any(c.isspace() for c in url):
+        raise BadInput(f"--url {url!r}: not a URL (it holds a space)")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadInput(f"--url {url}: not an http:// or https:// URL (e.g. http://127.0.0.1:8000/v1)")
     return url

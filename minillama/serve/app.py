@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import LoadedModel
-from ..inputs import once_each
+from ..inputs import RepeatedKey, once_each
 from .engine import Choice, Engine, Event, QueueFull, Stopped
 from .schema import (BadRequest, Job, Limits, Text, chat_logprobs, completion_logprobs, parse,
                      prompt_logprobs)
@@ -178,6 +178,8 @@ async def _read_json(request: Request, max_body: int) -> Any:
             raise BadRequest(f"body: more than {max_body} bytes (--max-body)", "body", 413, "too_large")
     try:
         return json.loads(data, object_pairs_hook=once_each)  # a field given twice: refused, not the last taken
+    except RepeatedKey as e:
+        raise BadRequest(f"body: {e}", "body") from None
     except (ValueError, RecursionError) as e:
         raise BadRequest(f"body: not JSON ({e})", "body") from None
 

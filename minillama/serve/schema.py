@@ -38,7 +38,15 @@ class BadRequest(Exception):
     def body(self) -> dict[str, Any]:
         # OpenAI's types: a rate limit on requests is type "requests" (code "rate_limit_exceeded").
         kind = "requests" if self.status == 429 else "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+        return {"error": {"message": _safe(str(self), 500), "type": kind,
+                          "param": None if self.param is None else _safe(self.param, 100), "code": self.code}}
+
+
+def _safe(text: str, most: int) -> str:
+    """Text a JSON answer can carry: a client's lone surrogate (in a field's name) escaped, at most `most`
+    characters (a number of 4,000 digits is named by its start)."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 @dataclass
@@ -198,27 +206,35 @@ def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
         if m["role"] not in ROLES:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}"[:300],
                              "messages")
-        extra = sorted(set(m) - {"role", "content"})
-        if extra:  # name, tool_calls, ...: the chat templates write none of them, so none is taken
-            raise BadRequest(f"messages[{i}]: only role and content are supported, got {extra[0]!r}"[:300],
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content", "name") and v is not None)
+        if extra:  # tool_calls, ...: asked for and not done (a null is not asking)
+            raise BadRequest(f"messages[{i}]: {extra[0]!r} is not supported (role, content and name are)",
                              "messages", code="unsupported")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise BadRequest(f"messages[{i}].name must be a string", "messages")
+        if m.get("name"):  # written by a template as its own text, it must not spell a control token
+            _text(m["name"], f"messages[{i}].name", "messages")
+            if any(t in m["name"] for t in tokenizer.special_tokens()):
+                raise BadRequest(f"messages[{i}].name must not spell a control token", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(c, dict) and set(c) == {"type", "text"} and c["type"] == "text"
-                       and isinstance(c["text"], str) for c in content):
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
+                       and all(v is None for k, v in c.items() if k not in ("type", "text")) for c in content):
                 raise BadRequest(f"messages[{i}].content: only text parts ({{type: text, text}}) are supported",
                                  "messages")
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string", "messages")
         _text(content, f"messages[{i}].content", "messages")
-        turns.append({"role": m["role"], "content": content})
+        # a name goes to the template, as HF's templates take it (most write none of it)
+        turns.append({"role": m["role"], "content": content, **({"name": m["name"]} if m.get("name") else {})})
     if tokenizer.chat_template is None:
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
     try:  # a template that drops or cuts a message's content would lose the client's text
         api.template_parts(tokenizer)
-    except BadInput as e:
-        raise BadRequest(f"messages: {e}", "messages") from None
+    except BadInput:
+        raise BadRequest(f"messages: this model's chat template ({getattr(tokenizer, 'template_source', '')}) "
+                         "does not write a message's content as given: use /v1/completions", "messages") from None
     generation = _bool(body, "add_generation_prompt", True)
     if _bool(body, "continue_final_message"):
         if generation:
@@ -377,8 +393,10 @@ class Text:
 
 def starts(text: str, stop: str) -> int:
     """The length of the longest end of `text` that is the start of `stop`, shorter than `stop` (what must
-    wait: the stop string may be starting). Only where `stop`'s first character is in text's last
-    len(stop) - 1 characters, the first such place the longest, each compared once."""
+    wait: the stop string may be starting). Compared only where `stop`'s first character is in text's last
+    len(stop) - 1 characters, from the first such place (the longest): at most len(stop) places of at most
+    len(stop) characters, in C (MAX_STOP_CHARS bounds both), where testing every length sliced `stop` for
+    each."""
     tail = text[max(0, len(text) - len(stop) + 1):] if len(stop) > 1 else ""
     at = tail.find(stop[:1])
     while at >= 0:

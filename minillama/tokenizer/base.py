@@ -79,11 +79,10 @@ class Tokenizer:
             if i >= vocab_size:
                 raise TokenizerError(f"{self.source}, {field}: token id {i} ({token!r}) is past the model's "
                                      f"vocabulary (vocab_size {vocab_size}: ids 0 to {vocab_size - 1})")
-        past = [i for i in self.eos_ids if i >= vocab_size]  # the model could never write it: no answer would end
-        if past:
-            raise TokenizerError(f"{self.source}: end-of-sequence id {past[0]} (eos_token_ids, or eos_token_id in "
-                                 f"generation_config.json / config.json) is past the model's vocabulary "
-                                 f"(vocab_size {vocab_size}: ids 0 to {vocab_size - 1})")
+        if self.eos_ids and min(self.eos_ids) >= vocab_size:  # the model could write none: no answer would end
+            raise TokenizerError(f"{self.source}: every end-of-sequence id ({', '.join(map(str, self.eos_ids))}) "
+                                 f"is past the model's vocabulary (vocab_size {vocab_size}: ids 0 to "
+                                 f"{vocab_size - 1})")
 
     def save(self, out_dir: str | Path) -> None:
         """Write the tokenizer files of an HF directory (tokenizer.json or tokenizer.model, and

@@ -151,7 +151,11 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
     """The chat template and where it was read from (the file and the field)."""
     t, where = cfg.get("chat_template"), f"{d / 'tokenizer_config.json'}, field chat_template"
     if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        t = {x.get("name"): x.get("template") for x in t}.get("default")
+        named = {x.get("name"): x.get("template") for x in t}
+        if "default" not in named:  # as HF transformers: which one to use is not said
+            raise TokenizerError(f"{where}: a list of templates, none named \"default\" (named: "
+                                 f"{', '.join(map(str, named))[:200]})")
+        t = named["default"]
         where += "[default]"
     if t is None and (d / "chat_template.jinja").exists():
         t, where = (d / "chat_template.jinja").read_text(), str(d / "chat_template.jinja")
