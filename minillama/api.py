@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .checks import SAMPLING_OPTIONS, BadType, check_jobs, check_options, too_long
-from .errors import BadInput
+from .options import is_int
+from .errors import BadInput, check_device
 from .generate import SamplingParams, Stats, generate
 from .model import Llama
 from .tokenizer import Tokenizer
@@ -30,6 +31,7 @@ from .tokenizer import Tokenizer
 # prefix; instruction and question last. Worded for small instruction-tuned models: SmolLM2-135M
 # answers the shipped example (examples/) with it, where "answer the question using the text below"
 # before the document made it recite the document's first sentence.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # what a model runs in
 USER_TEMPLATE = "Context: {doc}\n\nUsing only the context above, answer briefly: {question}"
 # Without a chat template (base models, --no-chat-template): plain text that ends where the answer starts.
 PLAIN_TEMPLATE = "{doc}\n\nQuestion: {question}\nAnswer:"
@@ -71,9 +73,18 @@ class PromptTooLong(BadInput):
 
 def load(path: str | Path | None = None, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a checkpoint (an HF directory, a Meta directory or a .gguf file; None: the default model)."""
+    """Load a checkpoint (an HF directory, a Meta directory or a .gguf file; None: the default model) onto
+    `device`, in `dtype` (torch.float32, torch.bfloat16 or torch.float16, or its name)."""
     from .weights import load_model
 
+    if path is not None and not isinstance(path, (str, Path)):
+        raise BadType(f"path must be a str or a Path (or None: the default model), got {type(path).__name__}")
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in DTYPES.values():
+        raise BadInput(f"dtype must be one of {', '.join(DTYPES)} (a torch dtype or its name), got {dtype!r}")
+    if not isinstance(device, (str, torch.device)):
+        raise BadType(f"device must be a str or a torch.device, got {type(device).__name__}")
+    check_device(str(device), "device")
     llama, tokenizer = load_model(path, device=device, dtype=dtype)
     # a token id past the embedding would fail on the first prompt that holds it: say so now
     tokenizer.check_fits(llama.config.vocab_size)
@@ -199,6 +210,10 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], para
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be a function or None")
     jobs = check_jobs(jobs)
+    if first_question is not None and (not hasattr(first_question, "__len__") or len(first_question) != len(jobs)
+                                       or not all(is_int(k) and k >= 0 for k in first_question)):
+        raise ValueError(f"first_question must hold one integer >= 0 for each of the {len(jobs)} documents, "
+                         f"got {repr(first_question)[:80]}")
     prompts, docs, where = build_prompts(tok, jobs, system, chat_template, llama.config.max_position_embeddings)
     eos = list(dict.fromkeys([*tok.eos_ids, *llama.config.eos_token_ids]))
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))

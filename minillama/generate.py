@@ -271,17 +271,11 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs), ("prefill_chunk", prefill_chunk)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        if v is not None and (not options.is_int(v) or v < 1):
             raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")  # else answers come back empty
+    prompts, docs, streams = _checked(model, prompts, params, docs, streams, stats)
     if not prompts:
         return []
-    max_pos = model.config.max_position_embeddings
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        if len(p) >= max_pos:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; the model's context is {max_pos}")
-    docs = list(docs) if docs is not None else [0] * len(prompts)
     eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
     questions = [Question(i, params, eos, on_answer, None if streams is None else streams[i])
                  for i in range(len(prompts))]
@@ -304,6 +298,37 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
             _parallel(model, prompts, questions, docs, order[b:b + per_batch], parallel_size, prefill_chunk,
                       stats, on_token)
     return [q.answer for q in questions]
+
+
+def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, stats: Any
+             ) -> tuple[list[list[int]], list[Any], list[int] | None]:
+    """`generate`'s arguments, each refused naming it (ValueError, TypeError) rather than met inside torch:
+    the prompts as lists of ints in the vocabulary and shorter than the context, and one document and one
+    stream per prompt."""
+    for name, v, kind in (("model", model, Llama), ("params", params, SamplingParams), ("stats", stats, Stats)):
+        if not isinstance(v, kind):
+            raise options.BadType(f"{name} must be a {kind.__name__}, got {type(v).__name__}"
+                                  + (" (a loaded model's .llama)" if name == "model" else ""))
+    if not isinstance(prompts, (list, tuple)):
+        raise options.BadType(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+    vocab, max_pos, out = model.config.vocab_size, model.config.max_position_embeddings, []
+    for i, p in enumerate(prompts):
+        ids = p.tolist() if isinstance(p, torch.Tensor) or hasattr(p, "dtype") else p  # a tensor or array
+        if not isinstance(ids, (list, tuple)) or not all(options.is_int(t) for t in ids):
+            raise options.BadType(f"prompt {i} must be a list of integer token ids, got {repr(p)[:80]}")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if not 0 <= min(ids) <= max(ids) < vocab:
+            raise ValueError(f"prompt {i}: token ids must be in 0 .. {vocab - 1}, got {min(ids)} .. {max(ids)}")
+        if len(ids) >= max_pos:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; the model's context is {max_pos}")
+        out.append([int(t) for t in ids])
+    for name, v in (("docs", docs), ("streams", streams)):
+        if v is not None and (not hasattr(v, "__len__") or len(v) != len(out)):
+            raise ValueError(f"{name} must name one for each of the {len(out)} prompts, got {repr(v)[:80]}")
+    if streams is not None and not all(options.is_int(k) and k >= 0 for k in streams):
+        raise ValueError(f"streams must be integers >= 0, got {repr(streams)[:80]}")
+    return out, [0] * len(out) if docs is None else list(docs), None if streams is None else list(map(int, streams))
 
 
 def _slots(work: list[tuple[Question, Sequence[int], int | None]]) -> int:

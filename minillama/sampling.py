@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 def stream_key(seed: int, index: int) -> int:
     """The random stream of question `index`: the same in every mode (a 63-bit key)."""
-    return (seed * 1_000_003 + index) % (2**63)
+    return (int(seed) * 1_000_003 + int(index)) % (2**63)  # Python's integers: a numpy seed would overflow
 
 
 # SplitMix64's constants, as the signed 64-bit integers torch multiplies with (wrapping, on every device).

@@ -155,6 +155,48 @@ def test_every_bad_api_option_raises_naming_it(model, bad, kind, word):
         api.ask(model, DOC, QUESTIONS[:1], **{"max_new_tokens": 2, **bad})
 
 
+def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
+    """Token-id prompts, their documents and streams, and load's dtype, device and path: each bad one is
+    refused naming it, not met inside torch (an index error, an overflow) or dropped (a prompt with no
+    document once came back as an empty answer)."""
+    import numpy as np
+
+    from minillama.generate import SamplingParams, generate
+
+    llama, vocab = model.llama, model.llama.config.vocab_size
+    params = SamplingParams(max_new_tokens=2)
+    bad = [("prompt 0: token ids must be in", [[5, -1]], None, None),
+           ("prompt 1: token ids must be in", [[5], [vocab]], None, None),
+           ("prompt 0 must be a list of integer token ids", [[5, 2.5]], None, None),
+           ("prompts must be a list", "abc", None, None),
+           ("docs must name one for each of the 2 prompts", [[5], [6]], [0], None),
+           ("streams must name one for each", [[5], [6]], None, [0]),
+           ("streams must be integers", [[5]], None, [-1])]
+    for words, prompts, docs, streams in bad:
+        with pytest.raises((ValueError, TypeError), match=re.escape(words)):
+            generate(llama, prompts, params, docs=docs, streams=streams)
+    with pytest.raises(TypeError, match="model must be a Llama"):
+        generate(model, [[5]], params)
+    with pytest.raises(TypeError, match="params must be a SamplingParams"):
+        generate(llama, [[5]], {"max_new_tokens": 2})
+    # numpy and torch integers are integers: the same answers as Python's
+    sampled = SamplingParams(max_new_tokens=3, temperature=0.8, seed=7)
+    same = generate(llama, [[5, 6, 7]], sampled, parallel_size=1)[0].token_ids
+    assert generate(llama, [np.array([5, 6, 7])], SamplingParams(max_new_tokens=3, temperature=0.8, seed=np.int64(7)),
+                    parallel_size=np.int64(1))[0].token_ids == same
+    assert generate(llama, [torch.tensor([5, 6, 7])], sampled, streams=np.array([0]))[0].token_ids == same
+    for kwargs, words in (({"dtype": "bf16"}, "dtype must be one of float32, bfloat16, float16"),
+                          ({"dtype": torch.int8}, "dtype must be one of"), ({"device": "gpu"}, "device gpu: not a torch device"),
+                          ({"device": "meta"}, "device meta: not usable here"), ({"device": None}, "device must be a str")):
+        with pytest.raises((ValueError, TypeError), match=re.escape(words)):
+            api.load(ckpt, **kwargs)
+    with pytest.raises(TypeError, match="path must be a str or a Path"):
+        api.load(str(ckpt).encode())
+    assert api.load(ckpt, dtype="bfloat16").llama.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="first_question must hold one integer >= 0 for each of the 1 documents"):
+        api.ask_many(model, [(DOC, QUESTIONS[:1])], max_new_tokens=1, first_question=[0.9])
+
+
 BAD_JOBS = [
     ([(b"bytes doc", ["q"])], TypeError, "bytes; decode"), ([("", ["q"])], ValueError, "document 1 is empty"),
     ([("  \n", ["q"])], ValueError, "empty"), ([(DOC, [])], ValueError, "no questions"),
