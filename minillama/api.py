@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .checks import SAMPLING_OPTIONS, BadType, check_jobs, check_options, too_long
-from .options import is_int
 from .errors import BadInput, check_device
 from .generate import SamplingParams, Stats, generate
 from .model import Llama
+from .options import is_int
 from .tokenizer import Tokenizer
 
 # The user turn: document first, so that the questions of one document share the longest possible
