@@ -821,6 +821,26 @@ def test_a_failing_second_compiled_process_costs_only_its_own_figure():
     assert slow == {"error": "the second process took more than 0.01 s"}
 
 
+def test_the_second_compiled_process_runs_with_this_ones_threads(monkeypatch):
+    """Inductor's CPU code holds the thread count, and so does its cache key: a second process with other
+    threads compiles again (a full test run left torch at 1 thread, and the second process missed every
+    graph). So the second process takes this one's."""
+    import subprocess
+
+    from minillama.bench import warm
+
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: seen.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0, '{"first_run_s": 1.0}\n', ""))
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert warm.warm_run("tiny", "float32", "cpu", True)["first_run_s"] == 1.0
+    finally:
+        torch.set_num_threads(saved)
+    assert seen[0][-2:] == ["--threads", "1"]
+
+
 def test_gpu_check_serve_step_says_what_is_missing(monkeypatch):
     """Where the device's Python lacks starlette or uvicorn, the served run is skipped with what to carry."""
     import importlib.util

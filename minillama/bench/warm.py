@@ -46,7 +46,9 @@ def warm_run(shape: str, dtype_name: str, device_name: str, tiny: bool, timeout_
     """`runs` in a fresh process on this one's cache directory; `process_s`: that process's whole wall time
     (starting Python and torch, drawing the weights, both runs). Its failure, or `timeout_s` passing, is
     `{"error": ...}`: the caller's other figures stay."""
-    cmd = [sys.executable, "-m", "minillama.bench.warm", shape, dtype_name, device_name, *(["--tiny"] if tiny else [])]
+    # As many threads as this process: Inductor's CPU code, and so its cache key, holds the thread count.
+    cmd = [sys.executable, "-m", "minillama.bench.warm", shape, dtype_name, device_name, *(["--tiny"] if tiny else []),
+           "--threads", str(torch.get_num_threads())]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
@@ -63,7 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("dtype", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("device")
     ap.add_argument("--tiny", action="store_true", help="the headline's sizes divided down (tests)")
+    ap.add_argument("--threads", type=int, help="torch's threads (default: torch's choice)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     print(json.dumps(runs(a.shape, a.dtype, a.device, a.tiny)))
     return 0
 
