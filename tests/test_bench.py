@@ -768,10 +768,15 @@ def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     the served run's identity (the plain kernels' choices differ from their solo runs: the control)."""
     import json
 
+    import subprocess
+
     from minillama.bench import gpu_check
 
     out = tmp_path / "check.json"
-    assert gpu_check.main(["--quick", "--device", "cpu", "--out", str(out), "--compiled"]) == 0
+    # its own process, as on the GPU machine: nothing an earlier test left (torch's threads, compiled code)
+    proc = subprocess.run([sys.executable, "-m", "minillama.bench.gpu_check", "--quick", "--device", "cpu", "--out",
+                           str(out), "--compiled"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["source_sha256"] == gpu_check.source_digest() and len(data["source_sha256"]) == 64
     assert data["steps"]["ahead"]["result"] == AHEAD_PASSED and data["ahead_fallback"] is False
