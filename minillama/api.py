@@ -25,13 +25,13 @@ from .errors import BadInput, check_device
 from .generate import SamplingParams, Stats, generate
 from .model import Llama
 from .options import is_int
+from .precision import DTYPES
 from .tokenizer import Tokenizer
 
 # The user turn: document first, so that the questions of one document share the longest possible
 # prefix; instruction and question last. Worded for small instruction-tuned models: SmolLM2-135M
 # answers the shipped example (examples/) with it, where "answer the question using the text below"
 # before the document made it recite the document's first sentence.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # what a model runs in
 USER_TEMPLATE = "Context: {doc}\n\nUsing only the context above, answer briefly: {question}"
 # Without a chat template (base models, --no-chat-template): plain text that ends where the answer starts.
 PLAIN_TEMPLATE = "{doc}\n\nQuestion: {question}\nAnswer:"

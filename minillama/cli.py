@@ -37,7 +37,7 @@ from .generate import SamplingParams, Stats, StreamTooLong
 from .inputs import model_context, read_jobs
 from .options import parse_or_keep
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(precision.DTYPES)
 DEFAULT_MAX_MEMORY_MB = 1024
 
 

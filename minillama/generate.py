@@ -313,7 +313,7 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
         raise options.BadType(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
     vocab, max_pos, out = model.config.vocab_size, model.config.max_position_embeddings, []
     for i, p in enumerate(prompts):
-        ids = p.tolist() if isinstance(p, torch.Tensor) or hasattr(p, "dtype") else p  # a tensor or array
+        ids = p.tolist() if hasattr(p, "dtype") else p  # a tensor or an array
         if not isinstance(ids, (list, tuple)) or not all(options.is_int(t) for t in ids):
             raise options.BadType(f"prompt {i} must be a list of integer token ids, got {repr(p)[:80]}")
         if not ids:

@@ -10,6 +10,7 @@ stop at the first block or at the limit, never at the end of memory.
 from __future__ import annotations
 
 import argparse
+import collections
 import codecs
 import json
 import sys
@@ -116,8 +117,8 @@ def once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys differ (json.loads' object_pairs_hook), else RepeatedKey naming the key."""
     obj = dict(pairs)
     if len(obj) < len(pairs):
-        seen: set[str] = set()
-        raise RepeatedKey(f"the key {next(k for k, _ in pairs if k in seen or seen.add(k))!r} is given twice")
+        twice = next(k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1)
+        raise RepeatedKey(f"the key {twice!r} is given twice")
     return obj
 
 

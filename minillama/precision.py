@@ -39,6 +39,9 @@ CHOICES = ("auto", "native", "float32")
 FLOAT32_COLUMNS = 1024
 HALF = (torch.bfloat16, torch.float16)
 
+# The dtypes a model runs in, by name: the API's `load`, the tools' --dtype.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux lists them (empty elsewhere)."""

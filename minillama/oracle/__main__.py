@@ -29,6 +29,7 @@ from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, write_file
 from ..generate import MODES
 from ..inputs import RepeatedKey, once_each
+from ..precision import DTYPES
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
 from .diff import Comparison, compare, diff_hidden, run_backend
@@ -42,7 +43,6 @@ EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Q
                "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
                "Lindell works, 40 kilometres up the river.")
 EXAMPLE_QUESTIONS = ["Who designed the Harbour Bridge?", "When did the bridge open?", "How long is the bridge?"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
