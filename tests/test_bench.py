@@ -890,3 +890,23 @@ def test_gpu_check_times_no_capture_in_the_host_split(monkeypatch):
     assert sum(calls) > 0 and timed == (0, 0), calls
     assert new_captures(1)[1] > 0  # the negative control: the first timed run captured
 
+
+
+def test_threads_hold_for_one_call_of_the_bench(monkeypatch):
+    """`--threads` sets torch's thread count for that call only: a test (or a notebook) that calls the bench
+    in-process keeps its own count afterwards, whether the bench finished or stopped on an error."""
+    from minillama.bench import command
+    from minillama.errors import BadInput
+
+    def stop(*a, **k):
+        assert torch.get_num_threads() == 1  # the bench ran at the count asked for
+        raise BadInput("stopped here")
+
+    monkeypatch.setattr(command, "preset", stop)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert command.main(["--quick", "--threads", "1", "--no-hf", "--no-llamacpp"]) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)

@@ -192,6 +192,8 @@ def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
             api.load(ckpt, **kwargs)
     with pytest.raises(TypeError, match="path must be a str or a Path"):
         api.load(str(ckpt).encode())
+    with pytest.raises(WeightsError, match="an empty path: give a checkpoint"):  # not the working directory
+        api.load("")
     assert api.load(ckpt, dtype="bfloat16").llama.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="first_question must hold one integer >= 0 for each of the 1 documents"):
         api.ask_many(model, [(DOC, QUESTIONS[:1])], max_new_tokens=1, first_question=[0.9])
@@ -497,3 +499,13 @@ def test_a_wrong_tokenizer_file_is_one_line_naming_the_file_and_field(ckpt, inpu
     with pytest.raises(OneLineError) as e:
         api.ask(api.load(d), DOC, QUESTIONS[:1], system="Be brief.", max_new_tokens=2)
     assert all(w in str(e.value) for w in words), e.value
+
+
+def test_an_empty_model_path_is_refused_not_read_as_the_working_directory(inputs, capsys):
+    """`--model ""` (an unset shell variable) once searched the working directory for a checkpoint and said
+    `--model (default): .: neither an HF directory...`: it names the empty path now."""
+    code = cli.main(["--model", "", "--doc", str(inputs["doc"]), "--questions", str(inputs["questions"])])
+    out, err = capsys.readouterr()
+    assert out == "" and one_line_error((code, err)) == (
+        "error: --model '': an empty path: give a checkpoint (an HF or Meta directory or a .gguf file), "
+        "or none for the default model")

@@ -29,8 +29,12 @@ SWEEPS = ("headline", "answer16", "docs", "doclen", "grid", "questions", "many")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status (`errors.run_command`): 0 done, 2 bad options or an unwritable --out (one line), 130
-    Ctrl-C; a bug is a traceback."""
-    return run_command(lambda: _main(argv))
+    Ctrl-C; a bug is a traceback. `--threads` holds for this call only: torch's thread count is put back."""
+    threads = torch.get_num_threads()
+    try:
+        return run_command(lambda: _main(argv))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _positive(what: str, v: int | None, least: int = 1) -> None:

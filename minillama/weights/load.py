@@ -62,6 +62,9 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     shard: a tensor-parallel rank's (distributed/tp.py `sharding`): it shards a model skeleton (no weights,
     on the meta device) in place and returns the parts of the split tensors the rank keeps; only those
     parts are read (shard.py), and the model is built around them."""
+    if path == "":  # Path("") would be the working directory: never what an empty string meant
+        raise WeightsError("an empty path: give a checkpoint (an HF or Meta directory or a .gguf file), "
+                           "or none for the default model")
     path = fetch_default() if path is None else Path(path)
     if shard is not None:
         return _load_shard(path, device, dtype, shard)
