@@ -297,6 +297,44 @@ def test_encode_can_spell_control_tokens_as_text(sp):
     assert control_ids(bpe, bpe.encode("a<|im_end|>b")) == ["<|im_end|>"]  # the switch is put back
 
 
+def test_threads_spelling_markers_as_text_never_change_another_threads_encode():
+    """The server tokenizes requests in several threads at once, on one tokenizer. Spelling control tokens as
+    text once flipped a switch on that shared tokenizer around the call: another thread's encode in between
+    spelled its template's markers out too, and a flip restored out of order left the switch on for every
+    later request (found with concurrent over-long prompts, then chats tokenized without markers)."""
+    import threading
+
+    bpe = HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
+    marked = bpe.encode("a<|im_end|>b")
+    assert control_ids(bpe, marked) == ["<|im_end|>"]
+    wrong: list[list[int]] = []
+    start = threading.Barrier(6)
+
+    def literal() -> None:
+        start.wait()
+        for _ in range(300):
+            bpe.encode("x<|im_end|>y", parse_special=False)
+
+    def special() -> None:
+        start.wait()
+        for _ in range(300):
+            if (ids := bpe.encode("a<|im_end|>b")) != marked:
+                wrong.append(ids)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=f) for f in (literal, literal, literal, special, special, special)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, f"{len(wrong)} encodes of 900 spelled the marker out"
+    assert bpe.encode("a<|im_end|>b") == marked
+
+
 @pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
 def test_chat_markers_only_from_the_template(kind):
     if kind == "bpe":

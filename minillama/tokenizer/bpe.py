@@ -19,7 +19,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, tok: Any, *, bos_token: str | None = None, eos_tokens: Sequence[str] = (),
                  extra_eos_ids: Sequence[int] = (), chat_template: str | None = None,
                  add_bos: bool | None = None, add_eos: bool | None = None) -> None:
-        self._tok = tok
+        self._tok, self._literal_tok = tok, None
         self.bos_token = bos_token
         self.bos_id = tok.token_to_id(bos_token) if bos_token is not None else None
         self.eos_ids = _unique([tok.token_to_id(t) for t in eos_tokens if tok.token_to_id(t) is not None]
@@ -45,20 +45,26 @@ class HFTokenizer(Tokenizer):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
-        if parse_special:
-            ids = self._tok.encode(text, add_special_tokens=add_special).ids
-        else:  # the library's switch that spells special tokens out as text
-            saved, self._tok.encode_special_tokens = self._tok.encode_special_tokens, True
-            try:
-                ids = self._tok.encode(text, add_special_tokens=add_special).ids
-            finally:
-                self._tok.encode_special_tokens = saved
+        tok = self._tok if parse_special else self._literal()
+        ids = tok.encode(text, add_special_tokens=add_special).ids
         if add_special and self._tok.post_processor is None:  # then tokenizer_config.json decides
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)
             if self.add_eos and self.eos_ids:
                 ids.append(self.eos_ids[0])
         return ids
+
+    def _literal(self) -> Any:
+        """A copy of the tokenizer with the library's switch that spells special tokens out as text. A copy,
+        not the switch flipped around a call: threads share the tokenizer (the server tokenizes requests in
+        several at once), and a flip seen by another thread's encode changed how its text was split."""
+        if self._literal_tok is None:
+            from tokenizers import Tokenizer as _Tok
+
+            literal = _Tok.from_str(self._tok.to_str())
+            literal.encode_special_tokens = True
+            self._literal_tok = literal  # two threads may both build one: the same tokenizer either way
+        return self._literal_tok
 
     def largest_ids(self) -> list[tuple[str, int, str]]:
         added = self._tok.get_added_tokens_decoder()
