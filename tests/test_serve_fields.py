@@ -60,6 +60,22 @@ def test_a_chat_template_that_drops_the_content_is_refused_at_the_door():
     assert e.value.param == "messages"
 
 
+@pytest.mark.parametrize("final", ["The town", "|>", "im_end", "  The town  "])
+def test_continue_final_message_cuts_where_the_template_writes_the_message(final):
+    """The prompt ends where the final message's text ends, as the template wrote it: a final message that the
+    template's trailer also spells ("|>", "im_end": in "<|im_end|>") was once cut at its last occurrence,
+    inside the trailer, leaving an end of turn or half a marker after it."""
+    from minillama.serve.schema import Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    turns = [{"role": "user", "content": "Who built the bridge?"}, {"role": "assistant", "content": final}]
+    body = {"messages": turns, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
+    ids = parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny").prompts[0]
+    head = tok.apply_chat_template(turns[:1], add_generation_prompt=True)  # ChatML: "...<|im_start|>assistant\n"
+    assert tok.decode(ids) == head + final and ids == tok.encode(head + final)
+
+
 def test_a_message_may_carry_a_name_and_null_fields_and_errors_stay_short():
     """A message's `name` goes to the template (a client's echoed message carries nulls: not asking); an
     error names a 4,000-digit number by its start."""

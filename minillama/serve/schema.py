@@ -18,6 +18,7 @@ from ..checks import check_options
 from ..options import is_finite, text
 from ..errors import BadInput
 from ..generate import SamplingParams
+from ..tokenizer import TokenizerError
 from .fields import refusal
 from .logits import RowFilter, row_filter
 
@@ -252,7 +253,8 @@ def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
 
 def _continued(turns: list[dict[str, str]], tokenizer: Any) -> list[int]:
     """continue_final_message: the chat rendered up to the end of its final message's text, with nothing
-    after it (no end of turn), as HF transformers cuts it."""
+    after it (no end of turn), as HF transformers cuts it, but where the template writes that message
+    (`Tokenizer.continued_chat`), not at the text's last occurrence, which may be in the template's trailer."""
     final = turns[-1]["content"]
     if not final.strip():
         raise BadRequest("continue_final_message: the final message is empty", "continue_final_message")
@@ -260,15 +262,13 @@ def _continued(turns: list[dict[str, str]], tokenizer: Any) -> list[int]:
         raise BadRequest("continue_final_message: messages that spell control tokens are not supported with it",
                          "continue_final_message")
     try:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=False)
+        text = tokenizer.continued_chat(turns)
+    except TokenizerError:
+        raise BadRequest("continue_final_message: the chat template does not write the final message's text "
+                         "as given", "continue_final_message") from None
     except Exception as e:
         raise BadRequest(f"messages: the chat template refused them ({e})", "messages") from None
-    at = text.rfind(final.strip())
-    if at < 0:
-        raise BadRequest("continue_final_message: the chat template does not write the final message's text",
-                         "continue_final_message")
-    kept = final.lstrip() if text.startswith(final.lstrip(), at) else final.strip()
-    return tokenizer.encode(text[:at + len(kept)])
+    return tokenizer.encode(text)
 
 
 def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str) -> Job:

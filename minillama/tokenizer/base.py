@@ -121,7 +121,7 @@ class Tokenizer:
         pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
         ids: list[int] = []
         run_start, pos = 0, 0
-        for lo, hi in [*spans, (len(text), len(text))]:
+        for _, lo, hi in [*spans, (None, len(text), len(text))]:
             for m in pattern.finditer(text, pos, lo):  # markers in the template text before this message
                 ids += self.encode(text[run_start:m.start()], parse_special=False) if m.start() > run_start else []
                 ids += self.encode(m.group(0))
@@ -131,9 +131,19 @@ class Tokenizer:
             ids += self.encode(text[run_start:], parse_special=False)
         return ids
 
+    def continued_chat(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        """The rendered chat (no generation prompt) cut at the end of its final message's text, as written
+        (whole or trimmed), so that an answer continues that message. Where the template writes it
+        (`_message_spans`), not where its text last occurs: "|>" also ends the trailer "<|im_end|>"."""
+        text = self.apply_chat_template(messages, False, **variables)
+        ends = [hi for k, _, hi in self._message_spans(messages, text, False, variables) if k == len(messages) - 1]
+        if not ends:
+            raise TokenizerError("the chat template does not write the final message")
+        return text[:ends[-1]]
+
     def _message_spans(self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool,
-                       variables: dict[str, Any]) -> list[tuple[int, int]]:
-        """Where each message's text lies in the rendered chat `text`, in order. The template is rendered
+                       variables: dict[str, Any]) -> list[tuple[int, int, int]]:
+        """Where each message's text lies in the rendered chat `text`, in order: (its index, start, end). The template is rendered
         a second time with a placeholder for each message's text; the pieces of template between the
         placeholders are matched against `text`, each message's text taken as it is or trimmed (what
         templates do with it)."""
@@ -142,7 +152,7 @@ class Tokenizer:
             [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
             add_generation_prompt, **variables)
         pieces = re.split("\ue000(\\d+)\ue001", skeleton)  # template, message index, template, ...
-        spans: list[tuple[int, int]] = []
+        spans: list[tuple[int, int, int]] = []
         pos = len(pieces[0])
         if not text.startswith(pieces[0]):
             raise TokenizerError("the chat template renders the messages in a way that cannot be matched "
@@ -151,7 +161,7 @@ class Tokenizer:
             content = messages[int(k)]["content"]
             for v in dict.fromkeys((content, content.strip())):
                 if text.startswith(v, pos) and text.startswith(after, pos + len(v)):
-                    spans.append((pos, pos + len(v)))
+                    spans.append((int(k), pos, pos + len(v)))
                     pos += len(v) + len(after)
                     break
             else:
