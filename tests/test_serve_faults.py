@@ -114,6 +114,23 @@ def test_a_client_that_goes_away_frees_its_slots(model):
     assert engine_bytes == h["cached_prefix_tokens"] * per_token, h  # only the shared blocks stay
 
 
+def test_a_client_that_goes_away_mid_body_leaves_no_traceback(model, capfd):
+    """A client that closes its connection halfway through sending a body: the request ends quietly (once a
+    traceback in the server's log for each such client), and the next client is answered."""
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\"")
+                time.sleep(0.2)  # the server is reading the body when the client goes
+        time.sleep(0.5)
+        r = c.post(url + "/completions", json={"prompt": "Where is the tower?", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+
+
 def until(ready, seconds: float = 60) -> None:
     t0 = time.monotonic()
     while not ready():

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -171,7 +171,7 @@ async def _read_json(request: Request, max_body: int) -> Any:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_body:
         raise BadRequest(f"body: {size} bytes, the limit is {max_body} (--max-body)", "body", 413, "too_large")
-    data = b""
+    data = bytearray()
     async for chunk in request.stream():
         data += chunk
         if len(data) > max_body:
@@ -199,6 +199,8 @@ async def _serve(request: Request, state: State, chat: bool, max_body: int, auth
             raise BadRequest(str(e), None, 503, "shutting_down") from None
     except BadRequest as e:
         return error(e)
+    except ClientDisconnect:  # gone before its body was whole: nobody to answer, nothing to log
+        return Response(status_code=499)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if job.stream:
         return _Stream(_events(choices, rid), on_close=choices.cancel)
