@@ -6,6 +6,7 @@ points of conformance (GET /v1/models/{id}, 404/405 bodies, 429 with Retry-After
 
 from __future__ import annotations
 
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from minillama.errors import BadInput
 from minillama.generate import SamplingParams, generate
 from minillama.options import MAX_STOP_CHARS
-from minillama.serve.schema import starts
+from minillama.serve.answers import starts
 from minillama.serve.fields import FIELDS
 from minillama.serve.identity import eos_of, solo_prompt_logprobs
 from _serve_harness import LONG_DOC, ckpt, model, serving  # noqa: F401  (fixtures)
@@ -32,7 +33,7 @@ BASE = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "logprobs": 0, "
 @settings(max_examples=300, deadline=None)
 @given(st.text("abc", max_size=14), st.text("abc", min_size=1, max_size=9))
 def test_a_streamed_answer_holds_back_exactly_the_start_of_a_stop_string(text, stop):
-    """What a stream holds back (schema.starts, compared once per place its first character is) is the
+    """What a stream holds back (answers.starts, compared once per place its first character is) is the
     longest end of the text that begins the stop string: the definition, checked by brute force."""
     assert starts(text, stop) == max((k for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
 
@@ -102,6 +103,45 @@ def post(c: httpx.Client, url: str, body: dict[str, Any], route: str = "/complet
     r = c.post(url + route, json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def streamed(c: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, list]:
+    """A streamed completion's first choice: its text and its log-prob lists, gathered over the chunks."""
+    got: dict[str, list] = {"text": [], "tokens": [], "top_logprobs": [], "text_offset": []}
+    with c.stream("POST", url + "/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    got["text"].append(ch["text"])
+                    for k in ("tokens", "top_logprobs", "text_offset"):
+                        got[k] += (ch["logprobs"] or {}).get(k) or []
+    return got
+
+
+def test_log_probs_name_tokens_apart_by_their_bytes_and_offsets_count_the_text(model):
+    """Tokens that hold part of a character are named by their bytes ("bytes:\\xe6"): by their text alone all
+    were U+FFFD, and a top-5 keyed by name kept fewer than 5. text_offset counts characters of the choice's
+    text (it summed the names' lengths, and each streamed chunk started again at 0). Chat log-probs give
+    each token's own bytes (they gave U+FFFD's)."""
+    body = {"prompt": "Paris é 日本 and the tower", "max_tokens": 24, "temperature": 1.0, "seed": 11,
+            "ignore_eos": True, "logprobs": 5, "echo": True}
+    chat_body = {"messages": [{"role": "user", "content": "日本"}], "max_tokens": 24, "temperature": 1.5, "seed": 3,
+                 "ignore_eos": True, "logprobs": True, "top_logprobs": 5}
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        whole = post(c, url, body)["choices"][0]
+        stream = streamed(c, url, body)
+        chat = post(c, url, chat_body, "/chat/completions")["choices"][0]
+    lp, text = whole["logprobs"], whole["text"]
+    assert any(name.startswith("bytes:") for name in lp["tokens"])  # the prompt's "é" and "日本", at least
+    assert all(len(top) == 5 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(text)
+    for name, at in zip(lp["tokens"], lp["text_offset"]):
+        assert name.startswith("bytes:") or text.startswith(name, at), (name, at, text)
+    assert "".join(stream["text"]) == text
+    assert [stream[k] for k in ("tokens", "top_logprobs", "text_offset")] == \
+        [lp[k] for k in ("tokens", "top_logprobs", "text_offset")]
+    raw = b"".join(bytes(e["bytes"]) for e in chat["logprobs"]["content"])
+    assert raw.decode("utf-8", "replace") == chat["message"]["content"]
 
 
 def test_stop_token_ids_and_include_stop_str_in_output(model):

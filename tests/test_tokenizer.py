@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import sys
+import unicodedata
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -295,6 +298,21 @@ def test_encode_can_spell_control_tokens_as_text(sp):
     ids = bpe.encode("a<|im_end|>b", parse_special=False)
     assert control_ids(bpe, ids) == [] and bpe.decode(ids) == "a<|im_end|>b"
     assert control_ids(bpe, bpe.encode("a<|im_end|>b")) == ["<|im_end|>"]  # the switch is put back
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_a_texts_tokens_bytes_join_to_the_text(text):
+    """`token_bytes`: what each token adds to the text, a part of a character as its byte (byte-level BPE's
+    "æ" is 0xe6), sentencepiece's word start as its space: a text's tokens give back its UTF-8, byte for
+    byte (sentencepiece's after the space it puts before the text)."""
+    bpe = HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
+    assert b"".join(bpe.token_bytes(i) for i in bpe.encode(text, parse_special=False)) == text.encode("utf-8")
+    spm = SentencePieceTokenizer(sentencepiece_model())
+    words = " ".join(text.split())  # what sentencepiece's normalizer keeps of the spaces
+    if words and words.isprintable() and unicodedata.is_normalized("NFKC", words):
+        got = b"".join(spm.token_bytes(i) for i in spm.encode(words, parse_special=False))
+        assert got == (" " + words).encode("utf-8"), (words, got)
 
 
 def test_threads_spelling_markers_as_text_never_change_another_threads_encode():

@@ -30,8 +30,8 @@ from starlette.routing import Route
 from ..api import LoadedModel
 from ..inputs import RepeatedKey, once_each
 from .engine import Choice, Engine, Event, QueueFull, Stopped
-from .schema import (BadRequest, Job, Limits, Text, chat_logprobs, completion_logprobs, parse,
-                     prompt_logprobs)
+from .answers import Offsets, Text, chat_logprobs, completion_logprobs, prompt_logprobs
+from .schema import BadRequest, Job, Limits, parse
 
 RETRY_AFTER_S = 1  # what a 429 (a full queue) asks the client to wait
 
@@ -58,6 +58,7 @@ class _Choices:
                                           echo=job.prompt_rows, prompt_top_k=_prompt_top_k(job),
                                           logits_filter=job.logits_filter))
                 self.texts.append(Text(tok, app_state.stop_ids(job), job.stop, job.include_stop, job.skip_special))
+        self.offsets = [Offsets(tok, job.skip_special) for _ in self.seqs]  # a stream's text_offset, chunk to chunk
         self.tokens: list[list[int]] = [[] for _ in self.seqs]
         self.lps: list[list[float]] = [[] for _ in self.seqs]
         self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in self.seqs]
@@ -319,7 +320,8 @@ async def _events(choices: _Choices, rid: str) -> AsyncIterator[str]:
                     ptext, ptoks, plps, ptops = _echo_part(choices, i)
                     delta, toks, lps, tops = ptext + delta, ptoks + toks, plps + lps, ptops + tops
                 c = {"index": i, "text": delta, "finish_reason": ev.finish_reason,
-                     "logprobs": completion_logprobs(tok, toks, lps, tops, job) if job.logprobs else None}
+                     "logprobs": completion_logprobs(tok, toks, lps, tops, job, choices.offsets[i]) if job.logprobs
+                     else None}
             started[i] = True
             yield _sse({**_head(choices, rid), "choices": [c]})
     except BadRequest as e:

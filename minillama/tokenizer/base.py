@@ -64,6 +64,21 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         raise NotImplementedError
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token adds to a text: its text alone, in UTF-8, where that is whole characters; where
+        it holds part of a character (alone it decodes to U+FFFD), the byte its piece stands for (a
+        sentencepiece "<0xE6>", a byte-level BPE "Ġæ": b" \xe6"). What a server's log-probs report of it."""
+        text, piece = self.decode([token_id]), self.id_to_token(token_id)
+        if "\ufffd" not in text:
+            if piece.startswith("\u2581") and not text.startswith(" "):  # sentencepiece's word start: a space
+                text = " " + text  # that decoding a token alone drops ("▁the" is " the" in a text)
+            return text.encode("utf-8")
+        if m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m[1], 16)])
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode("utf-8")
+
     def id_to_token(self, token_id: int) -> str:
         raise NotImplementedError
 
@@ -184,6 +199,17 @@ class Tokenizer:
         return (f"{type(self).__name__}(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
                 f"eos_ids={self.eos_ids}, chat_template={'yes' if self.chat_template else 'no'})")
 
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's pieces spell each byte as one printable character: itself where printable (33-126,
+    161-172, 174-255), the others as 256, 257, ... in byte order. Character -> byte."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece (or byte-fallback BPE) byte token
 
 RANGE_BUDGET = 100_000  # items over every `range` of one rendering: a prompt template loops over messages
 MAX_REPEAT = 1_000_000  # the longest `"x" * n` or list repetition, and the largest result of `**`
