@@ -141,6 +141,15 @@ def longest_token(tokenizer: Any) -> int:
     return n
 
 
+def fewest_tokens(tokenizer: Any, text: str) -> int:
+    """The fewest tokens `text` can encode to, from its characters alone (0 where the tokenizer cannot say):
+    what `too_long` counts, for one text (a server's prompt, refused before a megabyte is tokenized)."""
+    if not hasattr(tokenizer, "id_to_token"):
+        return 0
+    drop = dropped(tokenizer)
+    return len(text if drop is None else drop.sub("", text)) // (longest_token(tokenizer) * NORMALIZATION_SLACK)
+
+
 def too_long(tokenizer: Any, jobs: Sequence[tuple[str, Sequence[str]]], context: int) -> str | None:
     """Why some prompt cannot fit in `context` tokens, judged from character counts alone (one pass over
     the text); None when it may fit (then the tokenized prompts decide). Every token stands for at most

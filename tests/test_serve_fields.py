@@ -77,6 +77,26 @@ def test_continue_final_message_cuts_where_the_template_writes_the_message(final
     assert tok.decode(ids) == head + final and ids == tok.encode(head + final)
 
 
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(monkeypatch):
+    """A megabyte of prompt is refused from its length alone (`checks.fewest_tokens`): tokenizing it first
+    held every other client's stream for about a second."""
+    from minillama.serve.schema import BadRequest, Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    limits = Limits(512, tok.vocab_size, 16)
+    seen: list[int] = []
+    encode = type(tok).encode
+    monkeypatch.setattr(type(tok), "encode", lambda self, text, *a, **k: seen.append(len(text)) or encode(self, text, *a, **k))
+    big = "tower " * 200_000
+    for body, chat, param in (({"prompt": ["Where?", big]}, False, "prompt"),
+                              ({"messages": [{"role": "user", "content": big}]}, True, "messages")):
+        with pytest.raises(BadRequest, match="at least .* tokens .* the model's context is 512") as e:
+            parse(body, chat, tok, limits, "tiny")
+        assert e.value.param == param and e.value.body()["error"]["code"] == "context_length_exceeded"
+    assert max(seen, default=0) < 1000  # a short prompt and the template's words, never the long text
+
+
 def test_a_message_may_carry_a_name_and_null_fields_and_errors_stay_short():
     """A message's `name` goes to the template (a client's echoed message carries nulls: not asking); an
     error names a 4,000-digit number by its start."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .. import api
-from ..checks import check_options
+from ..checks import check_options, fewest_tokens
 from ..options import is_finite, text
 from ..errors import BadInput
 from ..generate import SamplingParams
@@ -182,6 +182,7 @@ def _prompts(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[list[int]
         where = "prompt" if len(p) == 1 else f"prompt[{i}]"
         if isinstance(x, str):
             _text(x, where, "prompt")
+            _fits(tokenizer, x, limits, "prompt")
             got = tokenizer.encode(x, add_special=True, parse_special=False)
             texts.append(x)
         elif isinstance(x, list):
@@ -195,7 +196,16 @@ def _prompts(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[list[int]
     return ids, texts
 
 
-def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
+def _fits(tokenizer: Any, text: str, limits: Limits, param: str) -> None:
+    """Refuse a text too long for the context before tokenizing it: a megabyte's tokenizing held the other
+    clients' streams for a second."""
+    least = fewest_tokens(tokenizer, text)
+    if least >= limits.context:
+        raise BadRequest(f"{param}: at least {least} tokens ({len(text)} characters), the model's context is "
+                         f"{limits.context}", param, code="context_length_exceeded")
+
+
+def _messages(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[int], str]:
     """The chat's prompt ids, and (with echo) the final assistant message the answer continues."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -231,6 +241,7 @@ def _messages(body: dict, tokenizer: Any) -> tuple[list[int], str]:
         turns.append({"role": m["role"], "content": content, **({"name": m["name"]} if m.get("name") else {})})
     if tokenizer.chat_template is None:
         raise BadRequest("this model has no chat template: use /v1/completions", "messages")
+    _fits(tokenizer, "".join(t["content"] for t in turns), limits, "messages")  # the template writes them all
     try:  # a template that drops or cuts a message's content would lose the client's text
         api.template_parts(tokenizer)
     except BadInput:
@@ -288,7 +299,7 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
         raise BadRequest("best_of is not supported (it must equal n)", "best_of", code="unsupported")
     echo_text = ""
     if chat:
-        prompt, echo_text = _messages(body, tokenizer)
+        prompt, echo_text = _messages(body, tokenizer, limits)
         prompts, texts = [prompt], []
         logprobs = _bool(body, "logprobs")
         top_k = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
