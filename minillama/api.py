@@ -118,10 +118,13 @@ def template_parts(tokenizer: Tokenizer, system: str | None = None, chat_templat
     text = prompt_text(tokenizer, doc, question, system, chat_template)
     head, _, rest = text.partition(doc)
     middle, _, tail = rest.partition(question)
+    source = getattr(tokenizer, "template_source", "the chat template")
     if not (text.count(doc) == text.count(question) == 1 and head + doc + middle + question + tail == text):
-        source = getattr(tokenizer, "template_source", "the chat template")
         raise BadInput(f"{source}: the template does not write each message's content as given (the document or "
                        "the question would be lost): mend it, or use --no-chat-template")
+    if system is not None and system.strip() not in head:
+        raise BadInput(f"{source}: the template does not write the system prompt (it would be lost): leave it out, "
+                       "mend the template, or use --no-chat-template")
     return head, middle, tail
 
 

@@ -447,6 +447,11 @@ TOKENIZER_FILES = {
     "template that cuts the content": ("tokenizer_config.json",
                                        {"chat_template": "{% for m in messages %}{{ m['content'][:5] }}{% endfor %}"},
                                        ["field chat_template", "does not write each message's content"]),
+    "template that skips the system turn": (
+        "tokenizer_config.json",
+        {"chat_template": "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+                          "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n"},
+        ["field chat_template", "does not write the system prompt (it would be lost)"]),
     "templates without a default": ("tokenizer_config.json", {"chat_template": [{"name": "tool_use", "template": "x"}]},
                                     ['field chat_template: a list of templates, none named "default"']),
     "bos not a token": ("tokenizer_config.json", {"bos_token": "<|nope|>", "add_bos_token": True},

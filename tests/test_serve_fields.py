@@ -97,6 +97,24 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(mon
     assert max(seen, default=0) < 1000  # a short prompt and the template's words, never the long text
 
 
+def test_a_chat_template_that_skips_a_system_message_is_refused():
+    """A template that writes no system turn would answer without the client's system text: 400 naming
+    messages (`Tokenizer.encode_chat` checks that every message's content is written)."""
+    from minillama.serve.schema import BadRequest, Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+                         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n")
+    user = {"role": "user", "content": "Where is the tower?"}
+    limits = Limits(512, tok.vocab_size, 16)
+    assert parse({"messages": [user], "max_tokens": 2}, True, tok, limits, "tiny").prompts
+    with pytest.raises(BadRequest, match="does not write message 0's content \\(role 'system'\\): it would be lost") as e:
+        parse({"messages": [{"role": "system", "content": "Answer in French."}, user], "max_tokens": 2}, True, tok,
+              limits, "tiny")
+    assert e.value.param == "messages"
+
+
 def test_a_message_may_carry_a_name_and_null_fields_and_errors_stay_short():
     """A message's `name` goes to the template (a client's echoed message carries nulls: not asking); an
     error names a 4,000-digit number by its start."""

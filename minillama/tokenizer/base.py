@@ -126,11 +126,17 @@ class Tokenizer:
         out and cannot end a turn or open a new one; only the template's own markers are control tokens.
         Without such text in the messages this is `encode(apply_chat_template(...))`, token for token."""
         text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        skeleton = self._skeleton(messages, add_generation_prompt, variables)
+        lost = [k for k, m in enumerate(messages)
+                if isinstance(m.get("content"), str) and m["content"].strip() and _mark(k) not in skeleton]
+        if lost:  # a template that skips a role (a system turn) would answer without the text given
+            raise TokenizerError(f"{self.template_source}: the template does not write message {lost[0]}'s content "
+                                 f"(role {messages[lost[0]].get('role')!r}): it would be lost")
         specials = self.special_tokens()
         if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)
                    for m in messages):
             return self.encode(text)
-        spans = self._message_spans(messages, text, add_generation_prompt, variables)
+        spans = self._message_spans(messages, text, skeleton)
         # Runs of text between the template's markers are encoded whole (message text and template
         # text together, as `encode` would), with control-token parsing off inside them.
         pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
@@ -151,21 +157,22 @@ class Tokenizer:
         (whole or trimmed), so that an answer continues that message. Where the template writes it
         (`_message_spans`), not where its text last occurs: "|>" also ends the trailer "<|im_end|>"."""
         text = self.apply_chat_template(messages, False, **variables)
-        ends = [hi for k, _, hi in self._message_spans(messages, text, False, variables) if k == len(messages) - 1]
+        skeleton = self._skeleton(messages, False, variables)
+        ends = [hi for k, _, hi in self._message_spans(messages, text, skeleton) if k == len(messages) - 1]
         if not ends:
             raise TokenizerError("the chat template does not write the final message")
         return text[:ends[-1]]
 
-    def _message_spans(self, messages: list[dict[str, Any]], text: str, add_generation_prompt: bool,
-                       variables: dict[str, Any]) -> list[tuple[int, int, int]]:
-        """Where each message's text lies in the rendered chat `text`, in order: (its index, start, end). The template is rendered
-        a second time with a placeholder for each message's text; the pieces of template between the
-        placeholders are matched against `text`, each message's text taken as it is or trimmed (what
-        templates do with it)."""
-        marks = [f"\ue000{k}\ue001" for k in range(len(messages))]
-        skeleton = self.apply_chat_template(
-            [{**m, "content": mark} if isinstance(m.get("content"), str) else m for m, mark in zip(messages, marks)],
+    def _skeleton(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
+        """The chat rendered with a mark (`_mark(k)`) in place of each message's text."""
+        return self.apply_chat_template(
+            [{**m, "content": _mark(k)} if isinstance(m.get("content"), str) else m for k, m in enumerate(messages)],
             add_generation_prompt, **variables)
+
+    def _message_spans(self, messages: list[dict[str, Any]], text: str, skeleton: str) -> list[tuple[int, int, int]]:
+        """Where each message's text lies in the rendered chat `text`, in order: (its index, start, end). The
+        pieces of template between the marks of the `skeleton` are matched against `text`, each message's
+        text taken as it is or trimmed (what templates do with it)."""
         pieces = re.split("\ue000(\\d+)\ue001", skeleton)  # template, message index, template, ...
         spans: list[tuple[int, int, int]] = []
         pos = len(pieces[0])
@@ -210,6 +217,11 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece (or byte-fallback BPE) byte token
+
+def _mark(k: int) -> str:
+    """Message k's stand-in in a chat's skeleton: private-use characters around its index."""
+    return f"\ue000{k}\ue001"
+
 
 RANGE_BUDGET = 100_000  # items over every `range` of one rendering: a prompt template loops over messages
 MAX_REPEAT = 1_000_000  # the longest `"x" * n` or list repetition, and the largest result of `**`
