@@ -388,7 +388,7 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     question_tokens = [[len(tok.encode(q, parse_special=False)) + after_question for q in qs] for _, qs in jobs]
     dtype_bytes = next(model.llama.parameters()).element_size()
     return wave_plan(config, dtype_bytes, doc_tokens, question_tokens, args.max_new_tokens,
-                     int(args.max_memory * 2**20), args.parallel_size, args.batch_docs)
+                     math.ceil(args.max_memory * 2**20), args.parallel_size, args.batch_docs)
 
 
 def summary_line(s: dict[str, Any]) -> str:

@@ -368,6 +368,9 @@ def test_memory_is_bounded_by_waves_and_answers_do_not_change(ckpt, files, capsy
     unbounded, err = capsys.readouterr()
     assert json.loads(err.strip().splitlines()[-1])["parallel_size"] == len(many)
     assert bounded == unbounded
+    # a budget under one byte is the least budget, not "0: no bound" (its bytes once rounded down to 0)
+    assert cli.main([str(a) for a in base + ["--max-memory", "1e-9", "-n", "1"]]) == 0
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["parallel_size"] == 1
 
 
 def test_default_budget_bounds_thousands_of_questions():

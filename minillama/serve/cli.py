@@ -125,7 +125,7 @@ def _main(argv: Sequence[str] | None) -> int:
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
-                    max_batch_tokens=args.max_batch_tokens, max_memory_bytes=int(args.max_memory * 2**20),
+                    max_batch_tokens=args.max_batch_tokens, max_memory_bytes=math.ceil(args.max_memory * 2**20),
                     prefix_cache=not args.no_prefix_cache)
     app = build_app(model, engine, name, max_tokens=args.max_tokens, api_key=api_key, max_body_bytes=args.max_body,
                     start_engine=False)
