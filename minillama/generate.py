@@ -86,7 +86,9 @@ class SamplingParams:
     # positive number is 0 (sample_rows).
     top_p: float = options.option(
         1.0, "--top-p", "nucleus sampling, in (0, 1] (1: off)", options.NUMBER,
-        options.need(lambda p: 0 < p <= 1, "in (0, 1] (1: off)"), metavar="P", parse=float)
+        options.need(lambda p: 0 < p <= 1, "in (0, 1] (1: off)"),
+        options.need(lambda p: float(p) > 0, "above 0 as a float (a Fraction or long double too small for one)"),
+        metavar="P", parse=float)
     seed: int = options.option(0, "--seed", "sampling seed (default: 0)", options.INTEGER,
                                options.need(lambda s: -2**63 <= s < 2**63, "a signed 64-bit integer"), parse=int)
     ignore_eos: bool = options.option(

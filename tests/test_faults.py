@@ -389,6 +389,21 @@ def test_a_top_p_that_float32_rounds_to_0_keeps_the_likeliest_token(ckpt, inputs
     assert code == 0, capsys.readouterr().err
 
 
+def test_a_top_p_that_is_0_as_a_float_is_refused():
+    """A Fraction or long double above 0 that a float rounds to 0 once passed the check and then sampled
+    token 0 every time (the check ran on the value, the sampler on its float)."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from minillama.generate import SamplingParams
+
+    for top_p in (Fraction(1, 10**400), np.longdouble("1e-400")):
+        with pytest.raises(ValueError, match="top_p must be above 0 as a float"):
+            SamplingParams(temperature=1.0, top_p=top_p)
+    assert SamplingParams(top_p=Fraction(1, 2)).top_p == 0.5
+
+
 def test_every_accepted_top_p_samples_a_token():
     """The least top_p accepted (the smallest float64 above 0) and others, at every temperature, on rows with
     -inf entries and ties: a token always comes out (the likeliest survives the cut), never a NaN."""
