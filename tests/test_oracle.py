@@ -401,13 +401,24 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
     (["export", "-m", "MODEL", "--prompt-ids", "EMPTY", "-o", "x.safetensors"], "an empty prompt"),
     (["export", "-m", "MODEL", "--prompt-ids", "TWICE", "-o", "x.safetensors"], "the key 'doc' is given twice"),
     (["export", "-m", "MODEL", "--prompt-ids", "NEGDOC", "-o", "x.safetensors"], "(doc >= 0)"),
+    (["export", "-m", "MODEL", "--prompt-ids", "EXTRA", "-o", "x.safetensors"],
+     "unknown key 'x' (a line holds prompt_ids and doc)"),
+    # options nothing would read: once ignored without a word
+    (["compare", "--reference", "REF", "--candidate", "REF", "-m", "MODEL"],
+     "--model: --reference already holds the answers and --candidate runs no model; drop --model"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "-n", "4", "--dtype", "bfloat16"],
+     "--max-new-tokens, --dtype: --reference already holds"),
+    (["compare", "--reference", "REF", "--backend", "transformers", "--mode", "independent"],
+     "--mode: --reference already holds the answers; drop --mode"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--backend-model", "MODEL"],
+     "--backend-model goes with --backend"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
     _, _, path = tiny
     files = {"REF": tmp_path / "ref.safetensors", "BAD": tmp_path / "bad.jsonl", "UNKNOWN": tmp_path / "u.jsonl",
              "SHORT": tmp_path / "short.jsonl", "OUT_OF_VOCAB": tmp_path / "oov.jsonl",
              "LATIN1": tmp_path / "latin1.jsonl", "EMPTY": tmp_path / "empty.jsonl", "TWICE": tmp_path / "twice.jsonl",
-             "NEGDOC": tmp_path / "negdoc.jsonl"}
+             "NEGDOC": tmp_path / "negdoc.jsonl", "EXTRA": tmp_path / "extra.jsonl"}
     save(ref, files["REF"])
     files["BAD"].write_text("{not json\n")
     files["UNKNOWN"].write_text('{"token_ids": [1], "logprob": [0.0]}\n')
@@ -417,6 +428,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args,
     files["EMPTY"].write_text("[]\n")
     files["TWICE"].write_text('{"prompt_ids": [1, 2], "doc": 0, "doc": 1}\n')
     files["NEGDOC"].write_text('{"prompt_ids": [1, 2], "doc": -1}\n')
+    files["EXTRA"].write_text('{"prompt_ids": [1, 2], "x": 1}\n')
     subst = {**{k: str(v) for k, v in files.items()}, "MODEL": str(path), "PROMPTS": _write_prompts(tmp_path)}
     args = [subst.get(a, a) for a in args]
     assert main(args) == 2

@@ -45,6 +45,10 @@ EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Q
 EXAMPLE_QUESTIONS = ["Who designed the Harbour Bridge?", "When did the bridge open?", "How long is the bridge?"]
 
 
+# The reference's options with a default: given with a --reference (or beside two files) they would change nothing.
+MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "max_new_tokens": 16, "mode": "parallel"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minillama.oracle", allow_abbrev=False,
                 description="minillama as a correctness oracle: export its greedy answers with every step's "
@@ -58,15 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
         m = s.add_argument_group("reference model and prompts")
         m.add_argument("--model", "-m", metavar="PATH",
                        help="HF or Meta directory, or .gguf file (default: the default model, SmolLM2-135M-Instruct)")
-        m.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-        m.add_argument("--dtype", default="float32", choices=DTYPES, help="default: float32")
+        m.add_argument("--device", default=MODEL_DEFAULTS["device"], help="torch device (default: cpu)")
+        m.add_argument("--dtype", default=MODEL_DEFAULTS["dtype"], choices=DTYPES, help="default: float32")
         m.add_argument("--doc", metavar="DOC", help="the document: a UTF-8 text file (with --questions)")
         m.add_argument("--questions", metavar="QUESTIONS", help="one question per line")
         m.add_argument("--prompt-ids", metavar="FILE.jsonl",
                        help='prompts as token ids, one JSON list per line (or {"prompt_ids": [...], "doc": 0}); '
                             "prompts of one doc share their common prefix")
-        m.add_argument("--max-new-tokens", "-n", type=int, default=16, metavar="N", help="default: 16")
-        m.add_argument("--mode", default="parallel", choices=[x for x in MODES if x != "seqbatch"],
+        m.add_argument("--max-new-tokens", "-n", type=int, default=MODEL_DEFAULTS["max_new_tokens"], metavar="N",
+                       help="default: 16")
+        m.add_argument("--mode", default=MODEL_DEFAULTS["mode"], choices=[x for x in MODES if x != "seqbatch"],
                        help="how minillama schedules the questions; the bits are the same (default: parallel)")
     e.add_argument("--output", "-o", required=True, metavar="OUT.safetensors",
                    help="the record; the manifest goes to OUT.json beside it")
@@ -161,6 +166,9 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
                 raise BadInput(f"{args.prompt_ids}:{n}: {e}") from None
             except (ValueError, RecursionError):
                 obj = None
+            if isinstance(obj, dict) and set(obj) - {"prompt_ids", "doc"}:
+                raise BadInput(f"{args.prompt_ids}:{n}: unknown key {sorted(set(obj) - {'prompt_ids', 'doc'})[0]!r} "
+                               "(a line holds prompt_ids and doc)")
             ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
             doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
             if not (isinstance(ids, list) and all(_is_int(i) for i in ids) and _is_int(doc) and doc >= 0):
@@ -297,6 +305,17 @@ def _openai_backend(args: argparse.Namespace, ref_path: str | None) -> OpenAIBac
     return OpenAIBackend(url, args.backend_model, top_k=args.top_k, decode=decode, vocab=vocab)
 
 
+def _nothing_ignored(args: argparse.Namespace) -> None:
+    """Refuse the reference model's options where nothing would read them: a --reference holds its answers
+    (their length and mode); a --candidate beside it runs no model at all."""
+    fixed = ["max_new_tokens", "mode"] + (["model", "device", "dtype"] if args.candidate else [])
+    given = [k for k in fixed if getattr(args, k) != MODEL_DEFAULTS.get(k)] if args.reference else []
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise BadInput(f"{flags}: --reference already holds the answers" + (
+            " and --candidate runs no model" if args.candidate else "") + f"; drop {flags}")
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     if bool(args.backend) == bool(args.candidate):
         raise BadInput("give one of --backend or --candidate")
@@ -308,6 +327,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         base_url(args.url)  # before any reference is made
     if args.kv_cache and args.backend != "llama-cpp":
         raise BadInput("--kv-cache goes with --backend llama-cpp")
+    if args.backend_model and not args.backend:
+        raise BadInput("--backend-model goes with --backend")
+    _nothing_ignored(args)
     if args.backend:
         default = BACKEND_PRESETS[args.backend]
     else:
