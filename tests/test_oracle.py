@@ -376,6 +376,17 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
     assert "0 of 3 questions pass: FAIL" in text
 
 
+def _rewrite_manifest(src, dst, **changes) -> None:
+    """A copy of record `src` at `dst` with its manifest's fields changed."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    manifest = {**json.loads(meta["minillama-oracle"]), **changes}
+    save_file(tensors, str(dst), metadata={"minillama-oracle": json.dumps(manifest)})
+
+
 @pytest.mark.parametrize("args, message", [
     (["compare", "--reference", "nope.safetensors", "--backend", "transformers"], "nope.safetensors: no such file"),
     (["compare", "--reference", "REF"], "give one of --backend or --candidate"),
@@ -412,14 +423,27 @@ def test_cli_report_on_a_broken_candidate_names_the_layer(tiny, tmp_path, capsys
      "--mode: --reference already holds the answers; drop --mode"),
     (["compare", "--reference", "REF", "--candidate", "REF", "--backend-model", "MODEL"],
      "--backend-model goes with --backend"),
+    # files that once gave tracebacks or lost what was beside them
+    (["export", "-m", "MODEL", "--prompt-ids", "PROMPTS", "-o", "NOTES"],
+     "notes.json: exists and is not a record's manifest, which export writes there"),
+    (["compare", "--reference", "QUESTION_INTS", "--candidate", "REF"], "its manifest's questions must be a list of objects"),
+    (["compare", "--reference", "MODEL_TEXT", "--candidate", "REF"], "its manifest's model must be an object"),
+    (["compare", "--reference", "REF", "--candidate", "HUGE_LOGPROB"], "logprobs must be a list of numbers"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
     _, _, path = tiny
     files = {"REF": tmp_path / "ref.safetensors", "BAD": tmp_path / "bad.jsonl", "UNKNOWN": tmp_path / "u.jsonl",
              "SHORT": tmp_path / "short.jsonl", "OUT_OF_VOCAB": tmp_path / "oov.jsonl",
              "LATIN1": tmp_path / "latin1.jsonl", "EMPTY": tmp_path / "empty.jsonl", "TWICE": tmp_path / "twice.jsonl",
-             "NEGDOC": tmp_path / "negdoc.jsonl", "EXTRA": tmp_path / "extra.jsonl"}
+             "NEGDOC": tmp_path / "negdoc.jsonl", "EXTRA": tmp_path / "extra.jsonl",
+             "NOTES": tmp_path / "notes.safetensors", "QUESTION_INTS": tmp_path / "qints.safetensors",
+             "MODEL_TEXT": tmp_path / "mtext.safetensors", "HUGE_LOGPROB": tmp_path / "huge.jsonl"}
     save(ref, files["REF"])
+    (tmp_path / "notes.json").write_text("my notes\n")
+    _rewrite_manifest(files["REF"], files["QUESTION_INTS"], questions=[1, 2, 3])
+    _rewrite_manifest(files["REF"], files["MODEL_TEXT"], model="abc")
+    files["HUGE_LOGPROB"].write_text(json.dumps({"token_ids": ref.questions[0].token_ids,
+                                                 "logprobs": [10**400] + [0] * (STEPS - 1)}) + "\n")
     files["BAD"].write_text("{not json\n")
     files["UNKNOWN"].write_text('{"token_ids": [1], "logprob": [0.0]}\n')
     files["SHORT"].write_text('{"token_ids": [1]}\n')
@@ -435,6 +459,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args,
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("error: ") and message in captured.err
+
+
+def test_export_again_replaces_its_own_record(tiny, tmp_path, capsys):
+    """Its own manifest beside the record is replaced by a second export (a file that is not one is not)."""
+    _, _, path = tiny
+    out = tmp_path / "ref.safetensors"
+    for _ in range(2):
+        assert main(["export", "-m", str(path), "--prompt-ids", _write_prompts(tmp_path), "-n", "2", "-o", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["format"] == "minillama-oracle/1"
 
 
 def test_module_entry_point_reports_bad_input_without_a_traceback(tmp_path):
@@ -594,6 +627,7 @@ def test_presets_set_logit_and_logprob_tolerances_together(tiny, tmp_path, capsy
     (0.3, False, "quantized weights"),
     (8.0, False, "a bug"),
     (0.5, True, "shifted by a constant"),
+    (float("nan"), False, "NaN or inf values, a numerical fault"),
 ])
 def test_hints_follow_the_pattern_of_the_errors(ref, noise, constant, hint):
     from minillama.oracle.diff import Comparison, hints

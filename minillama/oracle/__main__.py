@@ -37,7 +37,7 @@ from .layers import diff_layers
 from .report import report
 from .tolerances import BACKEND_PRESETS, PRESETS, Tolerances
 from .server import OpenAIBackend, base_url
-from .record import Record, export, load, save
+from .record import Record, check_manifest_free, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
                "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
@@ -254,6 +254,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors":
         raise BadInput(f"{out}: the record is a .safetensors file")
     _check_writable(out)  # before the model runs, not after
+    check_manifest_free(out)
     rec, _ = _make_reference(args, hidden=args.hidden)
     if rec is None:
         return 0

@@ -222,6 +222,9 @@ def hints(c: Comparison) -> list[str]:
         rel = max(q.logprob_max or 0.0 for q in qs)
         size = f"max|dlogprob| {rel:.1e}"
         bands = (1e-4, 0.1, 2.0)
+    if not math.isfinite(rel):  # every comparison below is False for NaN: it once read as quantization
+        return [f"{size}: the candidate gives NaN or inf values, a numerical fault (an overflow in half precision, "
+                "a buffer never written), not rounding: no preset accepts it"]
     if rel <= bands[0]:
         return []
     if overlap is not None and overlap < 0.8 or rel > bands[2]:

@@ -27,6 +27,7 @@ import json
 import platform
 import re
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
@@ -125,6 +126,21 @@ def manifest_path(path: str | Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
+def check_manifest_free(path: str | Path) -> None:
+    """RecordError where the manifest of a record written to `path` would replace a file that is not an
+    earlier record's manifest (the user named the .safetensors file, not this one)."""
+    m = manifest_path(path)
+    if not m.is_file():
+        return
+    try:
+        ours = json.loads(m.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, RecursionError, AttributeError):
+        ours = False
+    if not ours:
+        raise RecordError(f"{m}: exists and is not a record's manifest, which export writes there; move it or "
+                          "choose another --output")
+
+
 def save(record: Record, path: str | Path) -> Path:
     """Write `path` (safetensors) and the manifest beside it; returns the manifest's path."""
     from safetensors.torch import save_file
@@ -173,7 +189,7 @@ def _load_safetensors(p: Path) -> Record:
         raise RecordError(f"{p}: its {META_KEY} metadata is not readable JSON") from None
     if not isinstance(manifest, dict):
         raise RecordError(f"{p}: its {META_KEY} metadata is not a JSON object")
-    described = manifest.get("questions") or []
+    described = _manifest_parts(manifest, p)
     count = 0
     while f"q{count}.token_ids" in tensors:
         count += 1
@@ -191,6 +207,8 @@ def _load_safetensors(p: Path) -> Record:
     questions = []
     for i in range(count):
         d = described[i] if i < len(described) else {}
+        if d.get("prompt_ids") is not None:
+            _ints(d["prompt_ids"], "prompt_ids", f"{p}: the manifest's question {i + 1}")
         prompt = tensors.get(f"q{i}.prompt_ids")
         q = QuestionRecord(
             prompt_ids=prompt.tolist() if prompt is not None else d.get("prompt_ids"),
@@ -202,6 +220,20 @@ def _load_safetensors(p: Path) -> Record:
         questions.append(q)
     manifest.pop("questions", None)
     return Record(questions, manifest)
+
+
+def _manifest_parts(manifest: dict, p: Path) -> list[dict]:
+    """The manifest's questions, checked with its model: what the tools read of them has the types they read."""
+    described = manifest.get("questions") or []
+    if not (isinstance(described, list) and all(isinstance(d, dict) for d in described)):
+        raise RecordError(f"{p}: its manifest's questions must be a list of objects")
+    for i, d in enumerate(described, 1):
+        if not all(isinstance(d.get(k, 0), int) and not isinstance(d.get(k, 0), bool) for k in ("doc", "shared")):
+            raise RecordError(f"{p}: the manifest's question {i}: doc and shared must be integers")
+    model = manifest.get("model")
+    if model is not None and not (isinstance(model, dict) and isinstance(model.get("path"), (str, type(None)))):
+        raise RecordError(f"{p}: its manifest's model must be an object whose path is a string")
+    return described
 
 
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -243,8 +275,8 @@ def _ints(x: Any, key: str, where: str) -> list[int]:
 
 def _floats(x: Any, key: str, where: str, rows: bool = False) -> torch.Tensor:
     """A JSON list of numbers (rows=True: a list of equally long lists of numbers) as float32."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def number(v: Any) -> bool:  # NaN and inf are a candidate's to give; an integer past a float is not a number
+        return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
 
     shape = "a list of lists of numbers, one per token id" if rows else "a list of numbers, one per token id"
     ok = isinstance(x, list) and (all(isinstance(r, list) and all(number(v) for v in r) for r in x) if rows
