@@ -15,8 +15,9 @@ written so far stay written); 141 when the reader of stdout goes away; 1 on a bu
 from __future__ import annotations
 
 import argparse
-import re
 import math
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -255,7 +256,7 @@ def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invar
     from .tokenizer import TokenizerError
     from .weights import WeightsError, load_model
 
-    if path is not None and not Path(path).exists():
+    if path and not os.path.lexists(path):  # a loop, a dangling link or "": the loader names it
         raise BadInput(f"--model {path}: no such file or directory")
     if compiled and not invariant:
         raise BadInput(step.PLAIN_COMPILED)

@@ -60,9 +60,9 @@ class LlamaConfig:
             check_rope_scaling(self.rope_scaling)
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"unsupported model_type {self.model_type!r} (supported: {', '.join(MODEL_TYPES)})")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
-                                                or not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        w = self.sliding_window  # at most MAX_SIZE: the mask's position arithmetic is int64
+        if w is not None and not (_is_int(w) and 1 <= w <= MAX_SIZE):
+            raise ValueError(f"sliding_window must be a positive integer (at most {MAX_SIZE}) or null, got {w!r}")
 
     def kv_bytes_per_token(self, element_size: int, kv_heads: int | None = None) -> int:
         """Bytes one token's keys and values take in a cache: K and V, every layer, every KV head (or a
@@ -109,21 +109,35 @@ class LlamaConfig:
 
     @classmethod
     def from_meta_params(cls, path: str | Path, vocab_size: int | None = None) -> "LlamaConfig":
-        """Meta's params.json: dim, n_layers, n_heads, n_kv_heads, multiple_of, ffn_dim_multiplier, ..."""
+        """Meta's params.json: dim, n_layers, n_heads, n_kv_heads, multiple_of, ffn_dim_multiplier, ...
+        A field of the wrong type or range raises ValueError naming it (the caller names the file)."""
         p = json.loads(Path(path).read_text())
         if not isinstance(p, dict):
             raise ValueError(f"params.json must be a JSON object, got a {type(p).__name__}")
+        missing = [k for k in ("dim", "n_layers", "n_heads") if k not in p]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)} (params.json needs dim, n_layers and n_heads)")
         dim, n_heads = p["dim"], p["n_heads"]
+        _count("dim", dim, 1)
+        _count("n_layers", p["n_layers"], 1, MAX_LAYERS)
+        _count("n_heads", n_heads, 1)
         hidden = int(2 * (4 * dim) / 3)  # Meta's FeedForward sizing rule
         if p.get("ffn_dim_multiplier") is not None:
+            _positive("ffn_dim_multiplier", p["ffn_dim_multiplier"])
+            if not p["ffn_dim_multiplier"] * hidden <= MAX_SIZE:
+                raise ValueError(f"ffn_dim_multiplier {p['ffn_dim_multiplier']} makes the feed-forward width "
+                                 f"past {MAX_SIZE}")
             hidden = int(p["ffn_dim_multiplier"] * hidden)
         multiple_of = p.get("multiple_of", 256)
+        _count("multiple_of", multiple_of, 1)
         hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
         vocab = p.get("vocab_size", -1)
+        if vocab is not None and not _is_int(vocab):
+            raise ValueError(f"vocab_size must be an integer (-1: the tokenizer's), got {vocab!r}")
         if vocab is None or vocab < 0:
             vocab = vocab_size
         if vocab is None:
-            raise ValueError(f"{path}: vocab_size is not set and no tokenizer gave one")
+            raise ValueError("vocab_size is not set and no tokenizer gave one")
         scaling = None
         if p.get("use_scaled_rope"):
             scaling = {"rope_type": "llama3", "factor": p.get("rope_scaling_factor", 8.0),
@@ -137,13 +151,17 @@ class LlamaConfig:
             rope_scaling=scaling, max_position_embeddings=p.get("max_seq_len", 4096),
         )
 
-
 # The largest context minillama builds: the RoPE table holds cos and sin for every position (2 x context x
 # head_dim floats, made once per model), so an absurd context would allocate terabytes before any check.
 MAX_CONTEXT = 1 << 22
 MAX_SIZE = (1 << 31) - 1  # any width, vocabulary or count of heads: tensors index with int32 offsets
 MAX_LAYERS = 4096
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# rope_scaling's number fields (HF's modeling_rope_utils), each checked where present: True: must be > 0;
+# False: >= 0 (YaRN reads a 0 beta or mscale as unset).
+ROPE_NUMBERS = {"factor": True, "low_freq_factor": True, "high_freq_factor": True, "attention_factor": True,
+                "partial_rotary_factor": True, "beta_fast": False, "beta_slow": False, "mscale": False,
+                "mscale_all_dim": False}
 
 
 def _is_int(x: Any) -> bool:
@@ -166,6 +184,11 @@ def _count(name: str, x: Any, lo: int, hi: int = MAX_SIZE, optional: bool = Fals
 def _positive(name: str, x: Any) -> None:
     if not _is_number(x) or x <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {x!r}")
+
+
+def _non_negative(name: str, x: Any) -> None:
+    if not _is_number(x) or x < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
 
 
 def check_fields(c: "LlamaConfig") -> None:
@@ -199,6 +222,14 @@ def check_fields(c: "LlamaConfig") -> None:
         return
     if not isinstance(s, dict):
         raise ValueError(f"rope_scaling must be an object or null, got {s!r}")
+    for k, positive in ROPE_NUMBERS.items():  # whatever the kind: each is read as a number when present
+        if s.get(k) is not None:
+            (_positive if positive else _non_negative)(f"rope_scaling.{k}", s[k])
+    if s.get("original_max_position_embeddings") is not None:
+        _count("rope_scaling.original_max_position_embeddings", s["original_max_position_embeddings"], 1,
+               MAX_CONTEXT)
+    if not isinstance(s.get("truncate", True), bool):
+        raise ValueError(f"rope_scaling.truncate must be true or false, got {s['truncate']!r}")
     if s.get("rope_type", s.get("type")) == "llama3":
         missing = [k for k in LLAMA3_KEYS if k not in s]
         if missing:

@@ -16,6 +16,7 @@ Nothing here imports the rest of minillama: config.py and weights/ call in.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # HF model type -> the HF class a conversion names in `architectures`.
@@ -28,6 +29,7 @@ ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_
                                         "original_max_position_embeddings"),
               "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",)}
 ACTIVATIONS = ("silu", "swish")  # HF maps both names to nn.SiLU
+_LAYER_TYPES = ("full_attention", "sliding_attention")  # Qwen's layer_types
 
 # What HF's config class takes for a field config.json leaves out, where it differs from HF Llama's.
 # (tests/test_family.py holds each value against transformers' own classes.)
@@ -51,14 +53,14 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ValueError(f"a config must be a JSON object, got a {type(d).__name__}")
     model_type = d.get("model_type", "llama")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
     act = d.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     out = {**HF_DEFAULTS[model_type], **d, "model_type": model_type}
-    for flag in ("attention_bias", "mlp_bias"):
-        out[flag] = bool(d.get(flag, False)) if flag in _READS[model_type] else False
+    for flag in ("attention_bias", "mlp_bias"):  # a value not true/false is refused by the config's check
+        out[flag] = d[flag] if flag in _READS[model_type] and d.get(flag) is not None else False
     out["sliding_window"] = _window(out, model_type)
     return out
 
@@ -68,15 +70,24 @@ def _window(d: dict[str, Any], model_type: str) -> int | None:
     `layer_types` says which); a mix of windowed and full layers is refused."""
     if model_type == "mistral":
         return d.get("sliding_window")
-    if model_type == "llama" or not d.get("use_sliding_window", False):
+    use = d.get("use_sliding_window")
+    if model_type != "llama" and not (use is None or isinstance(use, bool)):
+        raise ValueError(f"use_sliding_window must be true or false, got {use!r}")
+    if model_type == "llama" or not use:
         return None
     window = d.get("sliding_window", 4096)
     if window is None:
         return None
-    n = d.get("num_hidden_layers", 32)
-    first = d.get("max_window_layers", 28)
-    kinds = d.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    if set(kinds) == {"full_attention"}:
+    n, first, kinds = d.get("num_hidden_layers", 32), d.get("max_window_layers", 28), d.get("layer_types")
+    for name, x in (("num_hidden_layers", n), ("max_window_layers", first)):
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise ValueError(f"{name} must be an integer, got {x!r}")
+    if kinds is not None and not (isinstance(kinds, list) and all(k in _LAYER_TYPES for k in kinds)):
+        raise ValueError(f"layer_types must be a list of {' or '.join(map(repr, _LAYER_TYPES))}, "
+                         f"got {str(kinds)[:80]}")
+    if not kinds:  # layers i >= max_window_layers slide
+        kinds = ["sliding_attention"] * (first < n) + ["full_attention"] * (min(first, n) > 0)
+    if set(kinds) <= {"full_attention"}:
         return None
     if set(kinds) == {"sliding_attention"}:
         return window
@@ -94,13 +105,14 @@ def hf_extra(model_type: str, sliding_window: int | None) -> dict[str, Any]:
 def check_rope_scaling(scaling: dict[str, Any]) -> None:
     """Raise ValueError naming the problem unless minillama implements this RoPE scaling."""
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     missing = [k for k in ROPE_TYPES[kind] if k not in scaling]
     if missing:
         raise ValueError(f"rope_scaling {kind!r} lacks {', '.join(missing)}")
-    if kind in ("linear", "dynamic", "yarn") and not (isinstance(scaling["factor"], (int, float))
-                                                      and scaling["factor"] >= 1):
-        raise ValueError(f"rope_scaling factor {scaling['factor']!r} must be a number >= 1")
+    f = scaling.get("factor")
+    if kind in ("linear", "dynamic", "yarn") and not (isinstance(f, (int, float)) and not isinstance(f, bool)
+                                                      and math.isfinite(f) and f >= 1):
+        raise ValueError(f"rope_scaling factor {f!r} must be a finite number >= 1")
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("rope_scaling partial_rotary_factor != 1 (partial RoPE) is not supported")

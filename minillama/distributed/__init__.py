@@ -99,12 +99,10 @@ def check_options(args) -> None:
 
 def model_kv_heads(path: str | None) -> int:
     """The KV heads of a checkpoint, from its config alone (no weight is read); BadInput when it cannot be read."""
-    from pathlib import Path
-
     from ..errors import BadInput, one_line
     from ..weights import WeightsError, fetch_default, read_config
 
-    if path is not None and not Path(path).exists():
+    if path and not os.path.lexists(path):  # a loop, a dangling link or "": the loader names it
         raise BadInput(f"--model {path}: no such file or directory")
     try:
         return read_config(fetch_default() if path is None else path).num_key_value_heads

@@ -144,8 +144,14 @@ def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequ
         raise TokenizerError(f"unsupported BPE pre-tokenizer {pre!r} (supported: {', '.join(BPE_PRE_TOKENIZERS)})")
     split, single_digits, ignore_merges = BPE_PRE_TOKENIZERS[pre]
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = _Tok(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    pairs = [tuple(m.split(" ")) if isinstance(m, str) else () for m in merges]
+    for k, (m, pair) in enumerate(zip(merges, pairs)):
+        if len(pair) != 2 or not all(pair):  # byte-level tokens hold no space: "a b" is the whole grammar
+            raise TokenizerError(f"tokenizer.ggml.merges[{k}] {m!r} is not two tokens joined by one space")
+    try:
+        tok = _Tok(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges))
+    except Exception as e:  # noqa: BLE001 - the library's own words for a merge it cannot use
+        raise TokenizerError(f"tokenizer.ggml.merges: not usable BPE merges ({e})") from None
     steps = [pre_tokenizers.Digits(individual_digits=True)] if single_digits else []
     if split is None:
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))

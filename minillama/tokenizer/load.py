@@ -19,7 +19,17 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF file"
     if kind is None or "tokenizer.ggml.tokens" not in meta:
         raise TokenizerError(f"{source}: no tokenizer in the metadata (tokenizer.ggml.model/tokens missing)")
     tokens = list(meta["tokenizer.ggml.tokens"])
+    if not all(isinstance(t, str) for t in tokens):
+        raise TokenizerError(f"{source}: tokenizer.ggml.tokens must be a list of strings")
     types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    for key, values in (("token_type", types), ("scores", meta.get("tokenizer.ggml.scores"))):
+        if values is not None and len(values) != len(tokens):
+            raise TokenizerError(f"{source}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
+    for key in ("bos", "eos", "eot", "eom"):  # an id past the token list names no token: refused, named
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if i is not None and not (_is_id(i) and i < len(tokens)):
+            raise TokenizerError(f"{source}: tokenizer.ggml.{key}_token_id {i!r} is not a token id (the "
+                                 f"{len(tokens)} tokens have ids 0 to {len(tokens) - 1})")
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = _unique([int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                                 "tokenizer.ggml.eom_token_id") if meta.get(k) is not None])
@@ -158,7 +168,11 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
         t = named["default"]
         where += "[default]"
     if t is None and (d / "chat_template.jinja").exists():
-        t, where = (d / "chat_template.jinja").read_text(), str(d / "chat_template.jinja")
+        where = str(d / "chat_template.jinja")
+        try:
+            t = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{where}: not a readable UTF-8 file ({e})") from None
     if t is None and (d / "chat_template.json").exists():
         where = f"{d / 'chat_template.json'}, field chat_template"
         t = _read_json(d / "chat_template.json").get("chat_template")

@@ -33,6 +33,9 @@ class SentencePieceTokenizer(Tokenizer):
         n = self._sp.get_piece_size()
         self.bos_id = bos_id if bos_id is not None else _none_if_negative(self._sp.bos_id())
         self.eos_ids = list(eos_ids) if eos_ids is not None else [i for i in [self._sp.eos_id()] if i >= 0]
+        for what, i in [("BOS", self.bos_id)] + [("EOS", e) for e in self.eos_ids]:
+            if i is not None and not 0 <= i < n:
+                raise TokenizerError(f"{what} id {i} is not a piece of the model (ids 0 to {n - 1})")
         self.add_bos, self.add_eos = add_bos, add_eos
         self.chat_template = chat_template
         self.bos_token = self._sp.id_to_piece(self.bos_id) if self.bos_id is not None else None

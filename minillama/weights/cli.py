@@ -24,6 +24,8 @@ from .read import detect_format, load_state_dict, load_tokenizer
 
 def info(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds, without dequantizing: format, config, tensors, tokenizer."""
+    if str(path) == "" and not isinstance(path, Path):  # Path("") would be the working directory
+        raise WeightsError("an empty path: give a checkpoint (an HF or Meta directory or a .gguf file)")
     p = Path(path)
     fmt = detect_format(p)
     kinds: dict[str, int] = {}

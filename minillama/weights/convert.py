@@ -153,6 +153,11 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
     """Any supported checkpoint to an HF directory (GGUF tensors are written dequantized, float32).
     `out_dir` must be new or empty; `replace` lets it replace an earlier conversion (never anything else)."""
+    for what, given in (("source", src), ("output directory", out_dir)):
+        if isinstance(given, str) and given == "":  # Path("") would be the working directory
+            raise WeightsError(f"an empty {what} path: give "
+                               + ("a checkpoint (an HF or Meta directory or a .gguf file)" if what == "source"
+                                  else "a new or empty directory"))
     src, out = Path(src), Path(out_dir)
     if src.exists() and out.exists() and (src.resolve() == out.resolve() or out.resolve() in src.resolve().parents):
         raise WeightsError(f"{out}: holds the source {src}; write the conversion to another directory")

@@ -7,6 +7,7 @@ The tokenizer is the `tokenizer.ggml.*` metadata (tokenizer package).
 from __future__ import annotations
 
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -62,21 +63,30 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
-    def f32(x: float) -> float:
+    def f32(name: str, default: float) -> float:
+        x = key(name, default)
+        if not isinstance(x, numbers.Real) or isinstance(x, bool):
+            raise ValueError(f"{arch}.{name} must be a number, got {x!r}")
         return float(str(np.float32(x)))  # GGUF stores float32: 1e-5 reads back as 9.99999974e-06
+
+    def count(name: str, default: Any = None) -> Any:
+        x = key(name, default)
+        if x is not None and not (isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1):
+            raise ValueError(f"{arch}.{name} must be an integer >= 1, got {x!r}")
+        return x
 
     if key("expert_count", 0):
         raise WeightsError(f"{source}: mixture-of-experts {arch} ({arch}.expert_count) is not supported")
-    hidden, heads = key("embedding_length"), key("attention.head_count")
+    hidden, heads = count("embedding_length"), count("attention.head_count")
     if hidden is None or heads is None or key("block_count") is None:
         raise WeightsError(f"{source}: incomplete llama metadata (embedding_length, attention.head_count, "
                            "block_count are required)")
-    head_dim = key("attention.key_length", hidden // heads)
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise WeightsError(f"{source}: partial RoPE (rope.dimension_count {key('rope.dimension_count')} < "
-                           f"head dim {head_dim}) is not supported")
+    head_dim = count("attention.key_length") or hidden // heads
+    if count("rope.dimension_count", head_dim) != head_dim:
+        raise WeightsError(f"{source}: {arch}.rope.dimension_count {key('rope.dimension_count')} is not the head "
+                           f"dim {head_dim}: partial RoPE is not supported")
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or []) or None
-    theta = f32(key("rope.freq_base", 10000.0))
+    theta = f32("rope.freq_base", 10000.0)
     scaling = _gguf_rope_scaling(key, rope_factors, head_dim, theta, source)
     if key("attention.sliding_window"):
         raise WeightsError(f"{source}: {arch}.attention.sliding_window is not supported in GGUF files "
@@ -86,7 +96,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path
             vocab_size=vocab, hidden_size=hidden, intermediate_size=key("feed_forward_length"),
             num_hidden_layers=key("block_count"), num_attention_heads=heads,
             num_key_value_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
-            rms_norm_eps=f32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+            rms_norm_eps=f32("attention.layer_norm_rms_epsilon", 1e-5), rope_theta=theta,
             rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensor_names,
             max_position_embeddings=key("context_length", 2048), model_type=GGUF_ARCHS[arch],
             attention_bias=any(n.endswith("attn_output.bias") for n in tensor_names),
@@ -102,18 +112,25 @@ def _gguf_rope_scaling(key: Any, rope_factors: np.ndarray | None, head_dim: int,
                        source: str | Path) -> dict[str, Any] | None:
     """HF's rope_scaling from what llama.cpp's converter writes: `rope.scaling.type` linear or yarn with
     `rope.scaling.factor` (and yarn's original context), or Llama 3's factors in a `rope_freqs` tensor."""
+    def number(name: str, kind: type = numbers.Real) -> Any:
+        x = key(name)
+        if x is not None and (not isinstance(x, kind) or isinstance(x, bool)):
+            raise ValueError(f"{name} must be {'an integer' if kind is numbers.Integral else 'a number'}, got {x!r}")
+        return x
+
     kind = key("rope.scaling.type", "none")
-    factor = key("rope.scaling.factor", key("rope.scale_linear", 1.0))
-    if kind == "none" and factor not in (None, 1.0):  # older files: rope.scale_linear alone
+    factor = number("rope.scaling.factor") if key("rope.scaling.factor") is not None else number("rope.scale_linear")
+    factor = 1.0 if factor is None else factor
+    if kind == "none" and factor != 1.0:  # older files: rope.scale_linear alone
         kind = "linear"
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         out = {"rope_type": "yarn", "factor": float(factor)}
-        if key("rope.scaling.original_context_length"):
+        if number("rope.scaling.original_context_length", numbers.Integral):
             out["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
         for name in ("beta_fast", "beta_slow"):
-            if key(f"rope.scaling.yarn_{name}") is not None:
+            if number(f"rope.scaling.yarn_{name}") is not None:
                 out[name] = float(key(f"rope.scaling.yarn_{name}"))
         # llama.cpp's own yarn knobs, at the values that leave HF's yarn as it is; anything else is refused.
         neutral = {"attn_factor": (1.0,), "yarn_attn_factor": (1.0,), "yarn_ext_factor": (-1.0, 1.0),

@@ -30,7 +30,7 @@ def hf_config(path: str | Path) -> LlamaConfig:
         raise WeightsError(f"{path}: not readable JSON ({e})") from None
     try:
         d = hf_fields(d)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise WeightsError(f"{path}: {e}") from None
     try:
         return LlamaConfig.from_dict(d)

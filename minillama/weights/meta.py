@@ -59,6 +59,7 @@ def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Ten
             parts.append(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
         except Exception as e:
             raise WeightsError(f"{f}: truncated or corrupt PyTorch checkpoint ({e})") from None
+        _check_shard(f, parts[-1])
     try:
         params = json.loads((d / "params.json").read_text())
     except (OSError, ValueError, RecursionError) as e:
@@ -79,7 +80,7 @@ def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Ten
     vocab = _shape(*raw["tok_embeddings.weight"])[0] if "tok_embeddings.weight" in raw else None
     try:
         config = LlamaConfig.from_meta_params(d / "params.json", vocab_size=vocab)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:  # a check missed: still one line
         raise WeightsError(f"{d / 'params.json'}: {e}") from None
     config.tie_word_embeddings = "output.weight" not in raw
     try:  # BOS/EOS ids live in the tokenizer; the weights load without one (load_model will ask)
@@ -88,6 +89,19 @@ def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Ten
     except TokenizerError:
         config.bos_token_id = config.eos_token_id = None
     return config, raw
+
+
+def _check_shard(f: Path, part: object) -> None:
+    """WeightsError naming the file unless it holds what Meta's code saves: a dict of tensor names to tensors."""
+    if not isinstance(part, dict):
+        raise WeightsError(f"{f}: not a Meta checkpoint (a dict of tensor names to tensors), it holds a "
+                           f"{type(part).__name__}")
+    if not part:
+        raise WeightsError(f"{f}: holds no tensors")
+    for key, value in part.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise WeightsError(f"{f}: not a Meta checkpoint (a dict of tensor names to tensors): it maps "
+                               f"{repr(key)[:80]} to a value of type {type(value).__name__}")
 
 
 def _shape(pieces: list[torch.Tensor], axis: int | None) -> tuple[int, ...]:

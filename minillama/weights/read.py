@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 
 from minillama.config import LlamaConfig
@@ -31,7 +34,20 @@ def detect_format(path: str | Path) -> str:
         if (p / "params.json").exists():
             return "meta"
         raise WeightsError(f"{p}: neither an HF directory (config.json) nor a Meta directory (params.json)")
-    raise WeightsError(f"{p}: no such file or directory")
+    raise WeightsError(f"{p}: {_not_a_file(p)}")
+
+
+def _not_a_file(p: Path) -> str:
+    """What a path that is neither a file nor a directory is, in words (a fifo is not "no such file")."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop, not a checkpoint"
+        return "a symlink to nothing (no such file or directory)" if p.is_symlink() else "no such file or directory"
+    kind = ("a fifo (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+    return f"{kind}, not a checkpoint (expected a .gguf file or a directory)"
 
 
 def load_state_dict(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:

@@ -1,0 +1,301 @@
+"""A bad checkpoint is one line naming the file and the field, never a traceback and never a silently wrong
+model: Meta's params.json and consolidated.NN.pth, config.json's family and RoPE fields, GGUF metadata and
+tokenizer ids, chat_template.jinja, and paths that are not checkpoints at all (tests/test_faults.py holds
+config.json's plain field checks).
+
+Each class of fault is held by a parametrized test over the cases of that kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _ckpt_writers import (byte_bpe_tokenizer, gguf_tokenizer_metadata, random_state_dict,  # noqa: E402
+                           sentencepiece_model, sp_gguf_tokenizer_metadata, tiny_config, write_gguf,
+                           write_meta_dir)
+from _faults import ckpt, inputs, one_line_error  # noqa: E402,F401  (fixtures)
+from minillama import cli  # noqa: E402
+from minillama.weights import WeightsError, load_model  # noqa: E402
+
+DROP = object()  # a field to leave out
+
+
+def _one_line(e: pytest.ExceptionInfo, *words: str) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for word in words:
+        assert word in msg, msg
+    return msg
+
+
+def _cli_error(capsys, model: Path, inputs: dict) -> str:
+    code = cli.main([str(a) for a in ["--model", model, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                                      "-n", "2"]])
+    return one_line_error((code, capsys.readouterr().err))
+
+
+# --- Meta directories: params.json's fields and the consolidated.NN.pth shards ----------------------------
+
+
+@pytest.fixture(scope="module")
+def meta_dir(tmp_path_factory) -> Path:
+    config = tiny_config(vocab=512)
+    return write_meta_dir(tmp_path_factory.mktemp("m") / "meta", config, random_state_dict(config),
+                          sentencepiece_model())
+
+
+def _meta_copy(meta_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(meta_dir, tmp_path / "meta"))
+
+
+BAD_PARAMS = {
+    "multiple_of 0": ({"multiple_of": 0}, "multiple_of must be in 1 .."),
+    "multiple_of a string": ({"multiple_of": "32"}, "multiple_of must be an integer"),
+    "ffn_dim_multiplier infinite": ({"ffn_dim_multiplier": float("inf")}, "ffn_dim_multiplier must be a finite number"),
+    "ffn_dim_multiplier 1e308": ({"ffn_dim_multiplier": 1e308}, "ffn_dim_multiplier 1e+308 makes the feed-forward width"),
+    "ffn_dim_multiplier a string": ({"ffn_dim_multiplier": "1.3"}, "ffn_dim_multiplier must be a finite number"),
+    "no dim": ({"dim": DROP}, "missing dim"),
+    "no n_layers": ({"n_layers": DROP}, "missing n_layers"),
+    "dim a string": ({"dim": "64"}, "dim must be an integer, got '64'"),
+    "n_heads a float": ({"n_heads": 4.0}, ": n_heads must be an integer, got 4.0"),
+    "vocab_size a string": ({"vocab_size": "abc"}, "vocab_size must be an integer (-1: the tokenizer's), got 'abc'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PARAMS))
+def test_every_bad_params_json_value_is_one_line_naming_the_field(meta_dir, tmp_path, case):
+    d = _meta_copy(meta_dir, tmp_path)
+    change, word = BAD_PARAMS[case]
+    params = {**json.loads((d / "params.json").read_text()), **change}
+    (d / "params.json").write_text(json.dumps({k: v for k, v in params.items() if v is not DROP}))
+    with pytest.raises(WeightsError) as e:
+        load_model(d)
+    assert _one_line(e, word).startswith(f"{d / 'params.json'}: ")
+
+
+BAD_SHARDS = {
+    "a list": ([1, 2], "not a Meta checkpoint (a dict of tensor names to tensors), it holds a list"),
+    "a bare tensor": (torch.zeros(3), "it holds a Tensor"),
+    "integer values": ({"tok_embeddings.weight": 5}, "it maps 'tok_embeddings.weight' to a value of type int"),
+    "integer keys": ({5: torch.zeros(2)}, "it maps 5 to a value of type Tensor"),
+    "no tensors": ({}, "holds no tensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SHARDS))
+def test_a_consolidated_pth_that_is_not_a_dict_of_tensors_is_one_line_naming_it(meta_dir, tmp_path, case):
+    d = _meta_copy(meta_dir, tmp_path)
+    value, word = BAD_SHARDS[case]
+    torch.save(value, d / "consolidated.00.pth")
+    with pytest.raises(WeightsError) as e:
+        load_model(d)
+    msg = _one_line(e, word)
+    assert msg.startswith(f"{d / 'consolidated.00.pth'}: ") and "params.json" not in msg
+
+
+def test_the_cli_names_a_bad_meta_shard_and_a_bad_params_field(meta_dir, tmp_path, inputs, capsys):
+    d = _meta_copy(meta_dir, tmp_path)
+    torch.save([1, 2], d / "consolidated.00.pth")
+    assert _cli_error(capsys, d, inputs).endswith("consolidated.00.pth: not a Meta checkpoint (a dict of tensor "
+                                                  "names to tensors), it holds a list")
+    d = _meta_copy(meta_dir, tmp_path / "b")
+    (d / "params.json").write_text(json.dumps({**json.loads((d / "params.json").read_text()), "multiple_of": 0}))
+    assert "params.json: multiple_of must be in 1 .." in _cli_error(capsys, d, inputs)
+
+
+# --- config.json: the family's fields and every rope_scaling field, by type, at load ------------------------
+
+QWEN_WINDOW = {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+BAD_HF = {
+    "model_type a list": ({"model_type": ["llama"]}, "unsupported model_type ['llama']"),
+    "layer_types of objects": ({**QWEN_WINDOW, "layer_types": [{"a": 1}]}, "layer_types must be a list of"),
+    "layer_types a number": ({**QWEN_WINDOW, "layer_types": 5}, "layer_types must be a list of"),
+    "max_window_layers a string": ({**QWEN_WINDOW, "max_window_layers": "x"}, "max_window_layers must be an integer"),
+    "use_sliding_window a string": ({**QWEN_WINDOW, "use_sliding_window": "false"},
+                                    "use_sliding_window must be true or false"),
+    "attention_bias a string": ({"attention_bias": "false"}, "attention_bias must be true or false"),
+    "rope type a list": ({"rope_parameters": {"rope_type": ["x"]}}, "unsupported rope_scaling type ['x']"),
+    "yarn original context a string": ({"rope_scaling": {**YARN, "original_max_position_embeddings": "x"}},
+                                       "rope_scaling.original_max_position_embeddings must be an integer"),
+    "yarn beta_fast a string": ({"rope_scaling": {**YARN, "beta_fast": "x"}}, "rope_scaling.beta_fast must be"),
+    "yarn beta_slow negative": ({"rope_scaling": {**YARN, "beta_slow": -1}}, "rope_scaling.beta_slow must be"),
+    "yarn attention_factor a string": ({"rope_scaling": {**YARN, "attention_factor": "y"}},
+                                       "rope_scaling.attention_factor must be"),
+    "yarn mscale a string": ({"rope_scaling": {**YARN, "mscale": "x", "mscale_all_dim": 1.0}},
+                             "rope_scaling.mscale must be"),
+    "yarn truncate a string": ({"rope_scaling": {**YARN, "truncate": "no"}}, "rope_scaling.truncate must be"),
+    "linear factor infinite": ({"rope_scaling": {"rope_type": "linear", "factor": float("inf")}},
+                               "rope_scaling.factor must be a finite number"),
+    "dynamic factor a bool": ({"rope_scaling": {"rope_type": "dynamic", "factor": True}},
+                              "rope_scaling.factor must be a finite number"),
+    "sliding_window past int64-safe": ({"model_type": "mistral", "sliding_window": 10**30},
+                                       "sliding_window must be a positive integer (at most 2147483647)"),
+}
+
+
+def _hf_copy(ckpt: Path, tmp_path: Path, change: dict) -> Path:
+    d = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **change}))
+    return d
+
+
+@pytest.mark.parametrize("case", list(BAD_HF))
+def test_every_bad_family_or_rope_field_is_refused_at_load_naming_it(ckpt, tmp_path, case):
+    change, word = BAD_HF[case]
+    d = _hf_copy(ckpt, tmp_path, change)
+    with pytest.raises(WeightsError) as e:
+        load_model(d)
+    assert _one_line(e, word).startswith(f"{d / 'config.json'}: ")
+
+
+def test_a_window_past_the_context_is_no_window(ckpt, tmp_path):
+    import minillama
+
+    replies = {}
+    for window in (None, 2**31 - 1):
+        d = _hf_copy(ckpt, tmp_path / str(window), {"model_type": "mistral", "sliding_window": window})
+        replies[window] = [r.token_ids for r in minillama.ask(minillama.load(d), "The bridge was built in 1932.",
+                                                              ["Who built it?"], max_new_tokens=3)]
+    assert replies[None] == replies[2**31 - 1]
+
+
+def test_the_cli_names_a_bad_rope_field(ckpt, tmp_path, inputs, capsys):
+    d = _hf_copy(ckpt, tmp_path, {"rope_scaling": {**YARN, "beta_fast": "x"}})
+    assert "config.json: rope_scaling.beta_fast must be a finite number >= 0, got 'x'" in _cli_error(capsys, d, inputs)
+
+
+# --- GGUF: metadata of the wrong type, and tokenizer ids and merges past the vocabulary ---------------------
+
+
+@pytest.fixture
+def gguf_values(monkeypatch):
+    """Metadata values to write in place of the writer's own: key -> (value, GGUFValueType[, sub type])."""
+    import gguf
+
+    values: dict = {}
+    write = gguf.GGUFWriter.add_key_value
+
+    def add_key_value(self, key, val, vtype, sub_type=None):
+        if key in values:
+            val, vtype, *sub = values[key]
+            sub_type = sub[0] if sub else None
+        return write(self, key, val, vtype, sub_type)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", add_key_value)
+    return values
+
+
+def _sp_tok(**change) -> dict:
+    return {**sp_gguf_tokenizer_metadata(sentencepiece_model()), **change}
+
+
+def _bpe_tok(**change) -> dict:
+    return {**gguf_tokenizer_metadata(byte_bpe_tokenizer()), **change}
+
+
+BAD_GGUF = {  # tokenizer values, metadata written in place of the writer's, extra keys, expected words
+    "sentencepiece bos past the tokens": ("sp", {"bos": 100000}, {}, {},
+                                          "tokenizer.ggml.bos_token_id 100000 is not a token id"),
+    "sentencepiece eos past the tokens": ("sp", {"eos": 100000}, {}, {},
+                                          "tokenizer.ggml.eos_token_id 100000 is not a token id"),
+    "gpt2 bos past the tokens": ("bpe", {"bos": 100000}, {}, {}, "tokenizer.ggml.bos_token_id 100000 is not a token id"),
+    "gpt2 merge of three tokens": ("bpe", {"merges": ["a b c", "zz"]}, {}, {},
+                                   "tokenizer.ggml.merges[0] 'a b c' is not two tokens joined by one space"),
+    "gpt2 merge of one token": ("bpe", {"merges": ["zz"]}, {}, {}, "tokenizer.ggml.merges[0] 'zz' is not two tokens"),
+    "token types short": ("bpe", {"types": [1, 1]}, {}, {}, "tokenizer.ggml.token_type has 2 entries for"),
+    "rope.dimension_count a string": ("bpe", {}, {"llama.rope.dimension_count": ("16", "STRING")}, {},
+                                      "llama.rope.dimension_count must be an integer >= 1, got '16'"),
+    "rope.dimension_count past the head": ("bpe", {}, {"llama.rope.dimension_count": (8, "UINT32")}, {},
+                                           "llama.rope.dimension_count 8 is not the head dim 16: partial RoPE"),
+    "key_length 0": ("bpe", {}, {}, {"llama.attention.key_length": 0},
+                     "llama.attention.key_length must be an integer >= 1, got 0"),
+    "head_count 0": ("bpe", {}, {"llama.attention.head_count": (0, "UINT32")}, {},
+                     "llama.attention.head_count must be an integer >= 1, got 0"),
+    "freq_base a string": ("bpe", {}, {"llama.rope.freq_base": ("x", "STRING")}, {},
+                           "llama.rope.freq_base must be a number, got 'x'"),
+}
+
+
+def _bad_gguf(path: Path, gguf_values: dict, case: str) -> Path:
+    from gguf import GGUFValueType
+
+    kind, tok_change, values, extra, _ = BAD_GGUF[case]
+    tok = _sp_tok(**tok_change) if kind == "sp" else _bpe_tok(**tok_change)
+    gguf_values.update({k: (v, GGUFValueType[t]) for k, (v, t) in values.items()})
+    config = tiny_config(vocab=len(tok["tokens"]))
+    return write_gguf(path, config, random_state_dict(config), tok, extra=extra)
+
+
+@pytest.mark.parametrize("case", list(BAD_GGUF))
+def test_every_bad_gguf_value_is_one_line_naming_the_key(tmp_path, gguf_values, case):
+    path = _bad_gguf(tmp_path / "m.gguf", gguf_values, case)
+    with pytest.raises(WeightsError) as e:
+        load_model(path)
+    assert _one_line(e, BAD_GGUF[case][-1]).startswith(f"{path}: ")
+
+
+def test_the_cli_names_a_gguf_tokenizer_id_past_the_tokens(tmp_path, gguf_values, inputs, capsys):
+    path = _bad_gguf(tmp_path / "m.gguf", gguf_values, "gpt2 bos past the tokens")
+    assert "m.gguf: tokenizer.ggml.bos_token_id 100000 is not a token id" in _cli_error(capsys, path, inputs)
+
+
+# --- a chat_template.jinja that is not UTF-8 text -------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", [b"{{ messages }}\xff\xfe", None], ids=["not UTF-8", "a directory"])
+def test_an_unreadable_chat_template_jinja_is_one_line_naming_it(ckpt, tmp_path, inputs, capsys, content):
+    d = Path(shutil.copytree(ckpt, tmp_path / "ckpt"))
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if content is None:
+        (d / "chat_template.jinja").mkdir()
+    else:
+        (d / "chat_template.jinja").write_bytes(content)
+    with pytest.raises(WeightsError) as e:
+        load_model(d)
+    assert _one_line(e).startswith(f"{d / 'chat_template.jinja'}: not a readable UTF-8 file")
+    assert "chat_template.jinja: not a readable UTF-8 file" in _cli_error(capsys, d, inputs)
+
+
+# --- paths that are not checkpoints: an empty path, a fifo, a symlink loop ---------------------------------
+
+
+def _weights_error(capsys, *args: str) -> str:
+    from minillama.weights.cli import main
+
+    code = main(list(args))
+    return one_line_error((code, capsys.readouterr().err))
+
+
+@pytest.mark.parametrize("args", [("info", ""), ("convert", "SRC", ""), ("convert", "", "OUT")],
+                         ids=["info", "convert to", "convert from"])
+def test_an_empty_path_is_refused_by_the_weights_tool(ckpt, tmp_path, capsys, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)  # were "" the working directory, a conversion would write here
+    args = [str(ckpt) if a == "SRC" else str(tmp_path / "out") if a == "OUT" else a for a in args]
+    assert "an empty" in _weights_error(capsys, *args) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink loop"])
+def test_a_path_that_is_not_a_checkpoint_says_what_it_is(tmp_path, capsys, inputs, kind):
+    path = tmp_path / "model"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "other", path)
+        os.symlink(path, tmp_path / "other")
+    with pytest.raises(WeightsError, match=re.escape(f"{path}: a {kind}")):
+        load_model(path)
+    assert f"model: a {kind}" in _weights_error(capsys, "info", str(path))
+    assert f"model: a {kind}" in _cli_error(capsys, path, inputs)  # a loop once read "no such file or directory"
