@@ -199,6 +199,10 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], para
     the bad one; PromptTooLong when a prompt does not fit in the context, found from the text's length
     where it can be (one pass over the input, not a tokenization of every question's prompt).
     """
+    if not (isinstance(model, LoadedModel) or (isinstance(model, tuple) and len(model) == 2
+                                               and isinstance(model[0], Llama))):
+        raise BadType(f"model must be what minillama.load returns (or a (Llama, tokenizer) pair), got "
+                      f"{type(model).__name__}")
     llama, tok = model
     check_options(mode=mode, system=system, chat_template=chat_template, parallel_size=parallel_size,
                   batch_docs=batch_docs, prefill_chunk=prefill_chunk)

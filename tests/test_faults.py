@@ -195,6 +195,10 @@ def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
     with pytest.raises(WeightsError, match="an empty path: give a checkpoint"):  # not the working directory
         api.load("")
     assert api.load(ckpt, dtype="bfloat16").llama.dtype == torch.bfloat16
+    for not_a_model in ("path/to/model", None, model.llama):  # once "too many values to unpack"
+        with pytest.raises(TypeError, match="model must be what minillama.load returns"):
+            api.ask(not_a_model, DOC, QUESTIONS[:1], max_new_tokens=1)
+    assert api.ask((model.llama, model.tokenizer), DOC, QUESTIONS[:1], max_new_tokens=1)  # a pair unpacks alike
     with pytest.raises(ValueError, match="first_question must hold one integer >= 0 for each of the 1 documents"):
         api.ask_many(model, [(DOC, QUESTIONS[:1])], max_new_tokens=1, first_question=[0.9])
 
