@@ -141,24 +141,31 @@ def longest_token(tokenizer: Any) -> int:
     return n
 
 
+def _measure(tokenizer: Any) -> tuple[Callable[[str], int], int] | None:
+    """(the characters of a text the tokenizer keeps, the most of them one token stands for x slack), or None
+    where the tokenizer cannot say: a text holds at least the first // the second tokens."""
+    if not hasattr(tokenizer, "id_to_token"):
+        return None
+    drop = dropped(tokenizer)
+    count = len if drop is None else lambda text: len(drop.sub("", text))
+    return count, longest_token(tokenizer) * NORMALIZATION_SLACK
+
+
 def fewest_tokens(tokenizer: Any, text: str) -> int:
     """The fewest tokens `text` can encode to, from its characters alone (0 where the tokenizer cannot say):
     what `too_long` counts, for one text (a server's prompt, refused before a megabyte is tokenized)."""
-    if not hasattr(tokenizer, "id_to_token"):
-        return 0
-    drop = dropped(tokenizer)
-    return len(text if drop is None else drop.sub("", text)) // (longest_token(tokenizer) * NORMALIZATION_SLACK)
+    measure = _measure(tokenizer)
+    return 0 if measure is None else measure[0](text) // measure[1]
 
 
 def too_long(tokenizer: Any, jobs: Sequence[tuple[str, Sequence[str]]], context: int) -> str | None:
     """Why some prompt cannot fit in `context` tokens, judged from character counts alone (one pass over
     the text); None when it may fit (then the tokenized prompts decide). Every token stands for at most
     `longest_token` characters, so a prompt holds at least (kept characters) / (that x slack) tokens."""
-    if not hasattr(tokenizer, "id_to_token"):
+    measure = _measure(tokenizer)
+    if measure is None:
         return None
-    per_token = longest_token(tokenizer) * NORMALIZATION_SLACK
-    drop = dropped(tokenizer)
-    count = len if drop is None else lambda text: len(drop.sub("", text))
+    count, per_token = measure
     for d, (doc, questions) in enumerate(jobs, 1):
         kept = count(doc)
         for k, q in enumerate(questions, 1):

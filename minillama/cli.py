@@ -272,9 +272,7 @@ def load_checkpoint(path: str | None, device: str, dtype: Any, shard=None, invar
         if compiled:
             step.check_compiler(model.llama.device)
         return model
-    except (WeightsError, TokenizerError) as e:
-        raise BadInput(one_line(f"--model {'(default)' if path is None else repr(str(path))}: {e}")) from None
-    except OSError as e:  # unreadable files
+    except (WeightsError, TokenizerError, OSError) as e:  # OSError: unreadable files
         raise BadInput(one_line(f"--model {'(default)' if path is None else repr(str(path))}: {e}")) from None
 
 

@@ -166,9 +166,9 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
                 raise BadInput(f"{args.prompt_ids}:{n}: {e}") from None
             except (ValueError, RecursionError):
                 obj = None
-            if isinstance(obj, dict) and set(obj) - {"prompt_ids", "doc"}:
-                raise BadInput(f"{args.prompt_ids}:{n}: unknown key {sorted(set(obj) - {'prompt_ids', 'doc'})[0]!r} "
-                               "(a line holds prompt_ids and doc)")
+            unknown = sorted(set(obj) - {"prompt_ids", "doc"}) if isinstance(obj, dict) else []
+            if unknown:
+                raise BadInput(f"{args.prompt_ids}:{n}: unknown key {unknown[0]!r} (a line holds prompt_ids and doc)")
             ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
             doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
             if not (isinstance(ids, list) and all(_is_int(i) for i in ids) and _is_int(doc) and doc >= 0):

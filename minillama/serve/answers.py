@@ -56,9 +56,10 @@ def token_name(tokenizer: Any, token: int, ids_as_tokens: bool) -> str:
     """How the log-probs name a token: its text (`Tokenizer.token_bytes`); "bytes:\\xe6\\x97" where its bytes
     are part of a character, as OpenAI's API names them (by their text alone two such tokens were both
     U+FFFD, and `top_logprobs`, keyed by name, lost one); "token_id:N" with return_tokens_as_token_ids."""
-    if ids_as_tokens:
-        return f"token_id:{token}"
-    raw = tokenizer.token_bytes(token)
+    return f"token_id:{token}" if ids_as_tokens else _named(tokenizer.token_bytes(token))
+
+
+def _named(raw: bytes) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -74,12 +75,13 @@ class Offsets:
         self.tok, self.skip_special, self.at = tokenizer, skip_special, 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def take(self, tokens: Sequence[int]) -> list[int]:
+    def take(self, tokens: Sequence[int], raws: Sequence[bytes]) -> list[int]:
+        """The offsets of `tokens`, whose bytes (`Tokenizer.token_bytes`) are `raws`."""
         out = []
-        for t in tokens:
+        for t, raw in zip(tokens, raws):
             out.append(self.at)
             if not (self.skip_special and not self.tok.decode([t], skip_special=True)):  # a skipped token adds none
-                self.at += len(self._utf8.decode(self.tok.token_bytes(t)))
+                self.at += len(self._utf8.decode(raw))
         return out
 
 
@@ -89,11 +91,12 @@ def completion_logprobs(tokenizer: Any, tokens: Sequence[int], lps: Sequence[flo
     """The completions API's logprobs object: tokens, token_logprobs, top_logprobs (name -> log-prob: the
     likelier where two tokens share a name) and text_offset (`offsets`: a stream's, carried from chunk to
     chunk; default: counted from 0), for `tokens` with their log-probs."""
-    names = [token_name(tokenizer, t, job.ids_as_tokens) for t in tokens]
+    raws = [tokenizer.token_bytes(t) for t in tokens]
+    names = [f"token_id:{t}" if job.ids_as_tokens else _named(raw) for t, raw in zip(tokens, raws)]
     top = None
     if job.top_k:
         top = [None if lp is None else _first_of_each(tokenizer, t, job.ids_as_tokens) for lp, t in zip(lps, tops)]
-    at = (offsets or Offsets(tokenizer, job.skip_special)).take(tokens)
+    at = (offsets or Offsets(tokenizer, job.skip_special)).take(tokens, raws)
     return {"tokens": names, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": at}
 
 
@@ -121,9 +124,11 @@ def chat_logprobs(tokenizer: Any, tokens: Sequence[int], lps: Sequence[float],
                   tops: Sequence[Sequence[tuple[int, float]]], job: Job) -> dict[str, Any]:
     """The chat API's logprobs object: one entry per token, with its top_logprobs."""
     def entry(t: int, lp: float) -> dict[str, Any]:
-        name = token_name(tokenizer, t, job.ids_as_tokens)  # bytes: the token's own, whole or part of a character
-        return {"token": name, "logprob": lp,
-                "bytes": list(name.encode("utf-8") if job.ids_as_tokens else tokenizer.token_bytes(t))}
+        if job.ids_as_tokens:
+            name = f"token_id:{t}"
+            return {"token": name, "logprob": lp, "bytes": list(name.encode("utf-8"))}
+        raw = tokenizer.token_bytes(t)  # the token's own bytes, whole characters or part of one
+        return {"token": _named(raw), "logprob": lp, "bytes": list(raw)}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
                         for t, lp, top in zip(tokens, lps, tops)]}

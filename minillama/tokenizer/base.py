@@ -173,7 +173,7 @@ class Tokenizer:
         """Where each message's text lies in the rendered chat `text`, in order: (its index, start, end). The
         pieces of template between the marks of the `skeleton` are matched against `text`, each message's
         text taken as it is or trimmed (what templates do with it)."""
-        pieces = re.split("\ue000(\\d+)\ue001", skeleton)  # template, message index, template, ...
+        pieces = _MARKS.split(skeleton)  # template, message index, template, ...
         spans: list[tuple[int, int, int]] = []
         pos = len(pieces[0])
         if not text.startswith(pieces[0]):
@@ -217,6 +217,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece (or byte-fallback BPE) byte token
+_MARKS = re.compile("\ue000(\\d+)\ue001")  # every `_mark` in a skeleton, its index captured
+
 
 def _mark(k: int) -> str:
     """Message k's stand-in in a chat's skeleton: private-use characters around its index."""

@@ -19,14 +19,12 @@ from .convert import _say, convert
 from .default import fetch_default
 from .gguf import _checked_gguf_config, gguf_metadata, open_gguf
 from .layout import WeightsError, expected_shapes
-from .read import detect_format, load_state_dict, load_tokenizer
+from .read import detect_format, given_path, load_state_dict, load_tokenizer
 
 
 def info(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds, without dequantizing: format, config, tensors, tokenizer."""
-    if str(path) == "" and not isinstance(path, Path):  # Path("") would be the working directory
-        raise WeightsError("an empty path: give a checkpoint (an HF or Meta directory or a .gguf file)")
-    p = Path(path)
+    p = given_path(path)
     fmt = detect_format(p)
     kinds: dict[str, int] = {}
     if fmt == "gguf":

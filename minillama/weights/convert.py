@@ -22,7 +22,7 @@ from minillama.files import make_dir, write_file
 from minillama.tokenizer import Tokenizer
 
 from .layout import StateDict, WeightsError, check_state_dict
-from .read import load_state_dict, load_tokenizer
+from .read import given_path, load_state_dict, load_tokenizer
 
 
 def _say(msg: str) -> None:
@@ -153,12 +153,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
     """Any supported checkpoint to an HF directory (GGUF tensors are written dequantized, float32).
     `out_dir` must be new or empty; `replace` lets it replace an earlier conversion (never anything else)."""
-    for what, given in (("source", src), ("output directory", out_dir)):
-        if isinstance(given, str) and given == "":  # Path("") would be the working directory
-            raise WeightsError(f"an empty {what} path: give "
-                               + ("a checkpoint (an HF or Meta directory or a .gguf file)" if what == "source"
-                                  else "a new or empty directory"))
-    src, out = Path(src), Path(out_dir)
+    src, out = given_path(src, "source path"), given_path(out_dir, "output directory path", "a new or empty directory")
     if src.exists() and out.exists() and (src.resolve() == out.resolve() or out.resolve() in src.resolve().parents):
         raise WeightsError(f"{out}: holds the source {src}; write the conversion to another directory")
     check_output_dir(out, replace)  # before the slow part

@@ -15,7 +15,7 @@ from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_m
 from .default import fetch_default
 from .gguf import read_gguf
 from .layout import StateDict, WeightsError, check_state_dict
-from .read import detect_format, load_state_dict, load_tokenizer, read_config
+from .read import CHECKPOINT, detect_format, given_path, load_state_dict, load_tokenizer, read_config
 from .shard import Slices
 
 
@@ -62,10 +62,7 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     shard: a tensor-parallel rank's (distributed/tp.py `sharding`): it shards a model skeleton (no weights,
     on the meta device) in place and returns the parts of the split tensors the rank keeps; only those
     parts are read (shard.py), and the model is built around them."""
-    if path == "":  # Path("") would be the working directory: never what an empty string meant
-        raise WeightsError("an empty path: give a checkpoint (an HF or Meta directory or a .gguf file), "
-                           "or none for the default model")
-    path = fetch_default() if path is None else Path(path)
+    path = fetch_default() if path is None else given_path(path, wants=f"{CHECKPOINT}, or none for the default model")
     if shard is not None:
         return _load_shard(path, device, dtype, shard)
     if detect_format(path) == "gguf":  # read the file once: the tokenizer is in its metadata

@@ -17,6 +17,17 @@ from .meta import _read_meta_dir, meta_config
 from .shard import Slices
 
 
+CHECKPOINT = "a checkpoint (an HF or Meta directory or a .gguf file)"
+
+
+def given_path(path: str | Path, what: str = "path", wants: str = CHECKPOINT) -> Path:
+    """`path` as a Path; WeightsError for an empty string, which Path would read as the working directory
+    (never what an empty string, an unset shell variable, meant)."""
+    if isinstance(path, str) and path == "":
+        raise WeightsError(f"an empty {what}: give {wants}")
+    return Path(path)
+
+
 def detect_format(path: str | Path) -> str:
     """"hf", "meta" or "gguf"; raises WeightsError for anything else."""
     p = Path(path)
