@@ -133,6 +133,63 @@ def test_a_message_may_carry_a_name_and_null_fields_and_errors_stay_short():
     assert len(e.value.body()["error"]["message"]) <= 500 and e.value.param == "seed"
 
 
+OFFSET_TEXT = st.lists(st.tuples(st.text(" aé日本😀\n", max_size=9), st.sampled_from([None, "bos", "eos"])), max_size=5)
+
+
+@settings(max_examples=120, deadline=None)
+@given(OFFSET_TEXT, st.booleans(), st.booleans())
+def test_text_offsets_are_where_each_token_starts_in_the_decoded_text(parts, spm, skip):
+    """answers.Offsets, which decodes each token after a few before it, agrees with decoding every prefix of
+    the answer: a sentencepiece word at the text's start (and after a control token) adds no space, a skipped
+    control token adds nothing, and the tokens of a character split over several start where it does (the
+    offsets summed each token's bytes, a sentencepiece answer's first space included: one past, from the
+    second token on). Text of characters split into bytes, with control tokens between, both tokenizers; an
+    echoed prompt's offsets likewise, its BOS at 0 adding nothing (it added its text, "<s>", which the
+    echoed prompt lacks)."""
+    from _ckpt_writers import sentencepiece_model
+    from minillama.serve.answers import Offsets, prompt_offsets
+    from minillama.tokenizer import SentencePieceTokenizer
+    from test_api import tiny_tokenizer
+
+    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
+        _SPM.setdefault("bpe", tiny_tokenizer())
+    ids: list[int] = []
+    for text, special in parts:
+        ids += tok.encode(text) + ({"bos": [tok.bos_id], "eos": tok.eos_ids[:1]}.get(special) or [])
+    half = len(ids) // 2  # two calls, as a stream's chunks come
+    offsets = Offsets(tok, skip, at=3)
+    got = offsets.take(ids[:half]) + offsets.take(ids[half:])
+    assert got == [3 + len(tok.decode(ids[:i], skip_special=skip).rstrip("\ufffd")) for i in range(len(ids))]
+    text = "".join(t for t, _ in parts)  # an echoed prompt: its BOS, which the text lacks, adds nothing
+    prompt = [tok.bos_id] + tok.encode(text)
+    assert prompt_offsets(tok, prompt, text) == \
+        [0] + [len(tok.decode(prompt[1:i]).rstrip("\ufffd")) for i in range(1, len(prompt))]
+
+
+_SPM: dict[str, Any] = {}
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(0, 299), max_size=24), st.booleans(), st.booleans())
+def test_text_offsets_of_any_tokens_stay_in_order_and_find_each_token(ids, spm, skip):
+    """Any tokens (bytes that never make a character, control tokens, pieces): the offsets never go back or
+    past the text, and a token of whole characters is found where its offset says (a sentencepiece word's
+    space aside, which the text's start drops)."""
+    from _ckpt_writers import sentencepiece_model
+    from minillama.serve.answers import Offsets
+    from minillama.tokenizer import SentencePieceTokenizer
+    from test_api import tiny_tokenizer
+
+    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
+        _SPM.setdefault("bpe", tiny_tokenizer())
+    text, got = tok.decode(ids, skip_special=skip), Offsets(tok, skip).take(ids)
+    assert got == sorted(got) and all(0 <= a <= len(text) for a in got)
+    for t, at in zip(ids, got):
+        own = tok.decode([t], skip_special=skip)
+        if "\ufffd" not in own:
+            assert text[at:].lstrip(" ").startswith(own.lstrip(" ")), (t, own, at, text)
+
+
 def ids_of(choice: dict[str, Any]) -> list[int]:
     return [int(t[9:]) for t in choice["logprobs"]["tokens"]]
 

@@ -5,7 +5,6 @@ bytes where it holds part of a character, with `text_offset` counted in the choi
 
 from __future__ import annotations
 
-import codecs
 from typing import Any, Sequence
 
 from .. import api
@@ -68,36 +67,53 @@ def _named(raw: bytes) -> str:
 
 class Offsets:
     """text_offset: where each token's text starts in the choice's text, in characters, counted on as the
-    tokens arrive (a stream's chunks go on where the last one ended, as the whole answer counts). A token
-    that ends a character started by the one before it starts where that character does."""
+    tokens arrive (a stream's chunks go on where the last one ended, as the whole answer counts), from `at`
+    (an echoed prompt's length, before the answer). Counted as the text decodes (`Tokenizer.decode`, after
+    the last `CONTEXT` tokens), so a sentencepiece word at the text's start (or after a control token) adds
+    no space and a skipped control token nothing; the tokens of a character split over several start where
+    it does, and bytes that make no character count as the U+FFFD the text shows for them."""
 
-    def __init__(self, tokenizer: Any, skip_special: bool = False):
-        self.tok, self.skip_special, self.at = tokenizer, skip_special, 0
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    CONTEXT = 8  # tokens before a token that it is decoded after
 
-    def take(self, tokens: Sequence[int], raws: Sequence[bytes]) -> list[int]:
-        """The offsets of `tokens`, whose bytes (`Tokenizer.token_bytes`) are `raws`."""
+    def __init__(self, tokenizer: Any, skip_special: bool = False, at: int = 0):
+        self.tok, self.skip_special, self.base = tokenizer, skip_special, at  # base: where `context` ends
+        self.context: list[int] = []
+        self.pending: list[int] = []  # tokens since, which end in part of a character
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special=self.skip_special)
+
+    def take(self, tokens: Sequence[int]) -> list[int]:
+        """The offsets of `tokens`, the next ones of the text."""
         out = []
-        for t, raw in zip(tokens, raws):
-            out.append(self.at)
-            if not (self.skip_special and not self.tok.decode([t], skip_special=True)):  # a skipped token adds none
-                self.at += len(self._utf8.decode(raw))
+        for t in tokens:
+            head, before = len(self._text(self.context)), self._text(self.context + self.pending)
+            self.pending.append(t)
+            text = self._text(self.context + self.pending)
+            part = "\ufffd" in self.tok.decode([t])  # the token holds part of a character
+            out.append(self.base + max(0, len(before.rstrip("\ufffd") if part else before) - head))
+            if not (part and text.endswith("\ufffd") and len(self.pending) < 4):  # a character: at most 4 bytes
+                self.base += max(0, len(text) - head)
+                self.context, self.pending = (self.context + self.pending)[-self.CONTEXT:], []
         return out
 
 
+def prompt_offsets(tokenizer: Any, prompt: Sequence[int], text: str) -> list[int]:
+    """text_offset of an echoed prompt's tokens in its `text`: as the prompt decodes, or, where the text
+    lacks the control tokens the tokenizer added (BOS), as it decodes without them; none past the text's end."""
+    skip = tokenizer.decode(prompt) != text
+    return [min(a, len(text)) for a in Offsets(tokenizer, skip).take(prompt)]
+
+
 def completion_logprobs(tokenizer: Any, tokens: Sequence[int], lps: Sequence[float | None],
-                        tops: Sequence[Sequence[tuple[int, float]]], job: Job,
-                        offsets: Offsets | None = None) -> dict[str, Any]:
+                        tops: Sequence[Sequence[tuple[int, float]]], job: Job, at: list[int]) -> dict[str, Any]:
     """The completions API's logprobs object: tokens, token_logprobs, top_logprobs (name -> log-prob: the
-    likelier where two tokens share a name) and text_offset (`offsets`: a stream's, carried from chunk to
-    chunk; default: counted from 0), for `tokens` with their log-probs."""
-    raws = [tokenizer.token_bytes(t) for t in tokens]
-    names = [f"token_id:{t}" if job.ids_as_tokens else _named(raw) for t, raw in zip(tokens, raws)]
+    likelier where two tokens share a name) and text_offset (`at`: `Offsets`), for `tokens` with their log-probs."""
     top = None
     if job.top_k:
         top = [None if lp is None else _first_of_each(tokenizer, t, job.ids_as_tokens) for lp, t in zip(lps, tops)]
-    at = (offsets or Offsets(tokenizer, job.skip_special)).take(tokens, raws)
-    return {"tokens": names, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": at}
+    return {"tokens": [token_name(tokenizer, t, job.ids_as_tokens) for t in tokens], "token_logprobs": list(lps),
+            "top_logprobs": top, "text_offset": at}
 
 
 def _first_of_each(tokenizer: Any, top: Sequence[tuple[int, float]], ids_as_tokens: bool) -> dict[str, float]:

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from ..api import LoadedModel
 from ..inputs import RepeatedKey, once_each
 from .engine import Choice, Engine, Event, QueueFull, Stopped
-from .answers import Offsets, Text, chat_logprobs, completion_logprobs, prompt_logprobs
+from .answers import Offsets, Text, chat_logprobs, completion_logprobs, prompt_logprobs, prompt_offsets
 from .schema import BadRequest, Job, Limits, parse
 
 RETRY_AFTER_S = 1  # what a 429 (a full queue) asks the client to wait
@@ -58,7 +58,9 @@ class _Choices:
                                           echo=job.prompt_rows, prompt_top_k=_prompt_top_k(job),
                                           logits_filter=job.logits_filter))
                 self.texts.append(Text(tok, app_state.stop_ids(job), job.stop, job.include_stop, job.skip_special))
-        self.offsets = [Offsets(tok, job.skip_special) for _ in self.seqs]  # a stream's text_offset, chunk to chunk
+        # text_offset, carried from chunk to chunk; an answer's starts after its echoed prompt
+        self.offsets = [Offsets(tok, job.skip_special, len(job.prompt_texts[i // job.n]) if job.echo else 0)
+                        for i in range(len(self.seqs))]
         self.tokens: list[list[int]] = [[] for _ in self.seqs]
         self.lps: list[list[float]] = [[] for _ in self.seqs]
         self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in self.seqs]
@@ -248,12 +250,13 @@ def _head(choices: _Choices, rid: str) -> dict[str, Any]:
             "created": int(time.time()), "model": choices.job.model}
 
 
-def _echo_part(choices: _Choices, i: int) -> tuple[str, list[int], list[float | None], list[list]]:
-    """Echo: the prompt's text, tokens, log-probs (None for the first) and top-k, before the answer."""
+def _echo_part(choices: _Choices, i: int) -> tuple[str, list[int], list[float | None], list[list], list[int]]:
+    """Echo: the prompt's text, tokens, log-probs (None for the first), top-k and text offsets, before the answer."""
     job = choices.job
-    p = job.prompts[i // job.n]
+    p, text = job.prompts[i // job.n], job.prompt_texts[i // job.n]
     plp = choices.prompt_lps[i] or [(None, None, [])] * len(p)
-    return job.prompt_texts[i // job.n], list(p), [x for x, _, _ in plp], [t[:job.top_k] for _, _, t in plp]
+    at = prompt_offsets(choices.state.model.tokenizer, p, text) if job.logprobs else []
+    return text, list(p), [x for x, _, _ in plp], [t[:job.top_k] for _, _, t in plp], at
 
 
 def _prompt_logprobs(choices: _Choices, i: int) -> list[Any] | None:
@@ -280,12 +283,13 @@ def _whole(choices: _Choices, rid: str) -> dict[str, Any]:
                 c["logprobs"] = chat_logprobs(tok, choices.tokens[i], choices.lps[i], choices.tops[i], job)
         else:
             toks, lps, tops = choices.tokens[i], list(choices.lps[i]), choices.tops[i]
+            at = choices.offsets[i].take(toks) if job.logprobs else []
             if job.echo:
-                ptext, ptoks, plps, ptops = _echo_part(choices, i)
-                answer, toks, lps, tops = ptext + answer, ptoks + toks, plps + lps, ptops + tops
+                ptext, ptoks, plps, ptops, pat = _echo_part(choices, i)
+                answer, toks, lps, tops, at = ptext + answer, ptoks + toks, plps + lps, ptops + tops, pat + at
             c = {"index": i, "text": answer, "logprobs": None, "finish_reason": choices.finish[i]}
             if job.logprobs:
-                c["logprobs"] = completion_logprobs(tok, toks, lps, tops, job)
+                c["logprobs"] = completion_logprobs(tok, toks, lps, tops, job, at)
             if job.prompt_logprobs is not None:
                 c["prompt_logprobs"] = _prompt_logprobs(choices, i)
         out.append(c)
@@ -316,12 +320,12 @@ async def _events(choices: _Choices, rid: str) -> AsyncIterator[str]:
                                      "logprobs": chat_logprobs(tok, toks, lps, tops, job) if job.logprobs else None,
                                      "finish_reason": ev.finish_reason}
             else:
+                at = choices.offsets[i].take(toks) if job.logprobs else []
                 if job.echo and not started[i]:
-                    ptext, ptoks, plps, ptops = _echo_part(choices, i)
-                    delta, toks, lps, tops = ptext + delta, ptoks + toks, plps + lps, ptops + tops
+                    ptext, ptoks, plps, ptops, pat = _echo_part(choices, i)
+                    delta, toks, lps, tops, at = ptext + delta, ptoks + toks, plps + lps, ptops + tops, pat + at
                 c = {"index": i, "text": delta, "finish_reason": ev.finish_reason,
-                     "logprobs": completion_logprobs(tok, toks, lps, tops, job, choices.offsets[i]) if job.logprobs
-                     else None}
+                     "logprobs": completion_logprobs(tok, toks, lps, tops, job, at) if job.logprobs else None}
             started[i] = True
             yield _sse({**_head(choices, rid), "choices": [c]})
     except BadRequest as e:
