@@ -13,7 +13,9 @@ from .schema import Job
 
 class Text:
     """A choice's text as its tokens arrive: only what can no longer change is released (an incomplete
-    UTF-8 character or the start of a stop string waits), and the end is `api.answer_text`'s cut."""
+    UTF-8 character or the start of a stop string waits), and the end is `api.answer_text`'s cut. The text
+    decoded so far is kept where it is whole, and only the tokens since are decoded (`decoded_after`): a
+    long stream costs each token a few tokens' decoding, not the whole answer's."""
 
     def __init__(self, tokenizer: Any, stop_ids: set[int], stop: Sequence[str], include_stop: bool = False,
                  skip_special: bool = False):
@@ -21,6 +23,7 @@ class Text:
         self.include_stop, self.skip_special = include_stop, skip_special
         self.ids: list[int] = []
         self.sent = ""
+        self.known, self.upto = "", 0  # the text of ids[:upto], which ends in a whole character
 
     def push(self, token: int | None, final: bool) -> str:
         if token is not None:
@@ -28,12 +31,35 @@ class Text:
         if final:
             text = api.answer_text(self.tok, self.ids, self.stop_ids, self.stop, self.include_stop, self.skip_special)
         else:
-            text = self.tok.decode(self.ids, skip_special=self.skip_special).rstrip("\ufffd")
+            text = self.known + decoded_after(self.tok, self.ids, self.upto, self.skip_special)
+            if not text.endswith("\ufffd"):
+                self.known, self.upto = text, len(self.ids)
+            text = text.rstrip("\ufffd")
             text = text[:len(text) - max((starts(text, s) for s in self.stop), default=0)]
         if not text.startswith(self.sent):
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+CONTEXT = 8  # tokens before a text's new tokens that they are decoded after
+
+
+def decoded_after(tokenizer: Any, ids: Sequence[int], start: int, skip_special: bool = False) -> str:
+    """What ids[start:] add to the text of ids[:start]: decoded after the `CONTEXT` tokens before `start` (more
+    where those decode to nothing), so that a sentencepiece word keeps the space it has inside a text, and
+    a character's bytes split at `start` come whole. The whole text is decoded where that text does not
+    begin with the context's own (a tokenizer whose decoding looks further back)."""
+    lo = max(0, start - CONTEXT)
+    head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
+    while not head and lo > 0:
+        lo = max(0, lo - CONTEXT)
+        head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
+    text = tokenizer.decode(ids[lo:], skip_special=skip_special)
+    if not text.startswith(head):
+        head, text = (tokenizer.decode(ids[:start], skip_special=skip_special),
+                      tokenizer.decode(ids, skip_special=skip_special))
+    return text[len(head):]
 
 
 def starts(text: str, stop: str) -> int:
@@ -68,33 +94,27 @@ def _named(raw: bytes) -> str:
 class Offsets:
     """text_offset: where each token's text starts in the choice's text, in characters, counted on as the
     tokens arrive (a stream's chunks go on where the last one ended, as the whole answer counts), from `at`
-    (an echoed prompt's length, before the answer). Counted as the text decodes (`Tokenizer.decode`, after
-    the last `CONTEXT` tokens), so a sentencepiece word at the text's start (or after a control token) adds
-    no space and a skipped control token nothing; the tokens of a character split over several start where
-    it does, and bytes that make no character count as the U+FFFD the text shows for them."""
-
-    CONTEXT = 8  # tokens before a token that it is decoded after
+    (an echoed prompt's length, before the answer). Counted as the text decodes (`decoded_after`), so a
+    sentencepiece word at the text's start (or after a control token) adds no space and a skipped control
+    token nothing; the tokens of a character split over several start where it does, and bytes that make
+    no character count as the U+FFFD the text shows for them."""
 
     def __init__(self, tokenizer: Any, skip_special: bool = False, at: int = 0):
-        self.tok, self.skip_special, self.base = tokenizer, skip_special, at  # base: where `context` ends
-        self.context: list[int] = []
-        self.pending: list[int] = []  # tokens since, which end in part of a character
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special=self.skip_special)
+        self.tok, self.skip_special, self.base = tokenizer, skip_special, at  # base: where ids[:upto] end
+        self.ids: list[int] = []
+        self.upto = 0  # the tokens since end in part of a character
 
     def take(self, tokens: Sequence[int]) -> list[int]:
         """The offsets of `tokens`, the next ones of the text."""
         out = []
         for t in tokens:
-            head, before = len(self._text(self.context)), self._text(self.context + self.pending)
-            self.pending.append(t)
-            text = self._text(self.context + self.pending)
+            before = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
+            self.ids.append(t)
+            text = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
             part = "\ufffd" in self.tok.decode([t])  # the token holds part of a character
-            out.append(self.base + max(0, len(before.rstrip("\ufffd") if part else before) - head))
-            if not (part and text.endswith("\ufffd") and len(self.pending) < 4):  # a character: at most 4 bytes
-                self.base += max(0, len(text) - head)
-                self.context, self.pending = (self.context + self.pending)[-self.CONTEXT:], []
+            out.append(self.base + len(before.rstrip("\ufffd") if part else before))
+            if not (part and text.endswith("\ufffd") and len(self.ids) - self.upto < 4):  # a character: <= 4 bytes
+                self.base, self.upto = self.base + len(text), len(self.ids)
         return out
 
 
