@@ -146,8 +146,11 @@ def _measure(tokenizer: Any) -> tuple[Callable[[str], int], int] | None:
     where the tokenizer cannot say: a text holds at least the first // the second tokens."""
     if not hasattr(tokenizer, "id_to_token"):
         return None
-    drop = dropped(tokenizer)
-    count = len if drop is None else lambda text: len(drop.sub("", text))
+    drop, norm = dropped(tokenizer), getattr(tokenizer, "normalized", None)
+
+    def count(text: str) -> int:  # what the normalizer leaves (StripAccents drops combining marks), less drops
+        text = norm(text) if norm is not None else text
+        return len(text) if drop is None else len(drop.sub("", text))
     return count, longest_token(tokenizer) * NORMALIZATION_SLACK
 
 

@@ -58,6 +58,16 @@ class Tokenizer:
         """The text of every control token `encode` turns into its id."""
         raise NotImplementedError
 
+    def normalized(self, text: str) -> str:
+        """`text` as the tokenizer's normalizer leaves it before splitting it into tokens (control tokens that
+        are matched after it are matched in this text): the text itself where it has none."""
+        return text
+
+    def strips(self, token: str) -> tuple[bool, bool]:
+        """Whether the control token `token` takes the whitespace on its left and on its right into itself
+        when `encode` meets it in a text (an HF added token's lstrip and rstrip)."""
+        return False, False
+
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         raise NotImplementedError
 
@@ -132,21 +142,37 @@ class Tokenizer:
         if lost:  # a template that skips a role (a system turn) would answer without the text given
             raise TokenizerError(f"{self.template_source}: the template does not write message {lost[0]}'s content "
                                  f"(role {messages[lost[0]].get('role')!r}): it would be lost")
-        specials = self.special_tokens()
-        if not any(isinstance(m.get("content"), str) and any(t in m["content"] for t in specials)
-                   for m in messages):
-            return self.encode(text)
         spans = self._message_spans(messages, text, skeleton)
+        if spans is None and len(text) < len(_MARKS.sub("", skeleton)) + sum(
+                len(messages[int(k)]["content"].strip()) for k in _MARKS.findall(skeleton)):
+            raise TokenizerError(f"{self.template_source}: the template writes less of the messages' content than "
+                                 "they hold (it cuts them, or leaves one out): the text given would be lost")
+        specials = self.special_tokens()
+
+        def writes_special(content: Any) -> bool:  # as written, or as the normalizer leaves it (NFKC: "＜" is "<")
+            return isinstance(content, str) and any(t in c for c in (content, self.normalized(content)) for t in specials)
+
+        if not any(writes_special(m.get("content")) for m in messages):
+            return self.encode(text)
+        if spans is None:  # a template that rewrites the text (`upper`): its control tokens cannot be told apart
+            raise TokenizerError(f"{self.template_source}: the template changes the message text; message text with "
+                                 "control tokens cannot be kept as text")
         # Runs of text between the template's markers are encoded whole (message text and template
-        # text together, as `encode` would), with control-token parsing off inside them.
+        # text together, as `encode` would), with control-token parsing off inside them; a marker that takes
+        # the whitespace beside it (`strips`) takes it here too.
         pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
         ids: list[int] = []
         run_start, pos = 0, 0
         for _, lo, hi in [*spans, (None, len(text), len(text))]:
             for m in pattern.finditer(text, pos, lo):  # markers in the template text before this message
-                ids += self.encode(text[run_start:m.start()], parse_special=False) if m.start() > run_start else []
+                left, right = self.strips(m.group(0))
+                run = text[run_start:m.start()]
+                run = run.rstrip() if left else run
+                ids += self.encode(run, parse_special=False) if run else []
                 ids += self.encode(m.group(0))
                 run_start = m.end()
+                while right and run_start < len(text) and text[run_start].isspace():
+                    run_start += 1
             pos = hi
         if run_start < len(text):
             ids += self.encode(text[run_start:], parse_special=False)
@@ -158,7 +184,11 @@ class Tokenizer:
         (`_message_spans`), not where its text last occurs: "|>" also ends the trailer "<|im_end|>"."""
         text = self.apply_chat_template(messages, False, **variables)
         skeleton = self._skeleton(messages, False, variables)
-        ends = [hi for k, _, hi in self._message_spans(messages, text, skeleton) if k == len(messages) - 1]
+        spans = self._message_spans(messages, text, skeleton)
+        if spans is None:
+            raise TokenizerError(f"{self.template_source}: the template changes the message text, so the end of the "
+                                 "final message cannot be found to continue it")
+        ends = [hi for k, _, hi in spans if k == len(messages) - 1]
         if not ends:
             raise TokenizerError("the chat template does not write the final message")
         return text[:ends[-1]]
@@ -169,26 +199,26 @@ class Tokenizer:
             [{**m, "content": _mark(k)} if isinstance(m.get("content"), str) else m for k, m in enumerate(messages)],
             add_generation_prompt, **variables)
 
-    def _message_spans(self, messages: list[dict[str, Any]], text: str, skeleton: str) -> list[tuple[int, int, int]]:
+    def _message_spans(self, messages: list[dict[str, Any]], text: str,
+                       skeleton: str) -> list[tuple[int, int, int]] | None:
         """Where each message's text lies in the rendered chat `text`, in order: (its index, start, end). The
         pieces of template between the marks of the `skeleton` are matched against `text`, each message's
-        text taken as it is or trimmed (what templates do with it)."""
+        text taken as it is or trimmed (what templates do with it). None where they do not match: the
+        template writes some message's text otherwise (cut, rewritten) or writes other text around it."""
         pieces = _MARKS.split(skeleton)  # template, message index, template, ...
         spans: list[tuple[int, int, int]] = []
         pos = len(pieces[0])
         if not text.startswith(pieces[0]):
-            raise TokenizerError("the chat template renders the messages in a way that cannot be matched "
-                                 "back to their text; message text with control tokens cannot be kept as text")
+            return None
         for k, after in zip(pieces[1::2], pieces[2::2]):
             content = messages[int(k)]["content"]
-            for v in dict.fromkeys((content, content.strip())):
+            for v in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
                 if text.startswith(v, pos) and text.startswith(after, pos + len(v)):
                     spans.append((int(k), pos, pos + len(v)))
                     pos += len(v) + len(after)
                     break
             else:
-                raise TokenizerError("the chat template changes the message text; message text with control "
-                                     "tokens cannot be kept as text")
+                return None
         return spans
 
     def _config_json(self) -> dict[str, Any]:
@@ -288,7 +318,17 @@ def _compile_template(source: str) -> Any:
                         raise SecurityError(f"a repetition past the sandbox's bound of {MAX_REPEAT:,} items")
             return super().call_binop(context, operator, left, right)
 
-    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}`, which marks what an assistant wrote (for training masks):
+        its body rendered as it is, as HF transformers renders it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

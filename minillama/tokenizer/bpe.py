@@ -75,6 +75,13 @@ class HFTokenizer(Tokenizer):
     def special_tokens(self) -> list[str]:
         return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
 
+    def normalized(self, text: str) -> str:
+        return text if self._tok.normalizer is None else self._tok.normalizer.normalize_str(text)
+
+    def strips(self, token: str) -> tuple[bool, bool]:
+        added = {t.content: t for t in self._tok.get_added_tokens_decoder().values()}.get(token)
+        return (False, False) if added is None else (bool(added.lstrip), bool(added.rstrip))
+
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 

@@ -158,7 +158,15 @@ def _check_config(cfg: dict[str, Any], path: Path) -> None:
 
 
 def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
-    """The chat template and where it was read from (the file and the field)."""
+    """The chat template and where it was read from (the file and the field): chat_template.jinja, which
+    comes before tokenizer_config.json's field as HF transformers takes them, then that field, then a
+    processor's chat_template.json."""
+    if (d / "chat_template.jinja").exists():
+        where = str(d / "chat_template.jinja")
+        try:
+            return (d / "chat_template.jinja").read_text(encoding="utf-8"), where
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{where}: not a readable UTF-8 file ({e})") from None
     t, where = cfg.get("chat_template"), f"{d / 'tokenizer_config.json'}, field chat_template"
     if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {x.get("name"): x.get("template") for x in t}
@@ -167,12 +175,6 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
                                  f"{', '.join(map(str, named))[:200]})")
         t = named["default"]
         where += "[default]"
-    if t is None and (d / "chat_template.jinja").exists():
-        where = str(d / "chat_template.jinja")
-        try:
-            t = (d / "chat_template.jinja").read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{where}: not a readable UTF-8 file ({e})") from None
     if t is None and (d / "chat_template.json").exists():
         where = f"{d / 'chat_template.json'}, field chat_template"
         t = _read_json(d / "chat_template.json").get("chat_template")
