@@ -131,6 +131,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     import torch
 
     from .distributed import parallel
+    from .distributed.dp import input_key
 
     t0 = time.perf_counter()
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
@@ -148,7 +149,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
         api.template_parts(loaded.tokenizer, args.system, args.chat_template)  # it renders, writing the text
         return read, loaded
 
-    jobs, model = here.agree(prepare)
+    jobs, model = here.agree(prepare, same=lambda done: input_key(done[0]))
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     n_questions = sum(len(q) for _, q in jobs)

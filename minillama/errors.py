@@ -119,8 +119,12 @@ def describe_os_error(e: OSError) -> str:
 
 
 def _rank() -> int:
-    """This process's rank under torchrun or --procs (0 alone); read from the environment torchrun sets."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's rank under torchrun or --procs, read from the environment torchrun sets; 0 alone (a
+    RANK left in the environment of a single process, or one that is no number, is not a rank)."""
+    try:
+        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    except ValueError:
+        return 0
 
 
 def run_command(body: Callable[[], int]) -> int:

@@ -195,6 +195,8 @@ def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
     (["--units", "2", "--tp", "4", "--procs", "4"], "--units 2: --tp 4 must divide it"),
     (["--procs", "0"], "--procs must be at least 1"),
     (["--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
+    (["--dist-timeout", "1e14", "--procs", "2"], "--dist-timeout must be a number of seconds > 0, from 0.001 to "),
+    (["--dist-timeout", "1e-9", "--procs", "2"], "--dist-timeout must be a number of seconds > 0, from 0.001 to "),
 ])
 def test_bad_distributed_options(ckpt, jobs, args, message):
     p = generate("--model", ckpt, "--input", jobs, *args)
@@ -301,6 +303,73 @@ def test_a_failing_rank_is_named_and_written_answers_stay(ckpt, tmp_path):
     # JSON Lines end at "\n" only: an answer may hold a raw U+2028 or U+0085, which splitlines() breaks at
     written = [(r["doc_index"], r["question_index"]) for r in map(json.loads, p.stdout.split("\n")[:-1])]
     assert written == order[:len(written)]  # whole lines, in input order, none after a gap
+
+
+def test_an_error_in_a_tensor_parallel_group_keeps_its_last_answer(ckpt, tmp_path):
+    """--procs 4 --tp 2, seqbatch outgrowing the context in the second group: both of its ranks fail; the one
+    that does not send answers reported too, and its report overtook the sending rank's last answer (rank 0
+    ends at the first report): one answer fewer than one process writes."""
+    path = tmp_path / "jobs.jsonl"
+    rows = [{"doc": "Paris is the capital of France.", "questions": ["What is it?", "Where?"]},
+            {"doc": "Paris is the capital of France. Again.", "questions": ["What is it?", "Where?"]},
+            {"doc": DOC, "questions": [f"Question number {i} about the bridge?" for i in range(40)]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ("--model", ckpt, "--input", path, "--json", "-n", "8", "--mode", "seqbatch")
+    one, four = generate(*args), generate(*args, "--tp", "2", procs=4)
+    assert one.returncode == four.returncode == 2, (one.stderr[-2000:], four.stderr[-2000:])
+    assert "seqbatch stream is longer than the model's context" in four.stderr.strip().splitlines()[-1]
+    assert one.stdout.count("\n") > 4 and four.stdout == one.stdout
+
+
+def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
+    """Under torchrun every rank reads the input itself. Where rank 1 read less of it (a file that changed, as
+    a pipe given as /dev/stdin gave each rank a part), every rank stops before any work, one line saying what
+    each read: they answered a mix of the two, some answers lost, exit 0. A pipe or a fifo is refused before
+    any rank starts (it was refused only as "-")."""
+    script = tmp_path / "short_rank.py"
+    script.write_text("import os, runpy, sys\n"
+                      "import minillama.cli as cli\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    read = cli.read_jobs\n"
+                      "    cli.read_jobs = lambda *a, **k: read(*a, **k)[:-1]\n"
+                      "sys.argv = ['minillama', *sys.argv[1:]]\n"
+                      "runpy.run_module('minillama', run_name='__main__')\n")
+    p = torchrun(2, str(script), "generate", "--model", str(ckpt), "--input", str(jobs), "--json", "-n", "2",
+                 timeout=300)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode != 0 and p.stdout == "", p.stderr[-3000:]  # torchrun's own status: 1
+    assert errors == [f"error: the ranks read different input (rank 0: {len(DOCS)} documents, {N_QUESTIONS} "
+                      f"questions; rank 1: {len(DOCS) - 1} documents, {N_QUESTIONS - len(QUESTIONS[:len(DOCS) + 1])} questions): "
+                      "every rank reads the input itself, so give files that do not change while the ranks start"]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    from minillama import cli
+    from minillama.errors import BadInput
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("WORLD_SIZE", "2")
+        m.setenv("RANK", "0")
+        with pytest.raises(BadInput, match="under torchrun every rank reads the input: give files, not '.*fifo'"):
+            cli.check_options(cli.build_parser().parse_args(["--model", str(ckpt), "--input", str(fifo)]))
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"RANK": "1"}, "error: --doc /nonexistent: no such file"),  # a RANK left over, no torchrun: not a rank
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "error: RANK='x' in the environment: a rank in 0..1 of WORLD_SIZE 2"),
+    ({"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc' in the environment: a number of processes >= 1"),
+    ({"WORLD_SIZE": "0"}, "error: WORLD_SIZE='0' in the environment: a number of processes >= 1"),
+])
+def test_torchruns_variables_left_in_the_environment_are_named(ckpt, tmp_path, env, message):
+    """A RANK left in a single process's environment silenced every error (only rank 0 speaks); a WORLD_SIZE
+    or RANK that is no number gave a traceback, and WORLD_SIZE=0 ran as one process."""
+    q = tmp_path / "q.txt"
+    q.write_text("Who?\n")
+    doc = "/nonexistent" if env == {"RANK": "1"} else str(tmp_path / "q.txt")
+    p = subprocess.run([sys.executable, "-m", "minillama", "generate", "--model", str(ckpt), "--doc", doc,
+                        "--questions", str(q)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr[-2000:]
+    assert p.stderr.startswith(message), p.stderr
 
 
 def test_a_killed_rank_ends_the_run_with_one_line(ckpt, tmp_path):

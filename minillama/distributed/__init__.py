@@ -15,9 +15,31 @@ from __future__ import annotations
 import os
 
 
+def _env_int(name: str, default: int) -> int | None:
+    """An integer torchrun sets in the environment; None where it is there but no integer."""
+    try:
+        return int(os.environ.get(name, str(default)))
+    except ValueError:
+        return None
+
+
 def launched() -> bool:
     """True in a process started by torchrun (or --procs) as one of several ranks."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return (_env_int("WORLD_SIZE", 1) or 1) > 1
+
+
+def check_world_env() -> int:
+    """The world size torchrun set (1 alone), or BadInput naming a WORLD_SIZE or RANK that no launcher sets."""
+    from ..errors import BadInput
+
+    size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    if size is None or size < 1:
+        raise BadInput(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment: a number of processes "
+                       ">= 1 (torchrun sets it); unset it, or start with torchrun or --procs")
+    if size > 1 and (rank is None or not 0 <= rank < size):
+        raise BadInput(f"RANK={os.environ.get('RANK')!r} in the environment: a rank in 0..{size - 1} of "
+                       f"WORLD_SIZE {size} (torchrun sets both); unset them, or start with torchrun or --procs")
+    return size
 
 
 def add_options(parser, procs: bool = True) -> None:
@@ -83,18 +105,36 @@ def check_options(args) -> None:
         v = getattr(args, name, None)
         if v is not None and v < 1:
             raise BadInput(f"--{name} must be at least 1, got {v}")
-    if not (args.dist_timeout > 0) or args.dist_timeout == float("inf"):
-        raise BadInput(f"--dist-timeout must be a number of seconds > 0, got {args.dist_timeout}")
+    if not MIN_TIMEOUT_S <= args.dist_timeout <= MAX_TIMEOUT_S:
+        raise BadInput(f"--dist-timeout must be a number of seconds > 0, from {MIN_TIMEOUT_S:g} to "
+                       f"{MAX_TIMEOUT_S:,}, got {args.dist_timeout}")
     procs = getattr(args, "procs", 1)
-    ranks = procs if procs > 1 else int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = procs if procs > 1 else check_world_env()
     started = f"--procs {procs}" if procs > 1 else None
     check_degrees(None, args.tp, args.units, ranks, started)
     if launched() and procs > 1:
         raise BadInput("--procs starts its own ranks; under torchrun, leave it out")
-    if launched() and "-" in (args.doc, args.questions, getattr(args, "input", None)):
-        raise BadInput("under torchrun every rank reads the input: give files, not '-' (or use --procs N)")
+    if launched():
+        for path in (args.doc, args.questions, getattr(args, "input", None)):
+            if path == "-" or (path and _stream(path)):
+                raise BadInput(f"under torchrun every rank reads the input: give files, not {path!r}, which "
+                               "each rank would read a different part of (or use --procs N)")
     if args.tp > 1 or args.units is not None:
         check_degrees(model_kv_heads(getattr(args, "model", None)), args.tp, args.units, ranks, started)
+
+
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 10**7  # a process group's timeout: in whole milliseconds, and in a timedelta
+
+
+def _stream(path: str) -> bool:
+    """A pipe, a terminal or another stream (/dev/stdin, a fifo): read once, by whichever process reads first."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # missing or unreadable: the reader names it
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode)
 
 
 def model_kv_heads(path: str | None) -> int:

@@ -13,6 +13,7 @@ the others; the process group's timeout bounds any wait in between.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -194,12 +195,20 @@ def end(error: BaseException) -> NoReturn:
     os._exit(code)
 
 
-def agree(world: World, prepare: Callable[[], Any]) -> Any:
+def input_key(jobs: Sequence[tuple[str, Sequence[str]]]) -> tuple[int, int, str]:
+    """What the ranks compare of the input each read: documents, questions and a digest of all of it."""
+    digest = hashlib.sha256(json.dumps(jobs, ensure_ascii=False).encode("utf-8", "surrogatepass")).hexdigest()
+    return len(jobs), sum(len(q) for _, q in jobs), digest[:16]
+
+
+def agree(world: World, prepare: Callable[[], Any], same: Callable[[Any], Any] | None = None) -> Any:
     """Run `prepare` (read the input, load the model, check the prompts' length) on every rank, then learn in
     one exchange whether any rank refused: before any work is shared, so that a refusal stops every rank at
     once rather than at the process group's timeout. Rank 0 says every refusal (one line; a message that
     every rank gave, once, as one process would); a refusing rank on another machine says its own there;
-    every other rank stops quietly. Returns what `prepare` returned."""
+    every other rank stops quietly. `same(result)`: what must be equal on every rank (`input_key`: the input
+    each read, which differs where they read a changing file), refused where it is not. Returns what
+    `prepare` returned."""
     if world.size == 1:
         return prepare()
     try:
@@ -208,11 +217,18 @@ def agree(world: World, prepare: Callable[[], Any]) -> Any:
         done, mine = None, one_line(str(e)) or type(e).__name__
     machine = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank; --procs runs on one machine
     said: list[Any] = [None] * world.size
-    dist.all_gather_object(said, (machine, mine), group=world.answers)
+    key = None if mine is not None or same is None else same(done)
+    dist.all_gather_object(said, (machine, mine, key), group=world.answers)
     refusals = {}  # message -> the ranks that gave it
-    for rank, (_, message) in enumerate(said):
+    for rank, (_, message, _) in enumerate(said):
         if message is not None:
             refusals.setdefault(message, []).append(rank)
+    keys = {k for _, m, k in said if m is None}
+    if not refusals and len(keys) > 1:
+        read = "; ".join(f"rank {r}: {k[0]} documents, {k[1]} questions" if isinstance(k, tuple) else f"rank {r}: {k}"
+                         for r, (_, _, k) in enumerate(said))
+        refusals[f"the ranks read different input ({read}): every rank reads the input itself, so give files "
+                 "that do not change while the ranks start"] = list(range(world.size))
     if not refusals:
         return done
     dist.destroy_process_group()  # every rank is here: leave together, before saying why

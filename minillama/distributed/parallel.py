@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -28,6 +29,9 @@ from .dp import Channel, Piece, agree, end, share_questions
 from .world import World, finish, init, single
 
 
+PEER_GRACE_S = 5.0  # how long a tensor-parallel peer leaves its group's sending rank to report an error first
+
+
 @dataclass
 class Here:
     world: World
@@ -35,9 +39,10 @@ class Here:
     kv_heads: int = 1
     _channel: Channel | None = field(default=None, repr=False)
 
-    def agree(self, prepare):
-        """`prepare()` on every rank, and every rank stops at once when one refuses (`dp.agree`)."""
-        return agree(self.world, prepare)
+    def agree(self, prepare, same=None):
+        """`prepare()` on every rank, and every rank stops at once when one refuses, or where `same` of what
+        it returned differs between the ranks (`dp.agree`)."""
+        return agree(self.world, prepare, same)
 
     def channel(self, jobs: Sequence[tuple[str, Sequence[str]]], share: Sequence[Piece], write) -> Channel:
         self._channel = Channel(self.world, jobs, share, write)
@@ -49,6 +54,11 @@ class Here:
         the one error runner's status (`dp.end`), its peers and the process group being past waiting for."""
         if self.world.size == 1 or self._channel is None:
             return
+        if not self.world.writes and not self.world.sends:
+            # A tensor-parallel peer of the rank that sends its group's answers: that rank meets the same error
+            # (the group runs as one) and reports it after its last answer, which this rank's report could
+            # overtake, rank 0 ending at the first. Said from here only where that rank did not say it first.
+            time.sleep(PEER_GRACE_S)
         if not self.world.writes and not isinstance(error, SaidElsewhere):
             message = " ".join(str(error).split()) or type(error).__name__
             self._channel.error(message, 2 if isinstance(error, OneLineError) else 1)
