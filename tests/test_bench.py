@@ -650,6 +650,66 @@ def test_bad_bench_options_are_one_line(tmp_path, capsys, argv, message):
     assert len(lines) == 1 and lines[0].startswith(message) and captured.out == ""
 
 
+def test_a_thread_count_past_the_cpus_is_one_line(tmp_path):
+    """--threads had no upper bound: 100000 ended the process (SIGSEGV, in a process of its own here) and
+    99999999999 was a traceback (torch.set_num_threads: Overflow when unpacking long)."""
+    from _faults import one_line_error, run_tool
+
+    from minillama.distributed.launch import usable_cpus
+
+    out = tmp_path / "o"
+    for argv in (["--shape", "tiny", "--tiny", "--threads", "100000"], ["--quick", "--threads", "99999999999"]):
+        line = one_line_error(run_tool("bench", *argv, "--out", out))
+        assert line.startswith(f"error: {' '.join(argv[-2:])}: more than the {usable_cpus()} CPUs"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", "tiny", "--device", "xyz"], "error: --device xyz: not a torch device"),
+    (["--shape", "tiny", "--device", "meta"], "error: --device meta: not usable here"),
+    (["--shape", "tiny", "--tp", "3"], "error: --tp 3 needs a multiple of 3 ranks, got 1; start them with torchrun"),
+    (["--shape", "tiny", "--tp", "0"], "error: --tp must be at least 1, got 0"),
+    (["--shape", "tiny", "--tp", "-2"], "error: --tp must be at least 1, got -2"),
+    (["--quick", "--tp", "2"], "error: --tp 2: only the shape bench (--shape) runs tensor parallel"),
+])
+def test_device_and_tp_are_checked_before_any_work(tmp_path, capsys, argv, message):
+    """--device was not checked (xyz and meta were tracebacks) and --tp was taken as given: --tp 3 without
+    torchrun ran one process and recorded "tp": 3; 0 and -2 ran too; the task bench ignored --tp."""
+    from minillama.bench import main
+
+    out = tmp_path / "o"
+    assert main([*argv, "--tiny", "--repeats", "1", "--no-hf", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message) and captured.out == "", captured
+    assert not out.exists()  # refused before any work: not even --out was made
+
+
+def test_from_json_that_cannot_be_rendered_leaves_the_earlier_run_and_readme(tmp_path, capsys):
+    """--from-json wrote results.json and results.csv (and --readme its table) before finding that the file
+    lacked what the tables need (meta's preset): the earlier run in --out was overwritten."""
+    from minillama.bench import main
+    from minillama.bench.report import README_END, README_START
+
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = {"results.json": '{"meta": "MY EARLIER RUN"}\n', "results.csv": "a,b\n1,2\n", "summary.md": "# mine\n"}
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{README_START}\nmy table\n{README_END}\n")
+    no_preset = json.loads((ROOT / "docs" / "bench" / "results.json").read_text())
+    del no_preset["meta"]["preset"]  # the README's table renders; summary.md's title cannot
+    cases = {"empty.json": ({"meta": {}, "records": []}, []), "no_preset.json": (no_preset, ["--readme", str(readme)])}
+    for name, (data, extra) in cases.items():
+        (tmp_path / name).write_text(json.dumps(data))
+        assert main(["--out", str(out), "--from-json", str(tmp_path / name), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "a record lacks what the tables need (KeyError('preset'))" in err, err
+        assert {p.name: p.read_text() for p in out.iterdir()} == earlier, name
+        assert readme.read_text() == f"intro\n{README_START}\nmy table\n{README_END}\n"
+
+
 # The peak-memory checks run in a child process of their own: in the long test process, with the weights
 # mapped from files, a machine short of memory reclaims those file pages as fast as the block claims anonymous
 # ones, and the resident size need not rise at all (a CI run saw 0 bytes of the 200 MiB). A child holds

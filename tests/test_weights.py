@@ -477,6 +477,44 @@ def test_a_full_disk_leaves_the_earlier_conversion_as_it_was(tmp_path, config, s
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
 
 
+def test_convert_into_the_working_directory_given_as_dot(tmp_path, config, sd, bpe, capsys, monkeypatch):
+    """`convert SRC .` inside an empty directory (and `--force` inside an earlier conversion) writes there as
+    its absolute path does. Before, Path('.').name == '' put the temporary directories inside it, renaming
+    '.' aside failed (Device or resource busy) and a '..old-PID-...' directory was left in it for good."""
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    here = tmp_path / "here"
+    here.mkdir()
+    for extra in ([], ["--force"]):  # an empty directory, then the conversion just written
+        monkeypatch.chdir(here)
+        code, err = convert_cli(capsys, src, ".", *extra)
+        monkeypatch.chdir(tmp_path)  # `here` is a new directory now: the old one, the working one, is gone
+        assert code == 0, err
+        assert sorted(p.name for p in here.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                         "tokenizer_config.json"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "m.gguf"]  # nothing left beside it
+        assert torch.equal(load_state_dict(here)[1]["model.norm.weight"], sd["model.norm.weight"])
+
+
+def test_a_failed_rename_leaves_nothing_beside_the_output(tmp_path, config, sd, bpe, capsys, monkeypatch):
+    """When moving the earlier directory aside failed, the directory made to hold it was left beside it."""
+    import errno
+
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    out = tmp_path / "hf"
+    out.mkdir()
+    replace = os.replace
+
+    def busy(a, b):
+        if Path(a) == out and ".hf.old-" in str(b):
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return replace(a, b)
+
+    monkeypatch.setattr(os, "replace", busy)
+    code, err = convert_cli(capsys, src, out)
+    assert code == 2 and "Device or resource busy" in err and "hf is unchanged" in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"] and not any(out.iterdir())
+
+
 def dead_pid() -> int:
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     return int(p.stdout)

@@ -13,13 +13,14 @@ from typing import Sequence
 
 import torch
 
-from ..errors import BadInput, OneLineParser, run_command
+from ..distributed.launch import usable_cpus
+from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, make_dir, write_file
 from .llamacpp import available as llamacpp_available
 from .methods import METHODS
 from .presets import MANY_QUESTIONS, preset
 from .profile import _profile_main
-from .report import findings, headline_table, many_table, target_rows, update_readme, write_outputs
+from .report import findings, headline_table, many_table, readme_text, target_rows, write_outputs
 from .runner import run, setup
 from .shapes import SHAPES, TINY_SHAPE
 
@@ -61,6 +62,33 @@ def _counts(option: str, value: str) -> set[int]:
     return counts
 
 
+def _check_threads(threads: int | None) -> None:
+    """--threads within the CPUs this process may use: past them threads only take turns (and torch's
+    OpenMP runtime ends the process at 100,000 and overflows at 2**31)."""
+    _positive("--threads", threads)
+    cpus = usable_cpus()
+    if threads is not None and threads > cpus:
+        raise BadInput(f"--threads {threads}: more than the {cpus} CPUs this process may use "
+                       f"(at most --threads {cpus})")
+
+
+def _check_tp(a: argparse.Namespace) -> None:
+    """--tp as `minillama generate` checks it: at least 1, and above 1 only for --shape, in a world torchrun
+    started of a multiple of --tp ranks, --tp dividing the shape's KV heads."""
+    from ..distributed import check_degrees, check_world_env
+
+    _positive("--tp", a.tp)
+    if a.tp == 1:
+        return
+    if not a.shape:
+        raise BadInput(f"--tp {a.tp}: only the shape bench (--shape) runs tensor parallel; drop --tp")
+    world = check_world_env()
+    if world % a.tp:
+        raise BadInput(f"--tp {a.tp} needs a multiple of {a.tp} ranks, got {world}"
+                       + (f"; start them with torchrun --nproc-per-node {a.tp}" if world == 1 else ""))
+    check_degrees(SHAPES[a.shape].num_key_value_heads, a.tp, None, world)
+
+
 def _read_results(path: str) -> dict:
     """A results.json written by an earlier run, checked enough that rendering it cannot fail."""
     try:
@@ -97,7 +125,8 @@ def _main(argv: Sequence[str] | None) -> int:
                     f"({','.join(map(str, MANY_QUESTIONS))})")
     ap.add_argument("--repeats", type=int, help="repeats per method (medians are reported)")
     ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, help="torch threads, at most the CPUs this process may use (default: "
+                    "torch's choice)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of benchmarking: profile parallel and independent at the paper's configuration "
                          "(--doc-tokens to change the document) and write profile.md")
@@ -126,7 +155,7 @@ def _main(argv: Sequence[str] | None) -> int:
     a = ap.parse_args(argv)
     if a.readme and not a.from_json:
         ap.error("--readme needs --from-json RESULTS (the table is rendered from a saved run)")
-    _positive("--threads", a.threads)
+    _check_threads(a.threads)
     _positive("--repeats", a.repeats)
     _positive("--sample", a.sample, 0)
     _positive("--doc-tokens", a.doc_tokens)
@@ -139,21 +168,28 @@ def _main(argv: Sequence[str] | None) -> int:
     counts = _counts("--questions", a.questions) if a.questions else None
     only = _names("--only", a.only, SWEEPS, "sweep") if a.only else None
     methods = _names("--methods", a.methods, METHODS, "method") if a.methods else None
+    _check_tp(a)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput(f"--device {a.device}: no CUDA device here")
+    check_device(a.device)
     out = make_dir(a.out)  # an unwritable --out is found now, not after the run
     if a.shape:
         return _shape_main(a)
     if a.from_json:
-        data = _read_results(a.from_json)
+        data = _read_results(a.from_json)  # everything is rendered before anything is written
+        readme = None
         if a.readme:
             try:
-                changed = update_readme(Path(a.readme), data)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise BadInput(f"--readme {a.readme}: {e}") from None
-            print(f"{a.readme}: performance table {'updated' if changed else 'already up to date'}")
+                readme = readme_text(Path(a.readme), data)
+            except (OSError, ValueError, KeyError, TypeError, ArithmeticError, StopIteration) as e:
+                raise BadInput(f"--readme {a.readme}: {str(e) or repr(e)}") from None
         try:
             paths = write_outputs(out, data["records"], data["meta"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, ArithmeticError, StopIteration) as e:
             raise BadInput(f"--from-json {a.from_json}: a record lacks what the tables need ({e!r})") from None
+        if readme is not None:
+            write_file(a.readme, readme[1])
+            print(f"{a.readme}: performance table {'updated' if readme[1] != readme[0] else 'already up to date'}")
         print(headline_table(data["records"]) + "\n")
         print("\n".join(f"{t}: {v} ({m})" for t, v, m in target_rows(findings(data["records"]))))
         print("wrote", ", ".join(str(p) for p in paths))
@@ -251,8 +287,6 @@ def _shape_main(a: argparse.Namespace) -> int:
     from .device import dtype_table, shape_main, table
     from .parity import parity_table
 
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput(f"--device {a.device}: no CUDA device here")
     if a.compare_dtypes and a.tp > 1:
         raise BadInput("--compare-dtypes runs in one process; drop --tp")
     if a.parity and a.tp > 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -142,16 +143,16 @@ def target_rows(found: dict[str, Any], measured_only: bool = False) -> list[tupl
 
 
 def write_outputs(out: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
-    make_dir(out)
+    """results.json, results.csv, summary.md and the plots under `out`; the plot paths. Every file is made
+    before the first is written: records or meta that lack what the tables need (KeyError, TypeError, ...)
+    leave `out` as it was, an earlier run's files included."""
     found = findings(records)
-    write_file(out / "results.json", json_text({"meta": meta, "findings": found, "records": records},
-                                               indent=1, default=str) + "\n")
+    results = json_text({"meta": meta, "findings": found, "records": records}, indent=1, default=str) + "\n"
     keys = list(dict.fromkeys(k for r in records for k in r))
     csv_text = io.StringIO(newline="")
     w = csv.DictWriter(csv_text, fieldnames=keys)
     w.writeheader()
     w.writerows(records)
-    write_file(out / "results.csv", csv_text.getvalue())
     md = [f"# minillama bench ({meta['preset']})", "", f"commit {meta.get('commit', '?')}; model: {meta['model']}; GEMM "
           f"{meta['gemm_gflops']:.1f} GFLOP/s; threads {meta['threads']}", "", headline_table(records), "",
           "## Targets (measured, not asserted)", "", "| target | measured | |", "|---|---|---|"]
@@ -169,8 +170,13 @@ def write_outputs(out: Path, records: list[dict[str, Any]], meta: dict[str, Any]
                    f"{r['identical_to_independent']}/{r['checked_against_independent']} |" for r in rows]
     if any(r["sweep"] == "many" for r in records):
         md += ["", "## many: one document, many questions (Table 3 from 128)", "", many_table(records)]
-    write_file(out / "summary.md", "\n".join(md) + "\n")
-    return plot(out, records)
+    # The plots are drawn before anything is written, in a folder of their own inside `out` (its disk).
+    with tempfile.TemporaryDirectory(prefix=".plots.tmp-", dir=make_dir(out)) as scratch:
+        pngs = {p.name: p.read_bytes() for p in plot(Path(scratch), records)}
+    for name, data in {"results.json": results, "results.csv": csv_text.getvalue(), "summary.md": "\n".join(md) + "\n",
+                       **pngs}.items():
+        write_file(out / name, data)
+    return [out / name for name in pngs]
 
 
 def many_table(records: list[dict[str, Any]]) -> str:
@@ -274,13 +280,18 @@ def readme_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(path: Path, data: dict[str, Any]) -> bool:
-    """Replace the table between the README's markers; True if the file changed."""
+def readme_text(path: Path, data: dict[str, Any]) -> tuple[str, str]:
+    """The README's text, and that text with the table between its markers rendered from `data`."""
     text = path.read_text()
     if README_START not in text or README_END not in text:
         raise ValueError(f"{path}: no bench-table markers ({README_START!r} ... {README_END!r})")
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
-    new = f"{head}{README_START}\n{readme_table(data)}\n{README_END}{tail}"
+    return text, f"{head}{README_START}\n{readme_table(data)}\n{README_END}{tail}"
+
+
+def update_readme(path: Path, data: dict[str, Any]) -> bool:
+    """Replace the table between the README's markers; True if the file changed."""
+    text, new = readme_text(path, data)
     write_file(path, new)
     return new != text

@@ -99,10 +99,11 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
     floating tensors (default: keep them)."""
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    check_output_dir(out, replace)
+    given = Path(out_dir)
+    check_output_dir(given, replace)
     check_state_dict(config, {k: v for k, v in state_dict.items()
-                              if not (config.tie_word_embeddings and k == "lm_head.weight")}, out)
+                              if not (config.tie_word_embeddings and k == "lm_head.weight")}, given)
+    out = _named(given)
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
                for k, v in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     stored = {str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()}
@@ -111,7 +112,7 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
         _remove_leftovers(out.parent, out.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     except (OSError, CannotWrite) as e:
-        raise WeightsError(f"{out}: cannot write ({getattr(e, 'strerror', None) or e})") from None
+        raise WeightsError(f"{given}: cannot write ({getattr(e, 'strerror', None) or e})") from None
     try:
         cfg = {**config.to_dict(), "hidden_act": "silu",
                "torch_dtype": stored.pop() if len(stored) == 1 else "float32"}
@@ -126,11 +127,18 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
         _move_into_place(tmp, out)
     except (OSError, CannotWrite) as e:  # a full disk, a read-only folder: nothing of the new conversion is left
         why = e.reason if isinstance(e, CannotWrite) else e.strerror or e
-        raise WeightsError(f"{out}: cannot write the conversion ({why}); {out} is unchanged") from None
+        raise WeightsError(f"{given}: cannot write the conversion ({why}); {given} is unchanged") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return given
+
+
+def _named(out: Path) -> Path:
+    """`out` as an absolute path whose last part names the directory itself: `.`, `..` and `sub/..` resolved,
+    so that the directories written beside it (in its parent) are not inside it. A last part that is a link
+    is kept (check_output_dir refuses it)."""
+    return out.resolve() if out.name in ("", "..") else out.parent.resolve() / out.name
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -140,14 +148,16 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
-    os.replace(out, old / out.name)
     try:
-        os.replace(tmp, out)
-    except OSError:
-        os.replace(old / out.name, out)  # put the old one back
-        raise
+        os.replace(out, old / out.name)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            os.replace(old / out.name, out)  # put the old one back
+            raise
     finally:
-        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():  # in place, the new one or the old one put back: what is aside goes
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path:
