@@ -174,7 +174,8 @@ _SPM: dict[str, Any] = {}
 def test_text_offsets_of_any_tokens_stay_in_order_and_find_each_token(ids, spm, skip):
     """Any tokens (bytes that never make a character, control tokens, pieces): the offsets never go back or
     past the text, and a token of whole characters is found where its offset says (a sentencepiece word's
-    space aside, which the text's start drops)."""
+    space aside, which the text's start drops). Bytes that make no character before a split one: each
+    where its U+FFFD is, the split one where it starts (they were taken as one character's: one short)."""
     from _ckpt_writers import sentencepiece_model
     from minillama.serve.answers import Offsets
     from minillama.tokenizer import SentencePieceTokenizer
@@ -182,6 +183,9 @@ def test_text_offsets_of_any_tokens_stay_in_order_and_find_each_token(ids, spm, 
 
     tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
         _SPM.setdefault("bpe", tiny_tokenizer())
+    if spm:  # two bytes that make no character, then 睬 in three (E7 9D AC), then "<" (a byte is id 4 + its value)
+        lone = [4 + 0x90, 4 + 0x90, 4 + 0xE7, 4 + 0x9D, 4 + 0xAC, 4 + ord("<")]
+        assert Offsets(tok).take(lone) == [0, 1, 2, 2, 2, 3] and tok.decode(lone) == "\ufffd\ufffd睬<"
     text, got = tok.decode(ids, skip_special=skip), Offsets(tok, skip).take(ids)
     assert got == sorted(got) and all(0 <= a <= len(text) for a in got)
     for t, at in zip(ids, got):

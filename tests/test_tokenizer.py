@@ -402,15 +402,18 @@ def _edited(edit) -> HFTokenizer:
 
 
 @pytest.mark.parametrize("cut", ["m['content'][:40]", "m['content'] | truncate(60)",
-                                 "(m['content'] if m['content'] | length < 90 else 'long')"])
+                                 "(m['content'] if m['content'] | length < 90 else 'long')",
+                                 "(m['content'] if m['content'] | length < 90 else m['content'][:20] + ' [... the "
+                                 "middle of this message was left out ...] ' + m['content'][-20:])"])
 def test_a_template_that_cuts_a_message_is_refused(cut):
-    """A template that writes less of a message than it holds (a slice, `truncate`, a test on its length)
-    is refused: the document was answered cut, exit 0 (the checks rendered only short stand-ins). One that
-    rewrites the text but loses none of it (`upper`) is HF's rendering and stays."""
+    """A template that writes less of a message than it holds (a slice, `truncate`, a test on its length,
+    a note in place of its middle) is refused: the document was answered cut, exit 0 (the checks rendered
+    only short stand-ins). One that rewrites the text but loses none of it (`upper`) is HF's rendering and
+    stays."""
     doc = " ".join(f"word{i}" for i in range(40)) + " THE SECRET IS 42."
     tok = HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"],
                       chat_template=CHATML.replace("m['content']", cut))
-    with pytest.raises(TokenizerError, match="writes less of the messages' content than they hold"):
+    with pytest.raises(TokenizerError, match="does not write message 0's content whole \\(role 'user'\\): it cuts"):
         tok.encode_chat([{"role": "user", "content": doc}])
     assert tok.encode_chat([{"role": "user", "content": "short"}]) == \
         tok.encode(tok.apply_chat_template([{"role": "user", "content": "short"}]))

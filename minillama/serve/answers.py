@@ -5,6 +5,7 @@ bytes where it holds part of a character, with `text_offset` counted in the choi
 
 from __future__ import annotations
 
+import codecs
 from typing import Any, Sequence
 
 from .. import api
@@ -97,24 +98,27 @@ class Offsets:
     (an echoed prompt's length, before the answer). Counted as the text decodes (`decoded_after`), so a
     sentencepiece word at the text's start (or after a control token) adds no space and a skipped control
     token nothing; the tokens of a character split over several start where it does, and bytes that make
-    no character count as the U+FFFD the text shows for them."""
+    no character count as the U+FFFD the text shows for them. The text is taken as whole wherever the
+    tokens' bytes (`Tokenizer.token_bytes`) leave no character incomplete."""
 
     def __init__(self, tokenizer: Any, skip_special: bool = False, at: int = 0):
         self.tok, self.skip_special, self.base = tokenizer, skip_special, at  # base: where ids[:upto] end
         self.ids: list[int] = []
         self.upto = 0  # the tokens since end in part of a character
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # which bytes are still incomplete
 
     def take(self, tokens: Sequence[int]) -> list[int]:
         """The offsets of `tokens`, the next ones of the text."""
         out = []
         for t in tokens:
             before = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
-            self.ids.append(t)
-            text = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
             part = "\ufffd" in self.tok.decode([t])  # the token holds part of a character
             out.append(self.base + len(before.rstrip("\ufffd") if part else before))
-            if not (part and text.endswith("\ufffd") and len(self.ids) - self.upto < 4):  # a character: <= 4 bytes
-                self.base, self.upto = self.base + len(text), len(self.ids)
+            self.ids.append(t)
+            self._utf8.decode(self.tok.token_bytes(t))
+            if not self._utf8.getstate()[0]:  # no character left incomplete: what is decoded stays
+                self.base += len(decoded_after(self.tok, self.ids, self.upto, self.skip_special))
+                self.upto = len(self.ids)
         return out
 
 

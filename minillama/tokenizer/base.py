@@ -143,10 +143,14 @@ class Tokenizer:
             raise TokenizerError(f"{self.template_source}: the template does not write message {lost[0]}'s content "
                                  f"(role {messages[lost[0]].get('role')!r}): it would be lost")
         spans = self._message_spans(messages, text, skeleton)
-        if spans is None and len(text) < len(_MARKS.sub("", skeleton)) + sum(
-                len(messages[int(k)]["content"].strip()) for k in _MARKS.findall(skeleton)):
-            raise TokenizerError(f"{self.template_source}: the template writes less of the messages' content than "
-                                 "they hold (it cuts them, or leaves one out): the text given would be lost")
+        if spans is None:  # a template that rewrites the text (`upper`) may; one that cuts it (`[:50]`) may not
+            folded = text.casefold()
+            cut = [k for k, m in enumerate(messages)
+                   if isinstance(m.get("content"), str) and m["content"].strip().casefold() not in folded]
+            if cut:
+                raise TokenizerError(f"{self.template_source}: the template does not write message {cut[0]}'s "
+                                     f"content whole (role {messages[cut[0]].get('role')!r}): it cuts it, and the "
+                                     "text given would be lost")
         specials = self.special_tokens()
 
         def writes_special(content: Any) -> bool:  # as written, or as the normalizer leaves it (NFKC: "＜" is "<")
