@@ -49,19 +49,20 @@ class StopStrings:
     """`SamplingParams.stop` for stop strings: True once the decoded answer holds one of them. Decoding needs
     the tokenizer, which `SamplingParams.with_tokenizer` binds (`api.ask_many` does)."""
 
-    def __init__(self, strings: Sequence[str], tokenizer: Any = None):
-        self.strings, self.tokenizer = tuple(strings), tokenizer
+    def __init__(self, strings: Sequence[str], tokenizer: Any = None, skip_special: bool = False):
+        self.strings, self.tokenizer, self.skip_special = tuple(strings), tokenizer, skip_special
 
     def __call__(self, ids: list[int]) -> bool:
         if self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
-        # The whole answer so far, decoded: a stop string may span tokens, and the decoded text of a tail of
-        # ids is not always a tail of the decoded text (partial UTF-8, leading spaces).
-        text = self.tokenizer.decode(ids)
+        # The whole answer so far, decoded as its text is (control tokens left out where the text leaves them
+        # out: a server's skip_special_tokens): a stop string may span tokens, and the decoded text of a tail
+        # of ids is not always a tail of the decoded text (partial UTF-8, leading spaces).
+        text = self.tokenizer.decode(ids, skip_special=True) if self.skip_special else self.tokenizer.decode(ids)
         return any(s in text for s in self.strings)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StopStrings) and other.strings == self.strings
+        return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)
 
     def __repr__(self) -> str:
         return f"StopStrings({self.strings!r})"
@@ -119,11 +120,12 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         return self.stop.strings if isinstance(self.stop, StopStrings) else ()
 
-    def with_tokenizer(self, tokenizer: Any) -> "SamplingParams":
-        """These options with the stop strings' tokenizer bound (the same object when there are none)."""
+    def with_tokenizer(self, tokenizer: Any, skip_special: bool = False) -> "SamplingParams":
+        """These options with the stop strings' tokenizer bound (the same object when there are none), and
+        whether the answer's text leaves control tokens out (`api.answer_text`'s skip_special)."""
         if not self.stop_strings:
             return self
-        return replace(self, stop=StopStrings(self.stop_strings, tokenizer))
+        return replace(self, stop=StopStrings(self.stop_strings, tokenizer, skip_special))
 
 
 @dataclass

@@ -271,6 +271,27 @@ def test_log_probs_name_tokens_apart_by_their_bytes_and_offsets_count_the_text(m
     assert raw.decode("utf-8", "replace") == chat["message"]["content"]
 
 
+def test_a_stop_string_across_a_skipped_control_token_stops_the_answer(model):
+    """With skip_special_tokens, the text leaves control tokens out, so "b</s>a" reads "ba": the engine
+    sought stop strings in the text with them kept, went on past "ba", and the stream released text past the
+    cut that the whole answer's text made there. Only a, b and EOS allowed (EOS ignored), sampled hot."""
+    tok = model.tokenizer
+    a, b, eos = tok.encode("a"), tok.encode("b"), eos_of(model)[0]
+    body = {"prompt": "the", "max_tokens": 16, "temperature": 50.0, "logprobs": 0, "ignore_eos": True,
+            "return_tokens_as_token_ids": True, "allowed_token_ids": [*a, *b, eos], "skip_special_tokens": True,
+            "stop": ["ba"]}
+    spans = 0
+    with serving(model) as url, httpx.Client(timeout=60) as c:
+        for seed in range(8):
+            whole = post(c, url, {**body, "seed": seed})["choices"][0]
+            stream = streamed(c, url, {**body, "seed": seed})
+            ids = ids_of(whole)
+            assert "".join(stream["text"]) == whole["text"] and "ba" not in whole["text"], seed
+            assert "ba" not in tok.decode(ids[:-1], skip_special=True), (seed, ids)  # it stopped at the first
+            spans += any(ids[i:i + 3] == [*b, eos, *a] for i in range(len(ids)))
+    assert len(a) == len(b) == 1 and spans  # the case arose: "b", EOS, "a"
+
+
 def test_stop_token_ids_and_include_stop_str_in_output(model):
     tok = model.tokenizer
     prompt = tok.encode(PROMPT, add_special=True, parse_special=False)

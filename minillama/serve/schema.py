@@ -338,6 +338,8 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
                        ignore_eos=("ignore_eos", _default(body, "ignore_eos", False)),
                        stop_token_ids=("stop_token_ids", _default(body, "stop_token_ids", ())),
                        stop=("stop", _stop(body)))
+    skip_special = _bool(body, "skip_special_tokens", False)
+    params = params.with_tokenizer(tokenizer, skip_special)  # stop strings are sought in the text as written
     _ids(body, "stop_token_ids", limits)  # past the option table's check: also in the vocabulary
     min_p = _num(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
@@ -358,7 +360,7 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
                logprobs=logprobs, echo=echo, stream=stream, include_usage=bool((opts or {}).get("include_usage")),
                ids_as_tokens=_bool(body, "return_tokens_as_token_ids"), model=model_name, prompt_texts=texts,
                include_stop=_bool(body, "include_stop_str_in_output"),
-               skip_special=_bool(body, "skip_special_tokens", False),
+               skip_special=skip_special,
                prompt_logprobs=_int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS),
                logits_filter=row_filter(limits.vocab, params.temperature, min_p, allowed), echo_text=echo_text)
 
