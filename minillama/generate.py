@@ -53,13 +53,24 @@ class StopStrings:
         self.strings, self.tokenizer, self.skip_special = tuple(strings), tokenizer, skip_special
 
     def __call__(self, ids: list[int]) -> bool:
+        """Whether the answer `ids` holds a stop string, asked after each token (so none was there before the
+        last): its text as written (control tokens left out where the text leaves them out: a server's
+        skip_special_tokens), read at its end only. The last 4 tokens' text (all a character's bytes, which
+        may change the text before them) and the longest stop string's length before it, decoded after the
+        tokens before (`decoded_after`: a stop string may span tokens, and a tail of ids decoded alone is not
+        always a tail of the text), so a long answer does not decode all of itself at every token."""
         if self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
-        # The whole answer so far, decoded as its text is (control tokens left out where the text leaves them
-        # out: a server's skip_special_tokens): a stop string may span tokens, and the decoded text of a tail
-        # of ids is not always a tail of the decoded text (partial UTF-8, leading spaces).
-        text = self.tokenizer.decode(ids, skip_special=True) if self.skip_special else self.tokenizer.decode(ids)
-        return any(s in text for s in self.strings)
+        from .tokenizer.base import decoded_after
+
+        skip = self.skip_special
+        start = max(0, len(ids) - 4)
+        tail = decoded_after(self.tokenizer, ids, start, skip)
+        need, step = len(tail) + max(map(len, self.strings)), 8
+        while len(tail) < need and start > 0:
+            start, step = max(0, start - step), step * 2
+            tail = decoded_after(self.tokenizer, ids, start, skip)
+        return any(s in tail for s in self.strings)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)

@@ -222,6 +222,33 @@ def test_a_stream_releases_what_decoding_the_whole_answer_releases(parts, noise,
         assert stream.push(t, final=False) == want, (ids[:i + 1], want)
 
 
+@settings(max_examples=150, deadline=None)
+@given(OFFSET_TEXT, st.lists(st.integers(0, 299), max_size=12), st.booleans(), st.booleans(),
+       st.lists(st.text("ab 本😀", min_size=1, max_size=4), min_size=1, max_size=3))
+def test_stop_strings_read_at_the_answers_end_stop_where_the_whole_text_does(parts, noise, spm, skip, stops):
+    """generate.StopStrings decodes only the answer's end after each token (it decoded the whole answer: a
+    2,000-token answer cost seconds of host time): it first says stop at the token where the whole answer's
+    text first holds a stop string. Text of characters split into bytes with control tokens between, then
+    any tokens; both tokenizers, control tokens kept or left out."""
+    from _ckpt_writers import sentencepiece_model
+    from minillama.generate import StopStrings
+    from minillama.tokenizer import SentencePieceTokenizer
+    from test_api import tiny_tokenizer
+
+    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
+        _SPM.setdefault("bpe", tiny_tokenizer())
+    ids: list[int] = []
+    for text, special in parts:
+        ids += tok.encode(text) + ({"bos": [tok.bos_id], "eos": tok.eos_ids[:1]}.get(special) or [])
+    ids += noise
+    stop = StopStrings(stops, tok, skip)
+    for n in range(1, len(ids) + 1):
+        whole = tok.decode(ids[:n], skip_special=skip)
+        assert stop(ids[:n]) == any(s in whole for s in stops), (ids[:n], stops)
+        if stop(ids[:n]):
+            break
+
+
 def ids_of(choice: dict[str, Any]) -> list[int]:
     return [int(t[9:]) for t in choice["logprobs"]["tokens"]]
 

@@ -9,6 +9,7 @@ import codecs
 from typing import Any, Sequence
 
 from .. import api
+from ..tokenizer.base import decoded_after
 from .schema import Job
 
 
@@ -41,26 +42,6 @@ class Text:
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
-
-
-CONTEXT = 8  # tokens before a text's new tokens that they are decoded after
-
-
-def decoded_after(tokenizer: Any, ids: Sequence[int], start: int, skip_special: bool = False) -> str:
-    """What ids[start:] add to the text of ids[:start]: decoded after the `CONTEXT` tokens before `start` (more
-    where those decode to nothing), so that a sentencepiece word keeps the space it has inside a text, and
-    a character's bytes split at `start` come whole. The whole text is decoded where that text does not
-    begin with the context's own (a tokenizer whose decoding looks further back)."""
-    lo = max(0, start - CONTEXT)
-    head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
-    while not head and lo > 0:
-        lo = max(0, lo - CONTEXT)
-        head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
-    text = tokenizer.decode(ids[lo:], skip_special=skip_special)
-    if not text.startswith(head):
-        head, text = (tokenizer.decode(ids[:start], skip_special=skip_special),
-                      tokenizer.decode(ids, skip_special=skip_special))
-    return text[len(head):]
 
 
 def starts(text: str, stop: str) -> int:

@@ -241,6 +241,26 @@ class Tokenizer:
                 f"eos_ids={self.eos_ids}, chat_template={'yes' if self.chat_template else 'no'})")
 
 
+DECODE_CONTEXT = 8  # tokens before a text's new tokens that they are decoded after
+
+
+def decoded_after(tokenizer: Any, ids: Sequence[int], start: int, skip_special: bool = False) -> str:
+    """What ids[start:] add to the text of ids[:start]: decoded after the `DECODE_CONTEXT` tokens before `start`
+    (more where those decode to nothing), so that a sentencepiece word keeps the space it has inside a text, and
+    a character's bytes split at `start` come whole. The whole text is decoded where that text does not
+    begin with the context's own (a tokenizer whose decoding looks further back)."""
+    lo = max(0, start - DECODE_CONTEXT)
+    head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
+    while not head and lo > 0:
+        lo = max(0, lo - DECODE_CONTEXT)
+        head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
+    text = tokenizer.decode(ids[lo:], skip_special=skip_special)
+    if not text.startswith(head):
+        head, text = (tokenizer.decode(ids[:start], skip_special=skip_special),
+                      tokenizer.decode(ids, skip_special=skip_special))
+    return text[len(head):]
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """Byte-level BPE's pieces spell each byte as one printable character: itself where printable (33-126,
     161-172, 174-255), the others as 256, 257, ... in byte order. Character -> byte."""
