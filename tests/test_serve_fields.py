@@ -146,16 +146,10 @@ def test_text_offsets_are_where_each_token_starts_in_the_decoded_text(parts, spm
     second token on). Text of characters split into bytes, with control tokens between, both tokenizers; an
     echoed prompt's offsets likewise, its BOS at 0 adding nothing (it added its text, "<s>", which the
     echoed prompt lacks)."""
-    from _ckpt_writers import sentencepiece_model
     from minillama.serve.answers import Offsets, prompt_offsets
-    from minillama.tokenizer import SentencePieceTokenizer
-    from test_api import tiny_tokenizer
 
-    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
-        _SPM.setdefault("bpe", tiny_tokenizer())
-    ids: list[int] = []
-    for text, special in parts:
-        ids += tok.encode(text) + ({"bos": [tok.bos_id], "eos": tok.eos_ids[:1]}.get(special) or [])
+    tok = _tokenizer(spm)
+    ids = _ids(tok, parts)
     half = len(ids) // 2  # two calls, as a stream's chunks come
     offsets = Offsets(tok, skip, at=3)
     got = offsets.take(ids[:half]) + offsets.take(ids[half:])
@@ -169,6 +163,25 @@ def test_text_offsets_are_where_each_token_starts_in_the_decoded_text(parts, spm
 _SPM: dict[str, Any] = {}
 
 
+def _tokenizer(spm: bool) -> Any:
+    """The tests' sentencepiece tokenizer or byte-level BPE, built once."""
+    from _ckpt_writers import sentencepiece_model
+    from minillama.tokenizer import SentencePieceTokenizer
+    from test_api import tiny_tokenizer
+
+    if "spm" not in _SPM:
+        _SPM.update(spm=SentencePieceTokenizer(sentencepiece_model()), bpe=tiny_tokenizer())
+    return _SPM["spm" if spm else "bpe"]
+
+
+def _ids(tok: Any, parts: list[tuple[str, str | None]]) -> list[int]:
+    """Token ids of OFFSET_TEXT's parts: each text encoded, then its control token (BOS, EOS) if any."""
+    ids: list[int] = []
+    for text, special in parts:
+        ids += tok.encode(text) + ({"bos": [tok.bos_id], "eos": tok.eos_ids[:1]}.get(special) or [])
+    return ids
+
+
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.integers(0, 299), max_size=24), st.booleans(), st.booleans())
 def test_text_offsets_of_any_tokens_stay_in_order_and_find_each_token(ids, spm, skip):
@@ -176,13 +189,9 @@ def test_text_offsets_of_any_tokens_stay_in_order_and_find_each_token(ids, spm, 
     past the text, and a token of whole characters is found where its offset says (a sentencepiece word's
     space aside, which the text's start drops). Bytes that make no character before a split one: each
     where its U+FFFD is, the split one where it starts (they were taken as one character's: one short)."""
-    from _ckpt_writers import sentencepiece_model
     from minillama.serve.answers import Offsets
-    from minillama.tokenizer import SentencePieceTokenizer
-    from test_api import tiny_tokenizer
 
-    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
-        _SPM.setdefault("bpe", tiny_tokenizer())
+    tok = _tokenizer(spm)
     if spm:  # two bytes that make no character, then 睬 in three (E7 9D AC), then "<" (a byte is id 4 + its value)
         lone = [4 + 0x90, 4 + 0x90, 4 + 0xE7, 4 + 0x9D, 4 + 0xAC, 4 + ord("<")]
         assert Offsets(tok).take(lone) == [0, 1, 2, 2, 2, 3] and tok.decode(lone) == "\ufffd\ufffd睬<"
@@ -202,17 +211,10 @@ def test_a_stream_releases_what_decoding_the_whole_answer_releases(parts, noise,
     stream decoding the whole answer at each token): each token releases what decoding the whole answer so
     far releases, its incomplete character and the start of a stop string held back. Text of characters
     split into bytes with control tokens between, then any tokens (bytes that make no character)."""
-    from _ckpt_writers import sentencepiece_model
     from minillama.serve.answers import Text
-    from minillama.tokenizer import SentencePieceTokenizer
-    from test_api import tiny_tokenizer
 
-    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
-        _SPM.setdefault("bpe", tiny_tokenizer())
-    ids: list[int] = []
-    for text, special in parts:
-        ids += tok.encode(text) + ({"bos": [tok.bos_id], "eos": tok.eos_ids[:1]}.get(special) or [])
-    ids += noise
+    tok = _tokenizer(spm)
+    ids = _ids(tok, parts) + noise
     stream, sent = Text(tok, set(), [stop] if stop else [], skip_special=skip), ""
     for i, t in enumerate(ids):
         whole = tok.decode(ids[:i + 1], skip_special=skip).rstrip("\ufffd")
@@ -230,17 +232,10 @@ def test_stop_strings_read_at_the_answers_end_stop_where_the_whole_text_does(par
     2,000-token answer cost seconds of host time): it first says stop at the token where the whole answer's
     text first holds a stop string. Text of characters split into bytes with control tokens between, then
     any tokens; both tokenizers, control tokens kept or left out."""
-    from _ckpt_writers import sentencepiece_model
     from minillama.generate import StopStrings
-    from minillama.tokenizer import SentencePieceTokenizer
-    from test_api import tiny_tokenizer
 
-    tok = _SPM.setdefault("tok", SentencePieceTokenizer(sentencepiece_model())) if spm else \
-        _SPM.setdefault("bpe", tiny_tokenizer())
-    ids: list[int] = []
-    for text, special in parts:
-        ids += tok.encode(text) + ({"bos": [tok.bos_id], "eos": tok.eos_ids[:1]}.get(special) or [])
-    ids += noise
+    tok = _tokenizer(spm)
+    ids = _ids(tok, parts) + noise
     stop = StopStrings(stops, tok, skip)
     for n in range(1, len(ids) + 1):
         whole = tok.decode(ids[:n], skip_special=skip)
