@@ -372,6 +372,23 @@ def test_torchruns_variables_left_in_the_environment_are_named(ckpt, tmp_path, e
     assert p.stderr.startswith(message), p.stderr
 
 
+def test_a_rank_that_cannot_join_says_so(ckpt, jobs):
+    """A rank other than 0 whose rendezvous is not there (rank 0 never started, a port closed): it said
+    nothing of minillama's (only rank 0 speaks, and rank 0 was not there), exit 2."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    p = subprocess.run([sys.executable, "-m", "minillama", "generate", "--model", str(ckpt), "--input", str(jobs),
+                        "--dist-timeout", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert p.returncode == 2 and p.stdout == "", p.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1: cannot join the process group: "), p.stderr[-2000:]
+
+
 def test_a_killed_rank_ends_the_run_with_one_line(ckpt, tmp_path):
     """Rank 1 killed mid-run: the launcher names it, the exit is non-zero, nothing hangs, and what rank 0
     wrote before is whole lines of the one-process answers."""

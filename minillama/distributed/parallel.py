@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import BadInput, OneLineError, SaidElsewhere
+from ..errors import OneLineError, RankRefused, SaidElsewhere
 from ..generate import Stats
 from ..model import Llama
 from . import check_degrees, launched
@@ -97,8 +97,9 @@ def join(args: argparse.Namespace) -> Here:
         args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per rank
     try:
         return Here(init(args.tp, torch.device(args.device), args.dist_timeout))
-    except (RuntimeError, ValueError) as e:
-        raise BadInput(f"cannot join the process group: {(str(e).splitlines() or [''])[0]}") from None
+    except (RuntimeError, ValueError) as e:  # said by every rank that meets it: rank 0 may be the one not there
+        raise RankRefused(f"rank {os.environ.get('RANK', '?')}: cannot join the process group: "
+                          f"{(str(e).splitlines() or [''])[0]}") from None
 
 
 def load_device(args: argparse.Namespace, here: Here) -> str:
