@@ -118,13 +118,21 @@ def describe_os_error(e: OSError) -> str:
     return f"{e.filename}: {why}" if e.filename else f"cannot write the output ({why})"
 
 
+def world_env() -> tuple[int | None, int | None]:
+    """(WORLD_SIZE, RANK) as torchrun (or --procs) sets them: 1 and 0 where unset, None where no integer."""
+    def read(name: str, default: int) -> int | None:
+        try:
+            return int(os.environ.get(name, str(default)))
+        except ValueError:
+            return None
+    return read("WORLD_SIZE", 1), read("RANK", 0)
+
+
 def _rank() -> int:
-    """This process's rank under torchrun or --procs, read from the environment torchrun sets; 0 alone (a
-    RANK left in the environment of a single process, or one that is no number, is not a rank)."""
-    try:
-        return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    except ValueError:
-        return 0
+    """This process's rank under torchrun or --procs; 0 alone (a RANK left in the environment of a single
+    process, or one that is no number, is not a rank)."""
+    size, rank = world_env()
+    return (rank or 0) if (size or 1) > 1 else 0
 
 
 def run_command(body: Callable[[], int]) -> int:

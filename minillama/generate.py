@@ -33,6 +33,7 @@ from .cache import KVCache
 from .model import Llama
 from .sampling import sample_rows
 from .step import Pack
+from .tokenizer.base import decoded_after
 from .tokens import Answer, Chosen, Question, choose_tokens, take_tokens
 from .transfer import to_device
 
@@ -61,8 +62,6 @@ class StopStrings:
         always a tail of the text), so a long answer does not decode all of itself at every token."""
         if self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
-        from .tokenizer.base import decoded_after
-
         skip = self.skip_special
         start = max(0, len(ids) - 4)
         tail = decoded_after(self.tokenizer, ids, start, skip)

@@ -15,24 +15,18 @@ from __future__ import annotations
 import os
 
 
-def _env_int(name: str, default: int) -> int | None:
-    """An integer torchrun sets in the environment; None where it is there but no integer."""
-    try:
-        return int(os.environ.get(name, str(default)))
-    except ValueError:
-        return None
-
-
 def launched() -> bool:
     """True in a process started by torchrun (or --procs) as one of several ranks."""
-    return (_env_int("WORLD_SIZE", 1) or 1) > 1
+    from ..errors import world_env
+
+    return (world_env()[0] or 1) > 1
 
 
 def check_world_env() -> int:
     """The world size torchrun set (1 alone), or BadInput naming a WORLD_SIZE or RANK that no launcher sets."""
-    from ..errors import BadInput
+    from ..errors import BadInput, world_env
 
-    size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    size, rank = world_env()
     if size is None or size < 1:
         raise BadInput(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in the environment: a number of processes "
                        ">= 1 (torchrun sets it); unset it, or start with torchrun or --procs")

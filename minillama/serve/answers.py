@@ -85,21 +85,20 @@ class Offsets:
     def __init__(self, tokenizer: Any, skip_special: bool = False, at: int = 0):
         self.tok, self.skip_special, self.base = tokenizer, skip_special, at  # base: where ids[:upto] end
         self.ids: list[int] = []
-        self.upto = 0  # the tokens since end in part of a character
+        self.upto, self.since = 0, ""  # the tokens since ids[:upto] end in part of a character; their text
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # which bytes are still incomplete
 
     def take(self, tokens: Sequence[int]) -> list[int]:
         """The offsets of `tokens`, the next ones of the text."""
         out = []
         for t in tokens:
-            before = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
             part = "\ufffd" in self.tok.decode([t])  # the token holds part of a character
-            out.append(self.base + len(before.rstrip("\ufffd") if part else before))
+            out.append(self.base + len(self.since.rstrip("\ufffd") if part else self.since))
             self.ids.append(t)
             self._utf8.decode(self.tok.token_bytes(t))
+            self.since = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
             if not self._utf8.getstate()[0]:  # no character left incomplete: what is decoded stays
-                self.base += len(decoded_after(self.tok, self.ids, self.upto, self.skip_special))
-                self.upto = len(self.ids)
+                self.base, self.upto, self.since = self.base + len(self.since), len(self.ids), ""
         return out
 
 

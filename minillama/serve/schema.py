@@ -126,15 +126,16 @@ def _stop(body: dict) -> Any:
     return () if v is None else v
 
 
-def _sampling(tokenizer: Any, **fields: tuple[str, Any]) -> SamplingParams:
+def _sampling(tokenizer: Any, skip_special: bool, **fields: tuple[str, Any]) -> SamplingParams:
     """SamplingParams from the request's fields (SamplingParams field -> (the request's name, value)), each
-    checked by its row of the option table, so the refusal is the API's, naming the request's field."""
+    checked by its row of the option table, so the refusal is the API's, naming the request's field; its stop
+    strings sought in the text as written (`skip_special`: control tokens left out)."""
     for name, (asked, value) in fields.items():
         try:
             check_options(spell=lambda _, asked=asked: asked, **{name: value})
         except BadInput as e:
             raise BadRequest(str(e), asked) from None
-    return SamplingParams(**{name: value for name, (_, value) in fields.items()}).with_tokenizer(tokenizer)
+    return SamplingParams(**{name: value for name, (_, value) in fields.items()}).with_tokenizer(tokenizer, skip_special)
 
 
 def _ids(body: dict, name: str, limits: Limits) -> list[int] | None:
@@ -331,15 +332,14 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
         raise BadRequest(f"{name}: {longest} prompt tokens + {max_tokens} new ones exceed the model's context "
                          f"({limits.context})", name, code="context_length_exceeded")
     top_k_sampling = body.get("top_k")
-    params = _sampling(tokenizer, max_new_tokens=(name, max_tokens),
+    skip_special = _bool(body, "skip_special_tokens", False)
+    params = _sampling(tokenizer, skip_special, max_new_tokens=(name, max_tokens),
                        temperature=("temperature", _default(body, "temperature", 1.0)),
                        top_k=("top_k", 0 if top_k_sampling is None or _is(top_k_sampling, -1) else top_k_sampling),
                        top_p=("top_p", _default(body, "top_p", 1.0)), seed=("seed", _default(body, "seed", 0)),
                        ignore_eos=("ignore_eos", _default(body, "ignore_eos", False)),
                        stop_token_ids=("stop_token_ids", _default(body, "stop_token_ids", ())),
                        stop=("stop", _stop(body)))
-    skip_special = _bool(body, "skip_special_tokens", False)
-    params = params.with_tokenizer(tokenizer, skip_special)  # stop strings are sought in the text as written
     _ids(body, "stop_token_ids", limits)  # past the option table's check: also in the vocabulary
     min_p = _num(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
