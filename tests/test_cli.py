@@ -111,6 +111,23 @@ def test_parallel_equals_independent_several_documents(ckpt, files, sampling):
     assert par[0]["prompt_token_ids"] == api.prompt_ids(load_model(ckpt)[1], DOC, QUESTIONS[0])
 
 
+
+def test_every_entry_point_gives_the_command_lines_bits(ckpt, files):
+    """The command line, the Python API and so the server and the oracle (which load with `api.load`) issue
+    the products in the same units, the model's KV heads (2 here), and give the same log-probs to the bit:
+    an API-loaded model once kept one unit and differed from the command line in the last place."""
+    common = ["--model", ckpt, "--input", files["jsonl"], "--json", "--logprobs", "-n", "6"]
+    rows = json_lines(run_cli(*common, "--mode", "independent"))
+    model = api.load(ckpt)
+    assert model.llama.units == model.llama.config.num_key_value_heads == 2
+    jobs = [(DOC, QUESTIONS[:3]), (DOC2, QUESTIONS2), (DOC, QUESTIONS[3:])]
+    for mode in ("independent", "parallel"):
+        replies = [r for rs in api.ask_many(model, jobs, mode=mode, max_new_tokens=6) for r in rs]
+        assert [(r.token_ids, r.logprobs) for r in replies] == [(r["token_ids"], r["logprobs"]) for r in rows], mode
+    model.llama.units = 1  # the control: one unit, the products issued whole, other bits
+    one = [r for rs in api.ask_many(model, jobs, mode="independent", max_new_tokens=6) for r in rs]
+    assert [r.logprobs for r in one] != [r["logprobs"] for r in rows]
+
 def main_json(capsys, *args) -> list[dict]:
     """The CLI in this process (no interpreter start-up): its JSON Lines."""
     code = cli.main([str(a) for a in args])

@@ -48,7 +48,7 @@ def add_options(parser, procs: bool = True) -> None:
                         "the KV heads (default: 1)")
     d.add_argument("--units", type=int, metavar="U",
                    help="issue every product in U fixed shards of whole KV-head groups: every --tp dividing U "
-                        "gives the same bits (default: the KV heads when --tp > 1, else 1)")
+                        "gives the same bits (default: the KV heads, as in the API and the server)")
     d.add_argument("--dist-timeout", type=float, default=600, metavar="S",
                    help="seconds a rank waits for another before the run ends with an error (default: 600)")
 

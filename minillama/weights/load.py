@@ -22,7 +22,9 @@ from .shard import Slices
 def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.device = "cpu",
                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A minillama `Llama` holding these weights, in eval mode. The tensors are assigned, not copied,
-    so a float32 safetensors file loaded on CPU stays memory-mapped."""
+    so a float32 safetensors file loaded on CPU stays memory-mapped. Its products are issued in the default
+    units, one per KV head (`Llama.units`), as every entry point issues them: the command line, the API, the
+    server and the oracle give the same bits, and so does every tensor-parallel degree dividing the KV heads."""
     from minillama.model import Llama
 
     check_state_dict(config, {k: v for k, v in state_dict.items()
@@ -36,7 +38,8 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.column_major_().eval()
+    model.units = config.num_key_value_heads  # lays the weights out for the units (column_major_)
+    return model.eval()
 
 
 @contextlib.contextmanager
