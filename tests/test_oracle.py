@@ -563,6 +563,27 @@ def test_float_token_ids_in_a_safetensors_candidate_are_bad_input(ref, tmp_path,
     assert "q0.token_ids must be a 1-D integer tensor" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("bad", [-5, 2**63 - 1])
+def test_a_reference_token_id_outside_the_vocabulary_is_bad_input(ref, tmp_path, capsys, bad):
+    """A negative id read the logits row from its end: the step passed as a "near tie" against the true token."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    save(ref, tmp_path / "ref.safetensors")
+    tensors = load_file(str(tmp_path / "ref.safetensors"))
+    tensors["q0.token_ids"][0] = bad
+    with safe_open(str(tmp_path / "ref.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata=meta)
+    candidate_rows = [{"token_ids": q.token_ids, "logprobs": q.logprobs.tolist()} for q in ref.questions]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in candidate_rows))
+    assert main(["compare", "--reference", str(tmp_path / "bad.safetensors"), "--candidate",
+                 str(tmp_path / "c.jsonl")]) == 2
+    err = capsys.readouterr().err
+    vocab = ref.questions[0].logits.shape[1]
+    assert err.count("\n") == 1 and f"question 1: token_ids must be in 0 .. {vocab - 1}" in err and str(bad) in err
+
 def test_deeply_nested_prompt_ids_are_one_line(tiny, tmp_path, capsys):
     (tmp_path / "p.jsonl").write_text("[" * 100000 + "]" * 100000 + "\n")
     assert main(["export", "-m", str(tiny[2]), "--prompt-ids", str(tmp_path / "p.jsonl"),

@@ -294,3 +294,10 @@ def _check_question(q: QuestionRecord, where: str) -> None:
     if q.logprobs is not None and tuple(q.logprobs.shape) != (steps,):
         raise RecordError(f"{where}: logprobs must have one value per token id; got {tuple(q.logprobs.shape)} "
                           f"for {steps} token ids")
+    # A token id names a row of the vocabulary: a negative one would read from the row's end, a huge one fail.
+    vocab = q.logits.shape[1] if q.logits is not None and q.logits.shape[1] else 2**31
+    for key, ids in (("token_ids", q.token_ids), ("prompt_ids", q.prompt_ids or [])):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RecordError(f"{where}: {key} must be in 0 .. {vocab - 1}"
+                              f"{' (its logits rows)' if vocab < 2**31 else ''}; got {bad}")
