@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 import types
@@ -24,6 +25,7 @@ from minillama.oracle import (MinillamaBackend, Record, Tolerances, Transformers
 from minillama.oracle.__main__ import main
 from minillama.oracle.backends import BackendError, LlamaCppBackend
 from minillama.oracle.diff import diff_hidden
+from minillama.oracle.schema import RecordError
 from tiny import tiny_config, tiny_model
 
 LAYERS = 3
@@ -748,6 +750,50 @@ def test_openai_backend_reads_echoed_logprobs(tiny, ref, completions_server):
     with pytest.raises(BackendError, match="returned no prompt log-probs"):
         run_backend(ref, backend)
 
+
+
+class _Garbage:
+    """A server whose answers have another shape than the API's (`mangle` edits a true answer)."""
+
+    def __init__(self, tok, mangle):
+        self.true, self.mangle = _Completions(tok), mangle
+
+    def answer(self, body):
+        got = self.true.answer(body)
+        self.mangle(got)
+        return got
+
+
+@pytest.mark.parametrize("mangle, message", [
+    (lambda g: g.update(choices=["x"]), "no choices in the answer"),
+    (lambda g: g.pop("choices"), "no choices in the answer"),
+    (lambda g: g["choices"][0].update(logprobs=[1]), "choices[0].logprobs must be an object"),
+    (lambda g: g["choices"][0]["logprobs"].update(token_logprobs=["-1"] * 9), "token_logprobs must be a list of num"),
+    (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[["a"]] * 9), "top_logprobs must be a list of objects"),
+    (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"a": "-1"}] * 9), "top_logprobs must be a list of"),
+    (lambda g: g.update(usage=[1]), "usage must be an object of integer token counts"),
+    (lambda g: g["usage"].update(completion_tokens="1"), "usage must be an object of integer token counts"),
+    (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"token_id:99999999999": 0.0}] * 99),
+     "token_id:99999999999, past any vocabulary"),
+])
+def test_a_malformed_server_answer_is_named_in_one_line(tiny, ref, completions_server, mangle, message):
+    """Each once crashed the comparison (AttributeError, TypeError, ValueError, OverflowError)."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["server"] = _Garbage(tiny[1], mangle)
+    with pytest.raises(BackendError, match=re.escape(message)):
+        run_backend(ref, OpenAIBackend(url))
+
+
+def test_a_top_token_id_past_the_vocabulary_is_named(tiny, ref, completions_server):
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["server"] = _Garbage(tiny[1], lambda g: g["choices"][0]["logprobs"].update(
+        top_logprobs=[{"token_id:99999999": 0.0}] * len(g["choices"][0]["logprobs"]["token_logprobs"])))
+    with pytest.raises(RecordError, match="top log-probs name token id 99999999, outside the vocabulary"):
+        compare(ref, run_backend(ref, OpenAIBackend(url)))
 
 def test_openai_backend_names_a_server_that_is_not_there():
     from minillama.oracle.server import OpenAIBackend

@@ -230,3 +230,25 @@ def test_served_answers_on_a_kept_alive_connection_do_not_wait_for_delayed_acks(
             assert client.get(url + "/models").status_code == 200
             times.append(time.perf_counter() - t0)
     assert sorted(times)[5] < 0.02, times
+
+
+@pytest.mark.parametrize("reply, stream", [
+    ({"object": "text_completion"}, False),  # no choices
+    ({"choices": ["x"]}, False),
+    ({"choices": [{"text": "a", "logprobs": [1]}]}, False),
+    ({"choices": [{"index": -1, "text": "a"}]}, False),  # another choice's place
+    ("[" * 100000 + "]" * 100000, False),
+    ({"choices": [{"text": "a", "logprobs": {"tokens": [1]}}]}, True),
+])
+def test_a_malformed_answer_is_a_refusal_not_a_crash(reply, stream):
+    """The load check reads another server's answers: one of another shape is named (`Refused`, reported as the
+    request's failure), where it once raised KeyError, AttributeError or RecursionError."""
+    import httpx
+
+    from minillama.serve.client import Refused, ask
+
+    text = reply if isinstance(reply, str) else json.dumps(reply)
+    body = f"data: {text}\n\ndata: [DONE]\n\n" if stream else text
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
+    with pytest.raises(Refused, match="a malformed answer"):
+        ask(client, "http://server/v1", "/completions", {"prompt": "x", "stream": stream})

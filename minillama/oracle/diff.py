@@ -146,6 +146,9 @@ def _check_top_k(res: QuestionResult, lpr: torch.Tensor, cand: QuestionRecord, t
     overlap with the reference's, and whether it would pick another token than the reference's."""
     steps = min(len(cand.token_ids), lpr.shape[0])
     ids, lps = cand.top_ids[:steps], cand.top_logprobs[:steps]
+    if (ids >= lpr.shape[1]).any():
+        raise RecordError(f"question {res.index + 1}: the candidate's top log-probs name token id "
+                          f"{int(ids.max())}, outside the vocabulary (0 .. {lpr.shape[1] - 1})")
     known = ids >= 0
     if known.any():
         want = lpr[:steps].gather(1, ids.clamp(min=0))

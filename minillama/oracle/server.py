@@ -22,6 +22,7 @@ Only the standard library speaks HTTP here: the oracle needs no client package.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -89,7 +90,9 @@ class OpenAIBackend(Backend):
                 return e.code, text
         except (urllib.error.URLError, OSError) as e:
             raise BackendError(f"{self.url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
-        except ValueError:
+        except http.client.HTTPException as e:  # not HTTP, or a body shorter than its Content-Length
+            raise BackendError(f"{self.url}{path}: the server's answer is not HTTP ({type(e).__name__})") from None
+        except (ValueError, RecursionError):
             raise BackendError(f"{self.url}{path}: the server's answer is not JSON") from None
 
     def _first_model(self) -> str:
@@ -127,17 +130,10 @@ class OpenAIBackend(Backend):
         from .record import QuestionRecord
 
         ids, steps = list(prompt) + list(answer), len(answer)
-        got = self._complete(ids)
-        try:
-            choice = got["choices"][0]
-        except (KeyError, IndexError, TypeError):
-            raise BackendError(f"{self.url}/completions: no choices in the answer") from None
-        lp = choice.get("logprobs") or {}
-        token_lps, tops = lp.get("token_logprobs"), lp.get("top_logprobs")
+        choice, token_lps, tops, usage = _fields(self._complete(ids), f"{self.url}/completions")
         if not token_lps:
             raise BackendError(f"{self.url}: the server returned no prompt log-probs (echo + logprobs): a "
                                "teacher-forced comparison needs them")
-        usage = got.get("usage") or {}
         if self.text_prompts and usage.get("prompt_tokens") not in (None, len(ids)):
             raise BackendError(f"{self.url}: the server takes no token ids, and its tokenizer made "
                                f"{usage['prompt_tokens']} tokens of the prompt's text where the reference has "
@@ -146,7 +142,7 @@ class OpenAIBackend(Backend):
         if generated is None:
             generated = 0 if choice.get("finish_reason") == "stop" else 1
         end = len(token_lps) - generated
-        if end - steps < 0:
+        if end - steps < 0 or generated < 0:
             raise BackendError(f"{self.url}: {len(token_lps)} echoed log-probs for a prompt and answer of "
                                f"{len(ids)} tokens")
         chosen = token_lps[end - steps:end]  # log p(answer token s | prompt, answer[:s])
@@ -159,8 +155,7 @@ class OpenAIBackend(Backend):
             best = sorted((entry or {}).items(), key=lambda kv: -kv[1])[:self.top_k]
             top_texts.append([t for t, _ in best])
             for j, (text, value) in enumerate(best):
-                top_lps[s, j] = value
-                top_ids[s, j] = _id_of(text, self.ids_of_text)
+                top_lps[s, j], top_ids[s, j] = value, _id_of(text, self.ids_of_text, self.url)
         q = QuestionRecord(list(prompt), list(answer), logprobs=torch.tensor(chosen, dtype=torch.float32))
         if tops:
             q.top_ids, q.top_logprobs, q.top_texts = top_ids, top_lps, top_texts
@@ -168,6 +163,33 @@ class OpenAIBackend(Backend):
 
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         raise BackendError(f"{self.name}: a server gives log-probs, not logits rows")
+
+
+def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
+    """A completion's first choice, its echoed log-probs, their top log-probs and its usage, each checked to be
+    of the type read (a server's answer is its own: a wrong shape is named in one line, not met as a crash)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    choices = got.get("choices") if isinstance(got, dict) else None
+    if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+        raise BackendError(f"{where}: no choices in the answer (a list of objects)")
+    choice, usage = choices[0], got.get("usage") or {}
+    lp = choice.get("logprobs") or {}
+    token_lps, tops = (lp.get("token_logprobs"), lp.get("top_logprobs")) if isinstance(lp, dict) else (None, None)
+    checks = [(isinstance(lp, dict), "choices[0].logprobs must be an object"),
+              (token_lps is None or (isinstance(token_lps, list) and all(x is None or number(x) for x in token_lps)),
+               "logprobs.token_logprobs must be a list of numbers"),
+              (tops is None or (isinstance(tops, list) and all(
+                  t is None or (isinstance(t, dict) and all(isinstance(k, str) and number(v) for k, v in t.items()))
+                  for t in tops)), "logprobs.top_logprobs must be a list of objects of numbers"),
+              (isinstance(usage, dict) and all(usage.get(k) is None or (isinstance(usage[k], int) and number(usage[k]))
+                                               for k in ("prompt_tokens", "completion_tokens")),
+               "usage must be an object of integer token counts")]
+    bad = next((why for ok, why in checks if not ok), None)
+    if bad is not None:
+        raise BackendError(f"{where}: a malformed answer: {bad}")
+    return choice, token_lps, tops, usage
 
 
 def _message(got: Any) -> str:
@@ -178,10 +200,12 @@ def _message(got: Any) -> str:
     return " ".join(str(got).split())[:300]
 
 
-def _id_of(text: str, ids_of_text: dict[str, int]) -> int:
+def _id_of(text: str, ids_of_text: dict[str, int], url: str) -> int:
     """A top-k key's token id: vLLM names tokens "token_id:N" when asked (return_tokens_as_token_ids);
     others by text, which only a text that belongs to one token identifies. -1: unknown."""
     if text.startswith("token_id:") and text[9:].isdigit():
+        if int(text[9:]) >= 2**31:
+            raise BackendError(f"{url}: the server's top log-probs name {text}, past any vocabulary")
         return int(text[9:])
     return ids_of_text.get(text, -1)
 

@@ -95,7 +95,7 @@ def probe_server(client: Any, url: str, model: str | None, prompts: str = "auto"
             model = r.json()["data"][0]["id"]
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise BackendError(f"{url}: cannot reach the server ({type(e).__name__}: {e})") from None
-        except (ValueError, KeyError, IndexError, TypeError):
+        except (ValueError, RecursionError, KeyError, IndexError, TypeError):
             raise BackendError(f"{url}/models: no model listed; give the served model's name with --model") from None
     rng = random.Random(12345)
     ids = [rng.randrange(ID_LOW, ID_HIGH) for _ in range(12)]

@@ -49,8 +49,7 @@ def ask(client: Any, url: str, route: str, body: dict[str, Any]) -> list[dict[st
         r = client.post(url + route, json=body)
         if r.status_code != 200:
             raise Refused(f"HTTP {r.status_code}: {' '.join(r.text.split())[:300]}")
-        for c in r.json()["choices"]:
-            fold(got[c.get("index", 0)], c, chat)
+        _fold_all(got, r.text, chat)
         return got
     with client.stream("POST", url + route, json=body) as r:
         if r.status_code != 200:
@@ -59,6 +58,20 @@ def ask(client: Any, url: str, route: str, body: dict[str, Any]) -> list[dict[st
     if not lines or lines[-1] != "[DONE]":
         raise Refused(f"the stream ended without [DONE]: {lines[-3:]}")
     for line in lines[:-1]:
-        for c in json.loads(line).get("choices", []):
-            fold(got[c.get("index", 0)], c, chat)
+        _fold_all(got, line, chat, stream=True)
     return got
+
+
+def _fold_all(got: list[dict[str, Any]], text: str, chat: bool, stream: bool = False) -> None:
+    """Fold every choice of one answer (or streamed chunk) into `got`; an answer of another shape than the
+    API's (a server's own) raises `Refused` naming it, not an error of the reading."""
+    try:
+        payload = json.loads(text)
+        choices = payload.get("choices", []) if stream else payload["choices"]
+        for c in choices:
+            i = c.get("index", 0)
+            if not (isinstance(i, int) and 0 <= i < len(got)):
+                raise ValueError(f"choice index {i!r} of {len(got)}")
+            fold(got[i], c, chat)
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
+        raise Refused(f"a malformed answer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
