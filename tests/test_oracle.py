@@ -430,6 +430,9 @@ def _rewrite_manifest(src, dst, **changes) -> None:
      "notes.json: exists and is not a record's manifest, which export writes there"),
     (["compare", "--reference", "QUESTION_INTS", "--candidate", "REF"], "its manifest's questions must be a list of objects"),
     (["compare", "--reference", "MODEL_TEXT", "--candidate", "REF"], "its manifest's model must be an object"),
+    (["compare", "--reference", "BACKEND_INT", "--candidate", "REF"], "its manifest's backend must be a string; got 5"),
+    (["compare", "--reference", "COMMIT_INT", "--candidate", "REF"], "its manifest's minillama_commit must be a string"),
+    (["compare", "--reference", "REF", "--candidate", "VERSIONS_LIST"], "its manifest's versions must be an object"),
     (["compare", "--reference", "REF", "--candidate", "HUGE_LOGPROB"], "logprobs must be a list of numbers"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
@@ -439,11 +442,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args,
              "LATIN1": tmp_path / "latin1.jsonl", "EMPTY": tmp_path / "empty.jsonl", "TWICE": tmp_path / "twice.jsonl",
              "NEGDOC": tmp_path / "negdoc.jsonl", "EXTRA": tmp_path / "extra.jsonl",
              "NOTES": tmp_path / "notes.safetensors", "QUESTION_INTS": tmp_path / "qints.safetensors",
-             "MODEL_TEXT": tmp_path / "mtext.safetensors", "HUGE_LOGPROB": tmp_path / "huge.jsonl"}
+             "MODEL_TEXT": tmp_path / "mtext.safetensors", "HUGE_LOGPROB": tmp_path / "huge.jsonl",
+             **{k: tmp_path / f"{k.lower()}.safetensors" for k in ("BACKEND_INT", "COMMIT_INT", "VERSIONS_LIST")}}
     save(ref, files["REF"])
     (tmp_path / "notes.json").write_text("my notes\n")
     _rewrite_manifest(files["REF"], files["QUESTION_INTS"], questions=[1, 2, 3])
     _rewrite_manifest(files["REF"], files["MODEL_TEXT"], model="abc")
+    _rewrite_manifest(files["REF"], files["BACKEND_INT"], backend=5)  # each once a traceback
+    _rewrite_manifest(files["REF"], files["COMMIT_INT"], minillama_commit=12345)
+    _rewrite_manifest(files["REF"], files["VERSIONS_LIST"], versions=[1])
     files["HUGE_LOGPROB"].write_text(json.dumps({"token_ids": ref.questions[0].token_ids,
                                                  "logprobs": [10**400] + [0] * (STEPS - 1)}) + "\n")
     files["BAD"].write_text("{not json\n")

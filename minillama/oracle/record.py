@@ -233,6 +233,12 @@ def _manifest_parts(manifest: dict, p: Path) -> list[dict]:
     model = manifest.get("model")
     if model is not None and not (isinstance(model, dict) and isinstance(model.get("path"), (str, type(None)))):
         raise RecordError(f"{p}: its manifest's model must be an object whose path is a string")
+    for key in ("backend", "mode", "minillama_commit", "dtype", "device", "describe"):
+        if not isinstance(manifest.get(key), (str, type(None))):
+            raise RecordError(f"{p}: its manifest's {key} must be a string; got {json.dumps(manifest[key])[:40]}")
+    versions = manifest.get("versions", {})
+    if not (isinstance(versions, dict) and all(isinstance(v, (str, type(None))) for v in versions.values())):
+        raise RecordError(f"{p}: its manifest's versions must be an object of version strings")
     return described
 
 
