@@ -255,6 +255,23 @@ def test_hidden_states_in_two_records_locate_a_layer(tiny):
     c.questions[0].hidden[2] += 0.1  # the output of block 1
     (d,) = diff_hidden(ref, c, Tolerances())
     assert d.first_bad.name == "layers.1" and d.first_bad.layer == 1
+    c.questions[0].hidden = c.questions[0].hidden[:2]  # a part of the blocks: once compared as far as it went
+    with pytest.raises(RecordError, match=f"the reference holds hidden states of {LAYERS + 1} blocks"):
+        diff_hidden(ref, c, Tolerances())
+
+
+def test_hidden_states_of_another_shape_are_bad_input(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    _, model, _ = tiny
+    save(export(model, PROMPTS[:1], max_new_tokens=4, hidden=True), tmp_path / "ref.safetensors")
+    tensors = load_file(str(tmp_path / "ref.safetensors"))
+    tensors["q0.hidden"] = tensors["q0.hidden"].reshape(-1)  # once an IndexError
+    save_file(tensors, str(tmp_path / "flat.safetensors"))
+    assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
+                 str(tmp_path / "flat.safetensors"), "--layers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hidden must be (layers + 1, tokens, hidden size)" in err, err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -296,6 +296,10 @@ def diff_hidden(ref: Record, cand: Record, tol: Tolerances) -> list[LayerDiff | 
         if r.hidden is None or c.hidden is None or r.prompt_ids is None:
             out.append(None)
             continue
+        if (r.hidden.shape[0], r.hidden.shape[2]) != (c.hidden.shape[0], c.hidden.shape[2]):  # not a part of them
+            raise RecordError(f"question {len(out) + 1}: the reference holds hidden states of {r.hidden.shape[0]} "
+                              f"blocks (embeddings and layers) of width {r.hidden.shape[2]}, the candidate "
+                              f"{c.hidden.shape[0]} of width {c.hidden.shape[2]}")
         same = _first_difference(r.token_ids, c.token_ids)
         if same is None:
             same = min(len(r.token_ids), len(c.token_ids))

@@ -300,6 +300,8 @@ def _check_question(q: QuestionRecord, where: str) -> None:
     if q.logprobs is not None and tuple(q.logprobs.shape) != (steps,):
         raise RecordError(f"{where}: logprobs must have one value per token id; got {tuple(q.logprobs.shape)} "
                           f"for {steps} token ids")
+    if q.hidden is not None and q.hidden.dim() != 3:
+        raise RecordError(f"{where}: hidden must be (layers + 1, tokens, hidden size); got {tuple(q.hidden.shape)}")
     # A token id names a row of the vocabulary: a negative one would read from the row's end, a huge one fail.
     vocab = q.logits.shape[1] if q.logits is not None and q.logits.shape[1] else 2**31
     for key, ids in (("token_ids", q.token_ids), ("prompt_ids", q.prompt_ids or [])):
