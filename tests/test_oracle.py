@@ -837,3 +837,20 @@ def test_a_golden_file_comparison_loads_no_model_and_no_model_library(ref, tmp_p
             "print(code, sorted(heavy & {m.split('.')[0] for m in sys.modules}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr
+
+
+def test_export_reads_a_document_and_questions_as_the_command_line_does(tmp_path, capsys):
+    """An empty document was answered, and a U+2028 inside a question made two (a line ends at "\\n" only)."""
+    from _serve_harness import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "tiny")
+    (tmp_path / "doc.txt").write_text("The sky is blue.\n")
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "q.txt").write_text("What colour\u2028is the sky?\nWhy?\n")
+    out = tmp_path / "ref.safetensors"
+    base = ["export", "-m", str(path), "--questions", str(tmp_path / "q.txt"), "-n", "2", "-o", str(out)]
+    assert main([*base, "--doc", str(tmp_path / "empty.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the document is empty" in err, err
+    assert main([*base, "--doc", str(tmp_path / "doc.txt")]) == 0
+    assert [q.question for q in load(out).questions] == ["What colour\u2028is the sky?", "Why?"]

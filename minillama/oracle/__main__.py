@@ -28,7 +28,7 @@ from .. import distributed
 from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, write_file
 from ..generate import MODES
-from ..inputs import RepeatedKey, once_each
+from ..inputs import RepeatedKey, once_each, read_jobs
 from ..precision import DTYPES
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
@@ -185,14 +185,9 @@ def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
         return {"prompts": prompts, "docs": docs, "questions": None, "eos_ids": None}
     if bool(args.doc) != bool(args.questions):
         raise BadInput("--doc and --questions go together")
-    if args.doc:
-        try:
-            doc = Path(args.doc).read_text()
-            questions = [q.strip() for q in Path(args.questions).read_text().splitlines() if q.strip()]
-        except (OSError, UnicodeDecodeError) as e:
-            raise BadInput(f"cannot read the document or questions: {e}") from None
-        if not questions:
-            raise BadInput(f"{args.questions}: no questions")
+    if args.doc:  # read and checked as the command line reads them (a line ends at "\n" only, ...)
+        ((doc, questions),) = read_jobs(argparse.Namespace(input=None, doc=args.doc, questions=args.questions),
+                                        config.max_position_embeddings)
     else:
         doc, questions = EXAMPLE_DOC, EXAMPLE_QUESTIONS
     from ..api import build_prompts
