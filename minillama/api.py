@@ -200,7 +200,7 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], para
     where it can be (one pass over the input, not a tokenization of every question's prompt).
     """
     if not (isinstance(model, LoadedModel) or (isinstance(model, tuple) and len(model) == 2
-                                               and isinstance(model[0], Llama))):
+                                               and isinstance(model[0], Llama) and isinstance(model[1], Tokenizer))):
         raise BadType(f"model must be what minillama.load returns (or a (Llama, tokenizer) pair), got "
                       f"{type(model).__name__}")
     llama, tok = model

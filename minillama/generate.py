@@ -23,6 +23,7 @@ if __name__ == "__main__":  # `python -m minillama.generate`: the `generate` com
     sys.exit(main(["generate", *sys.argv[1:]]))
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -287,7 +288,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs), ("prefill_chunk", prefill_chunk)):
         if v is not None and (not options.is_int(v) or v < 1):
             raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")  # else answers come back empty
-    prompts, docs, streams = _checked(model, prompts, params, docs, streams, stats)
+    prompts, docs, streams = _checked(model, prompts, params, docs, streams, stats, eos_ids)
     if not prompts:
         return []
     eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
@@ -314,7 +315,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     return [q.answer for q in questions]
 
 
-def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, stats: Any
+def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, stats: Any, eos_ids: Any = None
              ) -> tuple[list[list[int]], list[Any], list[int] | None]:
     """`generate`'s arguments, each refused naming it (ValueError, TypeError) rather than met inside torch:
     the prompts as lists of ints in the vocabulary and shorter than the context, and one document and one
@@ -342,6 +343,14 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
             raise ValueError(f"{name} must name one for each of the {len(out)} prompts, got {repr(v)[:80]}")
     if streams is not None and not all(options.is_int(k) and k >= 0 for k in streams):
         raise ValueError(f"streams must be integers >= 0, got {repr(streams)[:80]}")
+    if docs is not None and not all(isinstance(d, Hashable) for d in docs):
+        raise options.BadType(f"docs must name each prompt's document (an integer), got {repr(docs)[:80]}")
+    for name, ids in (("eos_ids", eos_ids), ("stop_token_ids", params.stop_token_ids)):
+        if ids is not None and (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")
+                                or not all(options.is_int(t) for t in ids)):
+            raise options.BadType(f"{name} must be a list of integer token ids, got {repr(ids)[:80]}")
+        if name == "stop_token_ids" and not all(0 <= t < vocab for t in ids):  # an EOS id past it never comes
+            raise ValueError(f"{name} must be in 0 .. {vocab - 1} (the model's vocabulary), got {repr(ids)[:80]}")
     return out, [0] * len(out) if docs is None else list(docs), None if streams is None else list(map(int, streams))
 
 

@@ -195,12 +195,19 @@ def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
     with pytest.raises(WeightsError, match="an empty path: give a checkpoint"):  # not the working directory
         api.load("")
     assert api.load(ckpt, dtype="bfloat16").llama.dtype == torch.bfloat16
-    for not_a_model in ("path/to/model", None, model.llama):  # once "too many values to unpack"
+    for not_a_model in ("path/to/model", None, model.llama, (model.llama, None)):  # once "too many values to unpack"
         with pytest.raises(TypeError, match="model must be what minillama.load returns"):
             api.ask(not_a_model, DOC, QUESTIONS[:1], max_new_tokens=1)
     assert api.ask((model.llama, model.tokenizer), DOC, QUESTIONS[:1], max_new_tokens=1)  # a pair unpacks alike
     with pytest.raises(ValueError, match="first_question must hold one integer >= 0 for each of the 1 documents"):
         api.ask_many(model, [(DOC, QUESTIONS[:1])], max_new_tokens=1, first_question=[0.9])
+    # once accepted without a word (a stop id past the vocabulary, an EOS id as text) or an error of the reading
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in 0 \.\. 299 \(the model's vocabulary\)"):
+        api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=1, stop_token_ids=[10**9])
+    with pytest.raises(TypeError, match="eos_ids must be a list of integer token ids, got '2'"):
+        generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), eos_ids="2")
+    with pytest.raises(TypeError, match="docs must name each prompt's document"):
+        generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), docs=[[0]])
 
 
 BAD_JOBS = [

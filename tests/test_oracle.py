@@ -582,11 +582,12 @@ def test_float_token_ids_in_a_safetensors_candidate_are_bad_input(ref, tmp_path,
     from safetensors.torch import save_file
 
     save(ref, tmp_path / "ref.safetensors")
-    tensors = {f"q{i}.token_ids": torch.tensor(q.token_ids, dtype=torch.float32) for i, q in enumerate(ref.questions)}
-    save_file(tensors, str(tmp_path / "c.safetensors"))
-    assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
-                 str(tmp_path / "c.safetensors")]) == 2
-    assert "q0.token_ids must be a 1-D integer tensor" in capsys.readouterr().err
+    for dtype in (torch.float32, torch.complex64):  # complex: once a TypeError
+        tensors = {f"q{i}.token_ids": torch.tensor(q.token_ids, dtype=dtype) for i, q in enumerate(ref.questions)}
+        save_file(tensors, str(tmp_path / "c.safetensors"))
+        assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
+                     str(tmp_path / "c.safetensors")]) == 2
+        assert "q0.token_ids must be a 1-D integer tensor" in capsys.readouterr().err
 
 
 

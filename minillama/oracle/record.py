@@ -201,8 +201,8 @@ def _load_safetensors(p: Path) -> Record:
         raise RecordError(f"{p}: unknown tensor {unknown[0]!r} (expected q<i>.token_ids, .logits, .logprobs, "
                           f".prompt_ids, .hidden for questions 0 .. {count - 1})")
     for name, t in tensors.items():
-        if name.endswith(("token_ids", "prompt_ids")) and (t.dtype.is_floating_point or t.dtype == torch.bool
-                                                            or t.dim() != 1):
+        if name.endswith(("token_ids", "prompt_ids")) and (t.dtype.is_floating_point or t.dtype.is_complex
+                                                            or t.dtype == torch.bool or t.dim() != 1):
             raise RecordError(f"{p}: {name} must be a 1-D integer tensor; got {t.dtype} {tuple(t.shape)}")
     questions = []
     for i in range(count):
