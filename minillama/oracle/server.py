@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -168,8 +169,8 @@ class OpenAIBackend(Backend):
 def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
     """A completion's first choice, its echoed log-probs, their top log-probs and its usage, each checked to be
     of the type read (a server's answer is its own: a wrong shape is named in one line, not met as a crash)."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def number(v: Any) -> bool:  # an integer past a float's range is not one
+        return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
 
     choices = got.get("choices") if isinstance(got, dict) else None
     if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
