@@ -667,6 +667,13 @@ def test_presets_set_logit_and_logprob_tolerances_together(tiny, tmp_path, capsy
     # A minillama record against itself gets the exact preset, and passes it.
     assert main(["compare", "--reference", str(out), "--candidate", str(out)]) == 0
     assert "tolerance  preset exact:" in capsys.readouterr().out
+    # One exported at other product units holds other bits: fp32, not exact (once exact, and failed).
+    one = tmp_path / "one.safetensors"
+    assert main(["export", "-m", str(tiny[2]), "--prompt-ids", _write_prompts(tmp_path), "-n", "4", "--units", "1",
+                 "-o", str(one)]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--reference", str(out), "--candidate", str(one)]) == 0
+    assert "tolerance  preset fp32:" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("noise, constant, hint", [

@@ -383,8 +383,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _same_setup(ref: Record, cand: Record) -> bool:
-    """Two minillama records made alike (dtype, device, torch): they must hold the same bits."""
-    keys = ("dtype", "device")
+    """Two minillama records made alike (dtype, device, torch, product units: an export at other --units than
+    the default names them): they must hold the same bits."""
+    keys = ("dtype", "device", "units")
     return (all(ref.manifest.get(k) == cand.manifest.get(k) for k in keys)
             and (ref.manifest.get("versions") or {}).get("torch") == (cand.manifest.get("versions") or {}).get("torch"))
 
