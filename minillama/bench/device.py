@@ -87,7 +87,9 @@ def _sync(device: torch.device) -> None:
 
 def random_model(config: LlamaConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Any, dict]:
     """minillama's model with random weights drawn on the device (std 0.02, norms 1), and the state dict
-    (HF names) so that HF transformers can hold the very same tensors."""
+    (HF names) so that HF transformers can hold the very same tensors. Its products are issued whole (one
+    unit), as the shape bench's methods run, its figures since the first GPU run too; `parallel_units` runs
+    at the default units, the KV heads (`run`'s `units`)."""
     from ..model import Llama
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -101,7 +103,9 @@ def random_model(config: LlamaConfig, device: torch.device, dtype: torch.dtype, 
             sd[name] = torch.ones(shape, device=device, dtype=dtype)
         else:
             sd[name] = (torch.randn(shape, device=device, dtype=torch.float32, generator=g) * 0.02).to(dtype)
-    return build_model(config, dict(sd), device, dtype), sd
+    model = build_model(config, dict(sd), device, dtype)
+    model.units = 1
+    return model, sd
 
 
 def hf_model(config: LlamaConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Any:
