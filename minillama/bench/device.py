@@ -349,8 +349,7 @@ def shape_main(shape: str, device_name: str, dtype_name: str, tiny: bool, tables
         log(f"first compiled run of the headline (its compiles): {first_compile['compiled_first_run_s']:.1f} s")
     units_model = None
     if units and here is None:  # the same tensors, laid out for the units (their own graphs and layout)
-        units_model = build_model(config, dict(sd), device, dtype)
-        units_model.units = config.num_key_value_heads
+        units_model = build_model(config, dict(sd), device, dtype)  # at the default units, the KV heads
     checked = []
     if parity_check:
         sizes = dict(doc_tokens=40, questions=4, lengths=(2, 6), new_tokens=3) if tiny else {}

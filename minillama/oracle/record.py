@@ -27,7 +27,6 @@ import json
 import platform
 import re
 import subprocess
-import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Sequence
@@ -39,7 +38,7 @@ from ..generate import Answer, SamplingParams, generate, shared_prefix_length
 from ..inputs import json_objects
 from ..model import Llama
 from .backends import MinillamaBackend
-from .schema import QuestionRecord, Record, RecordError
+from .schema import QuestionRecord, Record, RecordError, is_number
 
 FORMAT = "minillama-oracle/1"
 META_KEY = "minillama-oracle"
@@ -281,12 +280,9 @@ def _ints(x: Any, key: str, where: str) -> list[int]:
 
 def _floats(x: Any, key: str, where: str, rows: bool = False) -> torch.Tensor:
     """A JSON list of numbers (rows=True: a list of equally long lists of numbers) as float32."""
-    def number(v: Any) -> bool:  # NaN and inf are a candidate's to give; an integer past a float is not a number
-        return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
-
     shape = "a list of lists of numbers, one per token id" if rows else "a list of numbers, one per token id"
-    ok = isinstance(x, list) and (all(isinstance(r, list) and all(number(v) for v in r) for r in x) if rows
-                                  else all(number(v) for v in x))
+    ok = isinstance(x, list) and (all(isinstance(r, list) and all(is_number(v) for v in r) for r in x) if rows
+                                  else all(is_number(v) for v in x))
     if not ok or (rows and len({len(r) for r in x}) > 1):
         raise RecordError(f"{where}: {key} must be {shape}")
     return torch.tensor(x, dtype=torch.float32) if x else torch.zeros((0, 0) if rows else (0,))

@@ -5,6 +5,7 @@ diff.py compares them; this module imports none of those, so all of them can imp
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,12 @@ from ..errors import OneLineError
 
 class RecordError(OneLineError):
     """A record or candidate file that cannot be read or does not fit the reference."""
+
+
+def is_number(v: Any) -> bool:
+    """A JSON number as a record or a server gives it: NaN and inf are theirs to give; an integer past a float's
+    range (or a bool) is not a number."""
+    return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -34,6 +33,7 @@ import torch
 
 from ..errors import BadInput
 from .backends import BACKENDS, Backend, BackendError
+from .schema import is_number
 
 
 
@@ -169,9 +169,6 @@ class OpenAIBackend(Backend):
 def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
     """A completion's first choice, its echoed log-probs, their top log-probs and its usage, each checked to be
     of the type read (a server's answer is its own: a wrong shape is named in one line, not met as a crash)."""
-    def number(v: Any) -> bool:  # an integer past a float's range is not one
-        return isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= sys.float_info.max)
-
     choices = got.get("choices") if isinstance(got, dict) else None
     if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
         raise BackendError(f"{where}: no choices in the answer (a list of objects)")
@@ -179,12 +176,13 @@ def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
     lp = choice.get("logprobs") or {}
     token_lps, tops = (lp.get("token_logprobs"), lp.get("top_logprobs")) if isinstance(lp, dict) else (None, None)
     checks = [(isinstance(lp, dict), "choices[0].logprobs must be an object"),
-              (token_lps is None or (isinstance(token_lps, list) and all(x is None or number(x) for x in token_lps)),
+              (token_lps is None or (isinstance(token_lps, list) and all(x is None or is_number(x) for x in token_lps)),
                "logprobs.token_logprobs must be a list of numbers"),
               (tops is None or (isinstance(tops, list) and all(
-                  t is None or (isinstance(t, dict) and all(isinstance(k, str) and number(v) for k, v in t.items()))
+                  t is None or (isinstance(t, dict) and all(isinstance(k, str) and is_number(v) for k, v in t.items()))
                   for t in tops)), "logprobs.top_logprobs must be a list of objects of numbers"),
-              (isinstance(usage, dict) and all(usage.get(k) is None or (isinstance(usage[k], int) and number(usage[k]))
+              (isinstance(usage, dict) and all(usage.get(k) is None
+                                               or (isinstance(usage[k], int) and is_number(usage[k]))
                                                for k in ("prompt_tokens", "completion_tokens")),
                "usage must be an object of integer token counts")]
     bad = next((why for ok, why in checks if not ok), None)
