@@ -246,6 +246,25 @@ def test_chat_template_renders_as_transformers(tmp_path):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])  # the template's file is the user's: one line
 
 
+@pytest.mark.parametrize("eos", [None, "<|im_end|>"])
+@pytest.mark.parametrize("bos", [None, "<|im_start|>"])
+def test_templates_see_the_special_tokens_tokenizer_config_gives_as_transformers(tmp_path, bos, eos):
+    from transformers import AutoTokenizer
+
+    tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer()))).save(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg.update(bos_token=bos, eos_token=eos, chat_template="<{{ bos_token }}|{{ eos_token }}>{{ messages[0].content }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    chat = [{"role": "user", "content": "hi"}]
+    tok = load_tokenizer(tmp_path)
+    assert tok.apply_chat_template(chat) == AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        chat, tokenize=False)  # a null "eos_token" renders as nothing, not as the first end id's text
+    assert tok.eos_ids == [2]  # generation still ends at the ids "eos_token_ids" gives
+    (tmp_path / "again").mkdir()
+    tok.save(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())["eos_token"] == eos
+
+
 def test_chat_template_sources_in_hf_directories(tmp_path):
     tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())))
     tok.save(tmp_path)

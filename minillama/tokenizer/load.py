@@ -88,6 +88,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             p / "tokenizer.json", bos_token=bos, eos_tokens=[eos] if eos else [],
             extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
             add_bos=cfg.get("add_bos_token"), add_eos=cfg.get("add_eos_token"))
+        tok.eos_token = eos  # what templates see: the config's text, none when it gives none (as HF renders)
     elif (p / "tokenizer.model").exists():
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
                                                add_eos=cfg.get("add_eos_token", False), chat_template=template)
