@@ -351,11 +351,13 @@ class WavePlan:
 
 def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question_tokens: Sequence[Sequence[int]],
               max_new_tokens: int, budget_bytes: int, parallel_size: int | None = None,
-              batch_docs: int | None = None) -> WavePlan:
+              batch_docs: int | None = None, attention_bytes: int = 0) -> WavePlan:
     """The largest waves whose estimated memory fits `budget_bytes` (0: no bound), for the options the
     user left open. What a pass holds: each document's KV once, and per question its own tokens' KV
     (prompt suffix and answer) and a few rows of activations (its logits row over the vocabulary, the
-    MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice."""
+    MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice. `attention_bytes`:
+    what attention may hold in a pass whatever the waves (a compiled model's `AttentionTiles.at_once`),
+    set aside from the budget first."""
     max_new_tokens = min(max_new_tokens, config.max_position_embeddings)  # no answer runs past the context
     kv_per_token = config.kv_bytes_per_token(dtype_bytes)
     per_row = 4 * (2 * config.vocab_size + 3 * config.intermediate_size + 4 * config.hidden_size)
@@ -363,16 +365,16 @@ def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question
     per_doc = [2 * kv_per_token * d for d in doc_tokens]
     counts = [len(q) for q in question_tokens]
     if budget_bytes and parallel_size is None:
-        room = budget_bytes - max(per_doc)
+        room = budget_bytes - attention_bytes - max(per_doc)
         p = max(1, room // max(per_question)) if room > 0 else 1
         parallel_size = p if p < max(counts) else None
     p_eff = parallel_size or max(counts)
     one_doc = [d + min(n, p_eff) * q for d, n, q in zip(per_doc, counts, per_question)]
     if budget_bytes and batch_docs is None:
-        b = max(1, budget_bytes // max(one_doc))
+        b = max(1, (budget_bytes - attention_bytes) // max(one_doc))
         batch_docs = b if b < len(one_doc) else None
     b_eff = batch_docs or len(one_doc)
-    return WavePlan(parallel_size, batch_docs, sum(sorted(one_doc, reverse=True)[:b_eff]))
+    return WavePlan(parallel_size, batch_docs, attention_bytes + sum(sorted(one_doc, reverse=True)[:b_eff]))
 
 
 def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], args: argparse.Namespace) -> WavePlan:
@@ -387,8 +389,10 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     doc_tokens = [len(tok.encode(doc, parse_special=False)) + around_doc for doc, _ in jobs]
     question_tokens = [[len(tok.encode(q, parse_special=False)) + after_question for q in qs] for _, qs in jobs]
     dtype_bytes = next(model.llama.parameters()).element_size()
+    llama = model.llama  # a compiled pass holds its attention items at once, up to the tiles' bound (model.py)
+    held = llama.tiles.attention.at_once if llama.steps.compiled else 0
     return wave_plan(config, dtype_bytes, doc_tokens, question_tokens, args.max_new_tokens,
-                     math.ceil(args.max_memory * 2**20), args.parallel_size, args.batch_docs)
+                     math.ceil(args.max_memory * 2**20), args.parallel_size, args.batch_docs, held)
 
 
 def summary_line(s: dict[str, Any]) -> str:

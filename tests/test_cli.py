@@ -408,6 +408,25 @@ def test_default_budget_bounds_thousands_of_questions():
     assert endless.parallel_size > 1
 
 
+def test_a_compiled_models_waves_leave_room_for_the_attention_it_holds_at_once(ckpt):
+    """A compiled pass holds its attention items at once, up to `AttentionTiles.at_once` bytes: the plan sets
+    that aside from --max-memory and counts it, so a compiled run plans smaller waves within the same budget."""
+    model = cli.load_checkpoint(str(ckpt), "cpu", torch.float32)
+    jobs = [(DOC, QUESTIONS * 400)]
+    bound = model.llama.tiles.attention.at_once
+
+    def plan(budget_bytes: int) -> cli.WavePlan:
+        return cli.plan_waves(model, jobs, cli.build_parser().parse_args(
+            ["--doc", "d", "--questions", "q", "--max-memory", str(budget_bytes / 2**20)]))
+
+    small = 1 << 20
+    eager = plan(small)
+    model.llama.steps.compiled = True
+    assert bound > 0 and 1 < eager.parallel_size < len(jobs[0][1])
+    assert plan(small).parallel_size == 1  # the items alone pass the budget: the least waves
+    assert (plan(small + bound).parallel_size, plan(small + bound).bytes) == (eager.parallel_size, eager.bytes + bound)
+
+
 def test_the_summary_says_the_waves_a_run_took(ckpt, files):
     """--parallel-size or -n far past the input: the summary names the waves there were (all the questions
     in one), not the number asked for."""
