@@ -87,12 +87,12 @@ def check_device(device: str, option: str = "--device") -> None:
         # A rank started by torchrun uses the GPU of its local rank (distributed/parallel.py): probe that one,
         # not the current device, where every rank would otherwise open a context on GPU 0.
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if dev.type == "meta":  # before the probe below, whose read-back a meta tensor refuses in torch's words
+        raise BadInput(f"{option} {device}: holds shapes, not numbers; choose cpu or an accelerator")
     try:
         torch.zeros(1, device=dev).cpu()
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
         raise BadInput(f"{option} {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
-    if dev.type == "meta":
-        raise BadInput(f"{option} {device}: holds shapes, not numbers; choose cpu or an accelerator")
 
 
 def _stdout_to_devnull() -> None:

@@ -666,7 +666,7 @@ def test_a_thread_count_past_the_cpus_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "tiny", "--device", "xyz"], "error: --device xyz: not a torch device"),
-    (["--shape", "tiny", "--device", "meta"], "error: --device meta: not usable here"),
+    (["--shape", "tiny", "--device", "meta"], "error: --device meta: holds shapes, not numbers"),
     (["--shape", "tiny", "--tp", "3"], "error: --tp 3 needs a multiple of 3 ranks, got 1; start them with torchrun"),
     (["--shape", "tiny", "--tp", "0"], "error: --tp must be at least 1, got 0"),
     (["--shape", "tiny", "--tp", "-2"], "error: --tp must be at least 1, got -2"),
