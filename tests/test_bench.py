@@ -638,8 +638,24 @@ def test_task_bench_at_a_named_shape_runs_llamacpp_on_the_same_random_weights(tm
     (["--questions", "12,many"], "error: --questions: expected comma-separated integers, got '12,many'"),
     (["--questions", "0"], "error: --questions: expected positive integers, got '0'"),
     (["--profile-questions", "0"], "error: --profile-questions must be at least 1, got 0"),
-    (["--quick", "--only", "many", "--questions", "7"], "error: no case left to run"),
+    (["--quick", "--only", "many", "--questions", "7"], "error: --questions 7: the many sweep of preset quick runs 4, "
+                                                         "12; none of them is kept"),
+    (["--quick", "--only", "many", "--methods", "hf_prefix", "--no-hf"], "error: no case left to run"),
     (["--tables", "--bogus"], "error: unrecognized arguments: --bogus"),
+    # an option given empty, or to the bench that does not read it, was ignored without a word
+    (["--quick", "--methods", ""], "error: --methods is empty: give a value or leave the option out"),
+    (["--quick", "--only", " "], "error: --only is empty"),
+    (["--quick", "--only", "grid,many", "--questions", "16"],
+     "error: --questions 16: the many sweep of preset quick runs 4, 12; none of them is kept"),
+    (["--quick", "--doc-lengths", "4096"], "error: --doc-lengths 4096: the doclen sweep of preset quick runs"),
+    (["--from-json", "results.json", "--shape", "tiny"], "error: --from-json renders a saved run and runs nothing: "
+                                                          "drop --shape"),
+    (["--from-json", "results.json", "--quick"], "error: --from-json renders a saved run and runs nothing: drop --quick"),
+    (["--quick", "--dtype", "float16"], "error: --dtype is the shape bench's (with --shape): drop it, or add --shape"),
+    (["--quick", "--parity"], "error: --parity is the shape bench's"),
+    (["--shape", "tiny", "--tiny", "--quick"], "error: --quick is the task bench's, and --shape runs the shape bench"),
+    (["--shape", "tiny", "--tiny", "--profile"], "error: --profile is the task bench's"),
+    (["--quick", "--profile", "--only", "many"], "error: --profile runs its own configuration"),
 ])
 def test_bad_bench_options_are_one_line(tmp_path, capsys, argv, message):
     from minillama.bench import main
@@ -648,6 +664,41 @@ def test_bad_bench_options_are_one_line(tmp_path, capsys, argv, message):
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message) and captured.out == ""
+
+
+def test_an_empty_out_or_a_bad_saved_run_writes_nothing(tmp_path, monkeypatch, capsys):
+    """--out "" wrote the results into the current directory (over a results.json there); a --from-json that
+    could not be read left an empty --out directory behind."""
+    from minillama.bench import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results.json").write_text('{"mine": 1}')
+    assert main(["--quick", "--no-hf", "--only", "grid", "--repeats", "1", "--out", ""]) == 2
+    assert capsys.readouterr().err.strip() == "error: --out is empty: give a value or leave the option out"
+    assert main(["--from-json", "missing.json", "--out", "o"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert (tmp_path / "results.json").read_text() == '{"mine": 1}'
+
+
+def test_profile_marks_every_function_it_names_and_puts_them_back(tmp_path):
+    """--profile marked functions by the module that had held them (plan_attention had moved out of model.py):
+    every run was an AttributeError. Each marked function takes time in the profile, and is unwrapped after."""
+    from minillama import generate, invariant, model, step
+    from minillama.bench import main
+    from minillama.bench.profile import _MARKED
+
+    before = {(m, n): getattr(mod, n) for m, mod in (("step", step), ("model", model), ("invariant", invariant),
+                                                      ("generate", generate)) for n in _MARKED[m]}
+    assert main(["--quick", "--profile", "--out", str(tmp_path)]) == 0
+    profiled = json.loads((tmp_path / "profile.json").read_text())
+    for run in profiled.values():  # parallel and independent, each with both kernels
+        names = {k.split(":", 1)[1] for k in run["by_function"]}
+        kernels = {"blocked_attention", "tiled_linear"} if run["invariant"] else {"masked_attention"}
+        assert {"plan_attention", "apply_rope_folded"} | kernels <= names, names
+        assert any(k.startswith("decode:") for k in run["by_function"])  # _decode marked the decode phase
+    assert all(getattr(__import__(f"minillama.{m}", fromlist=[n]), n) is fn for (m, n), fn in before.items())
+    assert "| prefill:plan_attention |" in (tmp_path / "profile.md").read_text()
 
 
 def test_a_thread_count_past_the_cpus_is_one_line(tmp_path):

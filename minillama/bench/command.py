@@ -9,7 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,7 +21,7 @@ from .methods import METHODS
 from .presets import MANY_QUESTIONS, preset
 from .profile import _profile_main
 from .report import findings, headline_table, many_table, readme_text, target_rows, write_outputs
-from .runner import run, setup
+from .runner import Case, run, setup
 from .shapes import SHAPES, TINY_SHAPE
 
 DESCRIPTION = "Benchmarks: parallel prompting against the ways people answer many questions about one document."
@@ -87,6 +87,33 @@ def _check_tp(a: argparse.Namespace) -> None:
         raise BadInput(f"--tp {a.tp} needs a multiple of {a.tp} ranks, got {world}"
                        + (f"; start them with torchrun --nproc-per-node {a.tp}" if world == 1 else ""))
     check_degrees(SHAPES[a.shape].num_key_value_heads, a.tp, None, world)
+
+
+def _check_combination(a: argparse.Namespace) -> None:
+    """Options given empty, or that the bench they were given to would not read: BadInput naming the first,
+    rather than a run that silently ignores it (an empty --out wrote into the current directory)."""
+    for option in ("--out", "--model", "--methods", "--only", "--doc-lengths", "--questions", "--from-json",
+                   "--readme"):
+        value = getattr(a, option[2:].replace("-", "_"))
+        if value is not None and not value.strip():
+            raise BadInput(f"{option} is empty: give a value or leave the option out")
+    shape_only = [o for o, given in (("--tables", a.tables), ("--compare-dtypes", a.compare_dtypes),
+                                     ("--parity", a.parity), ("--compiled", a.compiled), ("--tiny", a.tiny),
+                                     ("--dtype", a.dtype != "float32"), ("--device", a.device != "cpu")) if given]
+    task_only = [o for o, given in (("--quick", a.quick), ("--full", a.full), ("--model", a.model),
+                                    ("--only", a.only), ("--methods", a.methods), ("--doc-lengths", a.doc_lengths),
+                                    ("--questions", a.questions), ("--profile", a.profile),
+                                    ("--no-llamacpp", a.no_llamacpp)) if given]
+    if a.from_json and (a.shape or shape_only or task_only):
+        first = "--shape" if a.shape else (shape_only + task_only)[0]
+        raise BadInput(f"--from-json renders a saved run and runs nothing: drop {first}")
+    if a.shape and task_only:
+        raise BadInput(f"{task_only[0]} is the task bench's, and --shape runs the shape bench: drop one")
+    if not a.shape and shape_only:
+        raise BadInput(f"{shape_only[0]} is the shape bench's (with --shape): drop it, or add --shape")
+    if a.profile and (a.only or a.methods or a.doc_lengths or a.questions):
+        raise BadInput("--profile runs its own configuration (--doc-tokens, --profile-questions, --new-tokens): "
+                       "drop --only, --methods, --doc-lengths and --questions")
 
 
 def _read_results(path: str) -> dict:
@@ -155,6 +182,7 @@ def _main(argv: Sequence[str] | None) -> int:
     a = ap.parse_args(argv)
     if a.readme and not a.from_json:
         ap.error("--readme needs --from-json RESULTS (the table is rendered from a saved run)")
+    _check_combination(a)
     _check_threads(a.threads)
     _positive("--repeats", a.repeats)
     _positive("--sample", a.sample, 0)
@@ -172,11 +200,11 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(f"--device {a.device}: no CUDA device here")
     check_device(a.device)
+    data = _read_results(a.from_json) if a.from_json else None  # before --out is made: a bad file leaves nothing
     out = make_dir(a.out)  # an unwritable --out is found now, not after the run
     if a.shape:
         return _shape_main(a)
-    if a.from_json:
-        data = _read_results(a.from_json)  # everything is rendered before anything is written
+    if data is not None:  # everything is rendered before anything is written
         readme = None
         if a.readme:
             try:
@@ -216,10 +244,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if only:
         cases = [c for c in cases if c.sweep in only]
     if a.doc_lengths:
-        lengths = _counts("--doc-lengths", a.doc_lengths)
-        cases = [c for c in cases if c.sweep != "doclen" or c.task.doc_tokens in lengths]
+        cases = _keep(cases, "doclen", lambda c: c.task.doc_tokens, _counts("--doc-lengths", a.doc_lengths),
+                      f"--doc-lengths {a.doc_lengths}", name)
     if counts:
-        cases = [c for c in cases if c.sweep != "many" or c.task.questions_per_doc in counts]
+        cases = _keep(cases, "many", lambda c: c.task.questions_per_doc, counts, f"--questions {a.questions}", name)
     if methods:
         for c in cases:
             c.methods = tuple(m for m in c.methods if m in methods)
@@ -262,6 +290,17 @@ def _main(argv: Sequence[str] | None) -> int:
     print(f"\nwrote {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.md'}, "
           + ", ".join(str(p) for p in paths) + f" in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _keep(cases: list[Case], sweep: str, size: Callable[[Case], int], kept: set[int], option: str,
+          preset_name: str) -> list[Case]:
+    """The cases, those of `sweep` only at the sizes `kept`; BadInput when the sweep ran and none is kept
+    (the sizes of another preset: the sweep would vanish without a word)."""
+    sizes = sorted({size(c) for c in cases if c.sweep == sweep})
+    if sizes and not kept & set(sizes):
+        raise BadInput(f"{option}: the {sweep} sweep of preset {preset_name} runs {', '.join(map(str, sizes))}; "
+                       "none of them is kept")
+    return [c for c in cases if c.sweep != sweep or size(c) in kept]
 
 
 def _commit() -> str:

@@ -15,7 +15,7 @@ from .task import Task, TaskConfig, make_task, plain_prompt_ids
 
 
 # Functions looked up by name at call time in these modules, so wrapping the module attribute marks them.
-_MARKED = {"model": ("plan_attention", "blocked_attention", "masked_attention", "apply_rope_folded"),
+_MARKED = {"step": ("plan_attention",), "model": ("blocked_attention", "masked_attention", "apply_rope_folded"),
            "invariant": ("tiled_linear",),
            "generate": ("_decode",)}
 
@@ -45,14 +45,14 @@ def profile_breakdown(ctx: Context, task: Task, mode: str = "parallel", invarian
         saved.append((mod, name, fn))
         setattr(mod, name, marked)
 
-    for mod_name, names in _MARKED.items():
-        mod = importlib.import_module(f"minillama.{mod_name}")
-        for name in names:
-            mark(mod, name)
     idx = list(range(task.n)) if idx is None else idx
     runner = RUNNERS[{("independent", True): "independent", ("independent", False): "independent_plain",
                       ("parallel", False): "parallel_plain"}.get((mode, invariant), mode)]
     try:
+        for mod_name, names in _MARKED.items():
+            mod = importlib.import_module(f"minillama.{mod_name}")
+            for name in names:
+                mark(mod, name)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             res = runner(ctx, task, idx)
