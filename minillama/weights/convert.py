@@ -18,7 +18,7 @@ import torch
 
 from minillama.config import LlamaConfig
 from minillama.errors import CannotWrite
-from minillama.files import make_dir, write_file
+from minillama.files import TEMPORARY, make_dir, write_file
 from minillama.tokenizer import Tokenizer
 
 from .layout import StateDict, WeightsError, check_state_dict
@@ -32,10 +32,10 @@ def _say(msg: str) -> None:
         print(f"minillama: {msg}", file=sys.stderr, flush=True)
 
 
-# Temporary names carry the writing process's id, so a later run can tell a leftover (its writer is
-# dead) from work in progress: ".NAME.tmp-PID-RANDOM" (a directory, or a file from `files.write_file`);
-# "NAME.PID.part" is what earlier versions left beside a file.
-_LEFTOVER = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[^/]+$|^.+\.(\d+)\.part$")
+# Temporary names carry minillama's mark and the writing process's id, so a later run can tell a leftover
+# (its writer is dead) from work in progress, and both from a user's own files, which are never removed:
+# ".NAME.minillama-tmp-PID-RANDOM" (a directory, or a file from `files.write_file`), ".NAME.minillama-old-..."
+_LEFTOVER = re.compile(rf"^\.(.+)\.{TEMPORARY}-(?:tmp|old)-(\d+)-[^/]+$")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -56,7 +56,7 @@ def _remove_leftovers(folder: Path, stem: str = "") -> None:
         return
     for p in folder.iterdir():
         m = _LEFTOVER.match(p.name)
-        if m is None or not p.name.lstrip(".").startswith(f"{stem}." if stem else "") or _pid_alive(int(m.group(1) or m.group(2))):
+        if m is None or (stem and m.group(1) != stem) or _pid_alive(int(m.group(2))):
             continue
         _say(f"removing {p}, left by an interrupted run")
         if p.is_dir() and not p.is_symlink():
@@ -110,7 +110,7 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
     try:
         make_dir(out.parent)
         _remove_leftovers(out.parent, out.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{TEMPORARY}-tmp-{os.getpid()}-", dir=out.parent))
     except (OSError, CannotWrite) as e:
         raise WeightsError(f"{given}: cannot write ({getattr(e, 'strerror', None) or e})") from None
     try:
@@ -147,7 +147,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     if not out.exists():
         os.replace(tmp, out)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.{TEMPORARY}-old-{os.getpid()}-", dir=out.parent))
     try:
         os.replace(out, old / out.name)
         try:
