@@ -139,6 +139,8 @@ class LlamaConfig:
         if vocab is None:
             raise ValueError("vocab_size is not set and no tokenizer gave one")
         scaling = None
+        if not isinstance(p.get("use_scaled_rope", False), bool):  # "false", a string, would read as true
+            raise ValueError(f"use_scaled_rope must be true or false, got {json.dumps(p['use_scaled_rope'])[:80]}")
         if p.get("use_scaled_rope"):
             scaling = {"rope_type": "llama3", "factor": p.get("rope_scaling_factor", 8.0),
                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,

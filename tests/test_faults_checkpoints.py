@@ -69,6 +69,10 @@ BAD_PARAMS = {
     "dim a string": ({"dim": "64"}, "dim must be an integer, got '64'"),
     "n_heads a float": ({"n_heads": 4.0}, ": n_heads must be an integer, got 4.0"),
     "vocab_size a string": ({"vocab_size": "abc"}, "vocab_size must be an integer (-1: the tokenizer's), got 'abc'"),
+    # "false" as a string was true: Llama 3's RoPE scaling on a model that has none
+    "use_scaled_rope a string": ({"use_scaled_rope": "false"}, 'use_scaled_rope must be true or false, got "false"'),
+    "use_scaled_rope a number": ({"use_scaled_rope": 1}, "use_scaled_rope must be true or false, got 1"),
+    "rope_scaling_factor a string": ({"use_scaled_rope": True, "rope_scaling_factor": "8"}, "factor"),
 }
 
 
