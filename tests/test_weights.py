@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -320,6 +321,30 @@ def test_missing_shard(tmp_path, config, sd, hf_tok):
     d = write_hf_dir(tmp_path / "hf", config, sd, hf_tok, shards=2)
     (d / "model-00002-of-00002.safetensors").unlink()
     _raises(r"model-00002-of-00002\.safetensors: missing shard", load_state_dict, d)
+
+
+def test_a_tensor_stored_twice_or_a_shard_outside_the_directory_is_refused(tmp_path, config, sd, hf_tok):
+    """A tensor in two shards loaded the later file's copy (zeros here) whatever the index said; an index
+    naming a path outside the directory was read."""
+    from safetensors.torch import load_file, save_file
+
+    d = write_hf_dir(tmp_path / "hf", config, sd, hf_tok, shards=3)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    where = index["weight_map"]["model.embed_tokens.weight"]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != where)
+    stray = load_file(str(d / other))
+    save_file({**stray, "model.embed_tokens.weight": torch.zeros_like(sd["model.embed_tokens.weight"])},
+              str(d / other))
+    _raises(r"tensor model\.embed_tokens\.weight is stored here and in model-0000\d-of-00003\.safetensors",
+            load_state_dict, d)
+    _raises(r"is stored here and in", load_state_dict, d, {"model.embed_tokens.weight": (0, 0, 1)})
+    save_file(stray, str(d / other))
+    assert torch.equal(load_state_dict(d)[1]["model.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    shutil.copy(d / other, elsewhere)
+    index["weight_map"] = {k: str(elsewhere) if v == other else v for k, v in index["weight_map"].items()}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    _raises(r"not a safetensors index \(shard '/.*elsewhere\.safetensors' is not a file name in", load_state_dict, d)
 
 
 def test_wrong_gguf_magic(tmp_path):

@@ -47,6 +47,9 @@ def _hf_files(d: Path) -> list[Path]:
             files = sorted(set(weight_map.values()))
             if not all(isinstance(f, str) for f in files):
                 raise ValueError("shard names must be strings")
+            outside = [f for f in files if Path(f).name != f or f in ("", ".", "..")]
+            if outside:  # an index names the files beside it, never a path elsewhere
+                raise ValueError(f"shard {outside[0]!r} is not a file name in {d}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise WeightsError(f"{index}: not a safetensors index ({e})") from None
     elif (d / "model.safetensors").exists():
@@ -68,19 +71,24 @@ def _read_hf_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, St
     # sliced: the tie decided first, from the whole tensors, as every rank must decide it alike
     config = hf_config(d / "config.json") if slices is None else hf_dir_config(d)
     sd: StateDict = {}
+    found: dict[str, Path] = {}
     for f in _hf_files(d):
         if slices is not None:
-            sd.update(_read_slices(f, slices, config))
-            continue
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():
-                    if map_name(key, HF_NAMES, f) is not None:
-                        sd[key] = st.get_tensor(key)
-        except WeightsError:
-            raise
-        except Exception as e:  # safetensors raises SafetensorError for a truncated or corrupt file
-            raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+            part = _read_slices(f, slices, config)
+        else:
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    part = {key: st.get_tensor(key) for key in st.keys() if map_name(key, HF_NAMES, f) is not None}
+            except WeightsError:
+                raise
+            except Exception as e:  # safetensors raises SafetensorError for a truncated or corrupt file
+                raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+        again = sorted(part.keys() & found.keys())
+        if again:  # which copy is meant is not known: one file's would silently win
+            raise WeightsError(f"{f}: tensor {again[0]} is stored here and in {found[again[0]].name}; a checkpoint "
+                               "stores each tensor once")
+        found.update(dict.fromkeys(part, f))
+        sd.update(part)
     if slices is None:
         _untie_if_head_differs(config, sd, d)
     if config.tie_word_embeddings:
