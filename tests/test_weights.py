@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ckpt_writers import (byte_bpe_tokenizer, gguf_round_trip, gguf_tokenizer_metadata,  # noqa: E402
                            half_to_interleaved, random_kquant_blocks, random_state_dict, sentencepiece_model,
                            tiny_config, write_gguf, write_hf_dir, write_meta_dir)
-from minillama import weights  # noqa: E402
+from minillama import api, weights  # noqa: E402
 from minillama.tokenizer import HFTokenizer, SentencePieceTokenizer  # noqa: E402
 from minillama.weights import (WeightsError, interleaved_to_half, load_model, load_state_dict,  # noqa: E402
                                load_tokenizer)
@@ -437,6 +438,26 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "bad.gguf: bad magic" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_info_and_convert_refuse_what_loading_refuses(tmp_path, config, sd, bpe, capsys):
+    """info passed GGUF files that loading refuses (a type it cannot read, a tensor missing), and convert
+    wrote a conversion whose tokenizer has ids past the model's vocabulary, which loading then refused."""
+    q5 = write_gguf(tmp_path / "q5.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q5_0)
+    missing = write_gguf(tmp_path / "missing.gguf", config, {k: v for k, v in sd.items() if "0.self_attn.q" not in k},
+                         gguf_tokenizer_metadata(bpe))
+    small = tiny_config(vocab=256)  # a sentencepiece vocabulary of 512 pieces for a model of 256 ids
+    meta = write_meta_dir(tmp_path / "meta", small, random_state_dict(small), sentencepiece_model())
+    for path, line in ((q5, "tensor token_embd.weight has unsupported type Q5_0"),
+                       (missing, "missing tensor 'model.layers.0.self_attn.q_proj.weight'"),
+                       (meta, "is past the model's vocabulary (vocab_size 256")):
+        for argv in (["info", str(path)], ["convert", str(path), str(tmp_path / "out")]):
+            assert weights.main(argv) == 2, argv
+            err = capsys.readouterr().err.strip()
+            assert line in err and err.count("\n") == 0, (argv, err)
+            assert not (tmp_path / "out").exists()
+        with pytest.raises(Exception, match=re.escape(line)):  # loading it says the same
+            api.load(path)
 
 
 def convert_cli(capsys, *args) -> tuple[int, str]:

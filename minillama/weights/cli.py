@@ -15,9 +15,9 @@ from typing import Any, Sequence
 from minillama.errors import OneLineParser, run_command
 from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_metadata
 
-from .convert import _say, convert
+from .convert import _say, convert, fits
 from .default import fetch_default
-from .gguf import _checked_gguf_config, gguf_metadata, open_gguf
+from .gguf import _checked_gguf_config, check_gguf_tensors, gguf_metadata, open_gguf
 from .layout import WeightsError, expected_shapes
 from .read import detect_format, given_path, load_state_dict, load_tokenizer
 
@@ -33,6 +33,7 @@ def info(path: str | Path) -> dict[str, Any]:
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
         config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, p, reader)
+        check_gguf_tensors(reader, p, config)  # what loading would refuse, as an HF directory's info does
         n_tensors = len(reader.tensors)
         try:
             tok: Tokenizer | None = tokenizer_from_gguf_metadata(meta, str(p))
@@ -45,6 +46,7 @@ def info(path: str | Path) -> dict[str, Any]:
             kinds[name] = kinds.get(name, 0) + 1
         n_tensors = len(sd)
         tok = load_tokenizer(p) if fmt == "hf" or (p / "tokenizer.model").exists() else None
+    fits(tok, config)
     n_params = sum(math.prod(s) for s in expected_shapes(config).values())
     return {
         "path": str(p), "format": fmt, "config": config.to_dict(), "parameters": n_params,

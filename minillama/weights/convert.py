@@ -19,7 +19,7 @@ import torch
 from minillama.config import LlamaConfig
 from minillama.errors import CannotWrite
 from minillama.files import TEMPORARY, make_dir, write_file
-from minillama.tokenizer import Tokenizer
+from minillama.tokenizer import Tokenizer, TokenizerError
 
 from .layout import StateDict, WeightsError, check_state_dict
 from .read import given_path, load_state_dict, load_tokenizer
@@ -169,4 +169,16 @@ def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path
     check_output_dir(out, replace)  # before the slow part
     config, sd = load_state_dict(src)
     tok = load_tokenizer(src)
+    fits(tok, config)  # a conversion loads: a token id past the model's vocabulary is refused now, not then
     return save_hf_dir(config, sd, tok, out, replace=replace)
+
+
+def fits(tok: Tokenizer | None, config: LlamaConfig) -> None:
+    """WeightsError naming the file and the field when the tokenizer has a token id (or BOS, or only end
+    ids) past the model's vocabulary (`Tokenizer.check_fits`), as loading the checkpoint would say."""
+    if tok is None:
+        return
+    try:
+        tok.check_fits(config.vocab_size)
+    except TokenizerError as e:
+        raise WeightsError(str(e)) from None

@@ -209,6 +209,23 @@ def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Pa
         raise WeightsError(f"{source}: llama metadata of the wrong type or value ({e})") from None
 
 
+def _check_types(reader: Any, path: str | Path) -> None:
+    supported = _gguf_types()
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise WeightsError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
+                               f"(supported: {', '.join(sorted(q.name for q in supported))})")
+
+
+def check_gguf_tensors(reader: Any, path: str | Path, config: LlamaConfig) -> None:
+    """What `read_gguf` would refuse, from the file's tensor table alone (nothing dequantized): a type it
+    cannot read, a tensor missing, unexpected or of another shape than the config implies."""
+    _check_types(reader, path)
+    shapes = {name: torch.empty(tuple(int(n) for n in reversed(t.shape.tolist())), device="meta")
+              for t in reader.tensors if (name := map_name(t.name, GGUF_NAMES, path)) is not None}
+    check_state_dict(config, shapes, path)
+
+
 def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
     """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file; with
     `slices`, only those parts of the split tensors, read at their offsets (`_read_part`)."""
@@ -216,11 +233,7 @@ def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
-    supported = _gguf_types()
-    for t in reader.tensors:
-        if t.tensor_type not in supported:
-            raise WeightsError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name} "
-                               f"(supported: {', '.join(sorted(q.name for q in supported))})")
+    _check_types(reader, path)
     config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)
     sd: StateDict = {}
     for t in reader.tensors:
