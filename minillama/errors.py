@@ -17,7 +17,8 @@ checks a `--device` the same way for every tool that takes one):
 
 `report` is that mapping on its own, for a thread that must end the process itself (the answer-writing
 thread of a distributed run). In a distributed run rank 0 alone says a one-line error, as every rank meets
-the same bad input, except a `RankRefused` (what the ranks agreed one of them refused, said where it was
+the same bad input (and the first rank on each other machine, and a process whose RANK no launcher set:
+`_speaks`), except a `RankRefused` (what the ranks agreed one of them refused, said where it was
 raised) and a `SaidElsewhere` (this rank stops quietly: another has said why).
 """
 
@@ -128,11 +129,15 @@ def world_env() -> tuple[int | None, int | None]:
     return read("WORLD_SIZE", 1), read("RANK", 0)
 
 
-def _rank() -> int:
-    """This process's rank under torchrun or --procs; 0 alone (a RANK left in the environment of a single
-    process, or one that is no number, is not a rank)."""
+def _speaks() -> bool:
+    """Whether this process says a refusal that every rank of a distributed run meets alike: rank 0 of the
+    run, and the first process on each machine under torchrun (LOCAL_RANK 0: a machine without rank 0 would
+    otherwise show nothing); any process alone, or whose RANK no launcher set (no LOCAL_RANK beside it, or a
+    rank outside its WORLD_SIZE, refused in this very line: no rank 0 will speak for it)."""
     size, rank = world_env()
-    return (rank or 0) if (size or 1) > 1 else 0
+    if (size or 1) <= 1 or rank is None or not 0 <= rank < size:
+        return True
+    return rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def run_command(body: Callable[[], int]) -> int:
@@ -159,7 +164,7 @@ def report(e: BaseException) -> int | None:
         return 2
     if isinstance(e, OneLineError):
         # in a distributed run every rank meets the same bad input: one says so
-        if _rank() == 0 or isinstance(e, RankRefused):
+        if _speaks() or isinstance(e, RankRefused):
             print(f"error: {one_line(str(e))}", file=sys.stderr)
         return 2
     if isinstance(e, BrokenPipeError):

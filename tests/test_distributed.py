@@ -358,6 +358,10 @@ def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
     ({"RANK": "x", "WORLD_SIZE": "2"}, "error: RANK='x' in the environment: a rank in 0..1 of WORLD_SIZE 2"),
     ({"WORLD_SIZE": "abc"}, "error: WORLD_SIZE='abc' in the environment: a number of processes >= 1"),
     ({"WORLD_SIZE": "0"}, "error: WORLD_SIZE='0' in the environment: a number of processes >= 1"),
+    # a rank outside its world, or one no launcher set, was refused without a word (only rank 0 spoke)
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "error: RANK='5' in the environment: a rank in 0..1 of WORLD_SIZE 2"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "error: RANK='-1' in the environment: a rank in 0..1 of WORLD_SIZE 2"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "--procs": "2"}, "error: --procs starts its own ranks; under torchrun, leave it"),
 ])
 def test_torchruns_variables_left_in_the_environment_are_named(ckpt, tmp_path, env, message):
     """A RANK left in a single process's environment silenced every error (only rank 0 speaks); a WORLD_SIZE
@@ -365,9 +369,12 @@ def test_torchruns_variables_left_in_the_environment_are_named(ckpt, tmp_path, e
     q = tmp_path / "q.txt"
     q.write_text("Who?\n")
     doc = "/nonexistent" if env == {"RANK": "1"} else str(tmp_path / "q.txt")
+    options = [x for k, v in env.items() if k.startswith("--") for x in (k, v)]
+    env = {k: v for k, v in env.items() if not k.startswith("--")}
     p = subprocess.run([sys.executable, "-m", "minillama", "generate", "--model", str(ckpt), "--doc", doc,
-                        "--questions", str(q)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+                        "--questions", str(q), *options], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**{k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}, "PYTHONPATH": str(ROOT),
+                            **env})
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr[-2000:]
     assert p.stderr.startswith(message), p.stderr
 
