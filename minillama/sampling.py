@@ -14,8 +14,11 @@ import torch.nn.functional as F
 
 
 def stream_key(seed: int, index: int) -> int:
-    """The random stream of question `index`: the same in every mode (a 63-bit key)."""
-    return (int(seed) * 1_000_003 + int(index)) % (2**63)  # Python's integers: a numpy seed would overflow
+    """The random stream of question `index`: the same in every mode; a signed 64-bit key, one of its own for
+    every signed 64-bit seed at an index (an odd multiplier is one-to-one modulo 2**64; modulo 2**63, seed
+    -1 had been seed 2**63 - 1). Keys of seeds from 0 to 2**43 are what they were under that modulus."""
+    key = (int(seed) * 1_000_003 + int(index)) % 2**64  # Python's integers: a numpy seed would overflow
+    return key - 2**64 if key >= 2**63 else key
 
 
 # SplitMix64's constants, as the signed 64-bit integers torch multiplies with (wrapping, on every device).

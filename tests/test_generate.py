@@ -67,6 +67,22 @@ def test_sampling_is_seeded_per_question(model):
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
 
 
+def test_every_seed_has_a_stream_of_its_own(model):
+    """Seeds 2**63 apart (-1 and 2**63 - 1, -2**63 and 0) shared a stream: the keys were taken modulo 2**63.
+    Ordinary seeds keep the keys (and answers) they had."""
+    from minillama.sampling import stream_key
+
+    edges = [-2**63, -2**63 + 1, -1, 0, 1, 2**62, 2**63 - 1]
+    assert len({stream_key(s, 0) for s in edges}) == len(edges)
+    assert all(-2**63 <= stream_key(s, i) < 2**63 for s in edges for i in (0, 1, 10**6))
+    assert [stream_key(s, i) for s, i in ((0, 0), (11, 3), (2**40, 7))] == [0, 11_000_036, 2**40 * 1_000_003 + 7]
+    p = SamplingParams(max_new_tokens=6, temperature=1.0, seed=-1, ignore_eos=True)
+    prompts = _prompts()[:3]
+    answers = [[x.token_ids for x in generate(model, prompts, SamplingParams(**{**p.__dict__, "seed": s}))]
+               for s in (-1, 2**63 - 1)]
+    assert answers[0] != answers[1]
+
+
 def test_sample_filters():
     logits = torch.tensor([0.0, 5.0, 4.9, -1.0, 4.8])
     assert sample(logits, SamplingParams(), 0, 0) == 1
