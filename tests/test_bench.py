@@ -757,7 +757,7 @@ def test_from_json_that_cannot_be_rendered_leaves_the_earlier_run_and_readme(tmp
         (tmp_path / name).write_text(json.dumps(data))
         assert main(["--out", str(out), "--from-json", str(tmp_path / name), *extra]) == 2
         err = capsys.readouterr().err.strip()
-        assert "\n" not in err and "a record lacks what the tables need (KeyError('preset'))" in err, err
+        assert "\n" not in err and "the results lack what the tables need (no 'preset')" in err, err
         assert {p.name: p.read_text() for p in out.iterdir()} == earlier, name
         assert readme.read_text() == f"intro\n{README_START}\nmy table\n{README_END}\n"
 

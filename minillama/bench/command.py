@@ -214,7 +214,8 @@ def _main(argv: Sequence[str] | None) -> int:
         try:
             paths = write_outputs(out, data["records"], data["meta"])
         except (KeyError, TypeError, ValueError, ArithmeticError, StopIteration) as e:
-            raise BadInput(f"--from-json {a.from_json}: a record lacks what the tables need ({e!r})") from None
+            lacks = f"no {e.args[0]!r}" if isinstance(e, KeyError) and e.args else repr(e)
+            raise BadInput(f"--from-json {a.from_json}: the results lack what the tables need ({lacks})") from None
         if readme is not None:
             write_file(a.readme, readme[1])
             print(f"{a.readme}: performance table {'updated' if readme[1] != readme[0] else 'already up to date'}")
