@@ -104,6 +104,23 @@ def test_a_tied_config_with_a_different_stored_head_keeps_the_head_as_transforme
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_a_tied_config_with_a_stored_head_of_another_shape_is_one_line(tmp_path, capsys):
+    """A head of another shape was warned about as a head that differs (a second line, misleading) before the
+    shape error; with the tensor-parallel reader (hf_dir_config) the same."""
+    from safetensors.torch import load_file, save_file
+
+    from minillama.weights.hf import hf_dir_config
+
+    d, sd = _untied_dir(tmp_path, same=False)
+    stored = load_file(str(d / "model.safetensors"))
+    save_file({**stored, "lm_head.weight": stored["lm_head.weight"][:-1].contiguous()}, str(d / "model.safetensors"))
+    for load in (load_model, hf_dir_config):
+        with pytest.raises(WeightsError, match=r"tensor lm_head.weight has shape \(319, 64\) but the config implies "
+                                               r"\(320, 64\)"):
+            load(d)
+        assert capsys.readouterr().err == ""
+
+
 def test_a_tied_config_with_an_equal_stored_head_stays_tied_quietly(tmp_path, capsys):
     d, _ = _untied_dir(tmp_path, same=True)
     model, _ = load_model(d)

@@ -146,7 +146,10 @@ def _untie_if_head_differs(config: LlamaConfig, sd: StateDict, source: Path) -> 
     head, embed = sd.get("lm_head.weight"), sd.get("model.embed_tokens.weight")
     if not config.tie_word_embeddings or head is None or embed is None:
         return
-    if head.shape == embed.shape and torch.equal(head, embed):
+    if head.shape != embed.shape:  # not a head that differs: a head of another shape, which no tie explains
+        raise WeightsError(f"{source}: tensor lm_head.weight has shape {tuple(head.shape)} but the config implies "
+                           f"{tuple(embed.shape)} (config and weights do not match)")
+    if torch.equal(head, embed):
         return
     config.tie_word_embeddings = False
     print(f"warning: {source}: tie_word_embeddings is true but lm_head.weight differs from the embeddings; "
