@@ -17,15 +17,26 @@ from .precision import onednn_linear, uses_onednn
 from .proofs import opaque, opaque_op, provable, unwatched
 
 
+# Products are issued in whole multiples of WIDTH columns: a ragged output (a head size of 6 or 10 in the
+# values product) is padded with zero columns, cut off after. A CPU's bmm gave a row of 5, 6, 7, 9, 10 or 11
+# columns other bits at another row of its tile (parallel != independent at head size 6); padded to a
+# multiple of 8, every row of 1 to 40 columns had its own bits. Real models' head sizes are never padded.
+WIDTH = 8
+
+
 def batched_products(a: torch.Tensor, b: torch.Tensor, batch: int) -> torch.Tensor:
     """out[i] = a[i] @ b[i] for I items, issued as `bmm` calls of exactly `batch` items each.
 
     a: (I, T, K), b: (I, K, N), I a multiple of `batch` (the plan pads with dummy items) but for a short last
-    batch the plan chose where proven (`proven_batches`). Returns (I, T, N). The batch count is part of a
-    product's signature: a backend may pick another kernel for another count (cuBLAS does for a batch of
-    one), so it never follows the size of the pass. Under torch.compile the calls are one opaque op, which
-    Inductor runs as it is rather than rewrite with its neighbours.
+    batch the plan chose where proven (`proven_batches`). Returns (I, T, N), computed N padded to a multiple
+    of `WIDTH`. The batch count is part of a product's signature: a backend may pick another kernel for
+    another count (cuBLAS does for a batch of one), so it never follows the size of the pass. Under
+    torch.compile the calls are one opaque op, which Inductor runs as it is rather than rewrite with its
+    neighbours.
     """
+    n = b.shape[2]
+    if n % WIDTH:
+        return batched_products(a, torch.nn.functional.pad(b, (0, -n % WIDTH)), batch)[..., :n].contiguous()
     return _products_op(a, b, batch) if opaque() else _products(a, b, batch)
 
 
@@ -69,7 +80,10 @@ def run_scores(q: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
 def run_values(e: torch.Tensor, block_t: torch.Tensor) -> torch.Tensor:
     """(n, T, D) a run's weights e (n, T, B) times its one value block, given transposed (D, B) and contiguous
     (oneDNN's weight layout): one oneDNN product."""
-    return onednn_linear(e.reshape(-1, e.shape[2]), block_t).view(e.shape[0], e.shape[1], block_t.shape[0])
+    d = block_t.shape[0]
+    if d % WIDTH:  # as batched_products pads its columns
+        return run_values(e, torch.nn.functional.pad(block_t, (0, 0, 0, -d % WIDTH)))[..., :d].contiguous()
+    return onednn_linear(e.reshape(-1, e.shape[2]), block_t).view(e.shape[0], e.shape[1], d)
 
 
 def run_row_sums(e: torch.Tensor) -> torch.Tensor:

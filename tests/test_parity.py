@@ -121,6 +121,24 @@ def test_nested_and_unrelated_segments_in_one_pass(config, seed, data, tiles):
         row += len(o)
 
 
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(6, 3, 1), (10, 1, 1), (6, 4, 2)])
+def test_head_sizes_of_narrow_values_products_keep_parity(head_dim, heads, kv_heads):
+    """A CPU's bmm gave a row of a 6- or 10-column product other bits at another row of its tile: at head
+    size 6 or 10, parallel != independent (by ~5e-7, log-probs too) wherever a document filled a key block,
+    and prefill != decode. Values products are now issued at least 16 columns wide (batched.WIDTH)."""
+    config = tiny_config(layers=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=VOCAB)
+    model = tiny_model(config, seed=5)
+    g = torch.Generator().manual_seed(0)
+    prompts, docs = [], []
+    for d, n in enumerate((64, 65, 128)):
+        doc = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        prompts += [doc + torch.randint(3, VOCAB, (q,), generator=g).tolist() for q in (3, 15)]
+        docs += [d, d]
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    assert_same_answers(generate(model, prompts, params, mode="independent"),
+                        generate(model, prompts, params, mode="parallel", docs=docs))
+
+
 def test_negative_control_plain_ops_break_parity():
     """The same comparison with the invariant primitives switched off finds a mismatch."""
     config = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=32, vocab=512)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillama import batched
+from minillama.batched import WIDTH
 from minillama.audit import Launches, ProductSignatures
 from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
@@ -67,15 +68,15 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
 
 def attention_signatures(rows: int, batch: int, d: int, acc: torch.dtype, fused: bool) -> set[tuple]:
     """The calls of one kind's items of `rows` rows in calls of `batch` items, head size d, key blocks of 64."""
-    b = 64
+    b, w = 64, -(-d // WIDTH) * WIDTH  # the values product's columns: d padded (batched.WIDTH)
     out = {("aten.sum.IntList_out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # the softmax's sums
                                      ((batch, rows, 1), (rows, 1, 1), acc, 0)), ("-1", "True")),
            ("aten.bmm.out", (((batch, rows, d), (rows * d, d, 1), acc, 0),  # scores = q k^T
                              ((batch, d, b), (b * d, 1, d), acc, 0),
                              ((batch, rows, b), (rows * b, b, 1), acc, 0))),
            ("aten.bmm.out", (((batch, rows, b), (rows * b, b, 1), acc, 0),  # values = p v
-                             ((batch, b, d), (b * d, d, 1), acc, 0),
-                             ((batch, rows, d), (rows * d, d, 1), acc, 0)))}
+                             ((batch, b, w), (b * w, w, 1), acc, 0),
+                             ((batch, rows, w), (rows * w, w, 1), acc, 0)))}
     if fused:  # q, k, v as (batch, 1, n, D), and the masked items' additive mask
         item = (((batch, 1, rows, d), (rows * d, rows * d, d, 1), acc, 0),
                 ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0), ((batch, 1, b, d), (b * d, b * d, d, 1), acc, 0))
@@ -99,7 +100,8 @@ def run_calls(signatures: set[tuple], tiles: Tiles, d: int) -> set[tuple]:
                 if op == "mkldnn._linear_pointwise.default":
                     (x_shape, _, _, _), (w_shape, w_stride, _, _) = args
                     k = x_shape[1]
-                    block = (b, d) if k == d else (d, b)  # keys' (B, D) or values' (D, B)
+                    w = -(-d // WIDTH) * WIDTH  # values' columns, padded (batched.WIDTH)
+                    block = (b, d) if k == d else (w, b)  # keys' (B, D) or values' (D, B)
                     if (x_shape[0] % t == 0 and x_shape[0] // t >= kind.runs and w_shape == block
                             and k in (d, b) and w_stride == (k, 1)):
                         out.add(sig)
