@@ -59,6 +59,11 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     out = {**HF_DEFAULTS[model_type], **d, "model_type": model_type}
+    top = d.get("original_max_position_embeddings")
+    for key in ("rope_parameters", "rope_scaling") if top is not None else ():
+        s = out.get(key)  # a top-level pretraining length (Phi-3's place) wins over the nested one, as in HF 5
+        if isinstance(s, dict) and s.get("rope_type", s.get("type")) in ("llama3", "yarn", "longrope"):
+            out[key] = {**s, "original_max_position_embeddings": top}
     for flag in ("attention_bias", "mlp_bias"):  # a value not true/false is refused by the config's check
         out[flag] = d[flag] if flag in _READS[model_type] and d.get(flag) is not None else False
     out["sliding_window"] = _window(out, model_type)

@@ -287,3 +287,32 @@ def test_gguf_fields_minillama_does_not_implement_are_refused_in_one_line(tmp_pa
     with pytest.raises(WeightsError, match=match) as e:
         load_state_dict(path)
     assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 3.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}])
+def test_a_top_level_pretraining_length_wins_as_in_transformers(tmp_path, rope):
+    """config.json's top-level original_max_position_embeddings (where Phi-3 writes it) was ignored for the
+    nested one (or the context): logits off by several units from HF's, which gives the top level priority."""
+    from minillama.weights import load_state_dict
+
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_parameters={"rope_theta": 10000.0, **rope})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "original_max_position_embeddings": 24}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    config, sd = load_state_dict(tmp_path)
+    assert config.rope_scaling["original_max_position_embeddings"] == 24
+    ids = torch.randint(3, 101, (100,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(build_model(config, sd)(ids), ref(ids[None]).logits[0], atol=1e-4, rtol=0)
