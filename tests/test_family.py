@@ -290,8 +290,8 @@ def test_gguf_fields_minillama_does_not_implement_are_refused_in_one_line(tmp_pa
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 3.0},
-                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}])
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
 def test_a_top_level_pretraining_length_wins_as_in_transformers(tmp_path, rope):
     """config.json's top-level original_max_position_embeddings (where Phi-3 writes it) was ignored for the
     nested one (or the context): logits off by several units from HF's, which gives the top level priority."""
