@@ -56,7 +56,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .batched import (batched_products, batched_row_sums, run_row_sums, run_scores, run_values, scan_sums,
+from .batched import (WIDTH, batched_products, batched_row_sums, run_row_sums, run_scores, run_values, scan_sums,
                       sums_in_order)
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, first_visible, visible_blocks
 from .cache import PAD_SLOT
@@ -107,6 +107,11 @@ def fused_items(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
     """
     if q.device.type != "cpu":
         raise ValueError(f"AttentionTiles.fused runs torch's CPU attention kernel; this pass is on {q.device}")
+    d = v.shape[2]
+    if d % WIDTH:  # a ragged head size, padded with zeros as batched_products pads (its rows' bits moved too)
+        wide = [F.pad(x, (0, -d % WIDTH)) for x in (q, k, v)]
+        o, lse = fused_items(*wide, batch, hidden)
+        return o[..., :d].contiguous(), lse
     outs, lses = [q.new_empty(0, q.shape[1], v.shape[2])], [q.new_empty(0, q.shape[1])]  # a kind with no items
     for start in range(0, q.shape[0], batch):
         part = slice(start, start + batch)
