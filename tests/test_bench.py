@@ -688,8 +688,8 @@ def test_profile_marks_every_function_it_names_and_puts_them_back(tmp_path):
     from minillama.bench import main
     from minillama.bench.profile import _MARKED
 
-    before = {(m, n): getattr(mod, n) for m, mod in (("step", step), ("model", model), ("invariant", invariant),
-                                                      ("generate", generate)) for n in _MARKED[m]}
+    modules = {"step": step, "model": model, "invariant": invariant, "generate": generate}
+    before = {(m, n): getattr(modules[m], n) for m in _MARKED for n in _MARKED[m]}
     assert main(["--quick", "--profile", "--out", str(tmp_path)]) == 0
     profiled = json.loads((tmp_path / "profile.json").read_text())
     for run in profiled.values():  # parallel and independent, each with both kernels
@@ -697,7 +697,7 @@ def test_profile_marks_every_function_it_names_and_puts_them_back(tmp_path):
         kernels = {"blocked_attention", "tiled_linear"} if run["invariant"] else {"masked_attention"}
         assert {"plan_attention", "apply_rope_folded"} | kernels <= names, names
         assert any(k.startswith("decode:") for k in run["by_function"])  # _decode marked the decode phase
-    assert all(getattr(__import__(f"minillama.{m}", fromlist=[n]), n) is fn for (m, n), fn in before.items())
+    assert all(getattr(modules[m], n) is fn for (m, n), fn in before.items())
     assert "| prefill:plan_attention |" in (tmp_path / "profile.md").read_text()
 
 

@@ -17,7 +17,7 @@ from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_m
 
 from .convert import _say, convert, fits
 from .default import fetch_default
-from .gguf import _checked_gguf_config, check_gguf_tensors, gguf_metadata, open_gguf
+from .gguf import _checked_gguf_config, check_gguf_layout, check_gguf_types, gguf_metadata, open_gguf
 from .layout import WeightsError, expected_shapes
 from .read import detect_format, given_path, load_state_dict, load_tokenizer
 
@@ -32,8 +32,9 @@ def info(path: str | Path) -> dict[str, Any]:
         meta = gguf_metadata(reader)
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
+        check_gguf_types(reader, p)  # what loading would refuse, in its order, as an HF directory's info does
         config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, p, reader)
-        check_gguf_tensors(reader, p, config)  # what loading would refuse, as an HF directory's info does
+        check_gguf_layout(reader, p, config)
         n_tensors = len(reader.tensors)
         try:
             tok: Tokenizer | None = tokenizer_from_gguf_metadata(meta, str(p))

@@ -17,7 +17,7 @@ import torch
 from minillama.config import LlamaConfig
 from minillama.family import GGUF_ARCHS
 
-from .layout import GGUF_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, expected_shapes, map_name
+from .layout import GGUF_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, map_name
 from .shard import BLOCK_BYTES, Slices, read_tensor, sliced_shape
 
 
@@ -209,7 +209,13 @@ def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Pa
         raise WeightsError(f"{source}: llama metadata of the wrong type or value ({e})") from None
 
 
-def _check_types(reader: Any, path: str | Path) -> None:
+def _shape(t: Any) -> tuple[int, ...]:
+    """A GGUF tensor's shape as numpy and torch hold it: GGUF lists dimensions fastest-first, (rows, cols) here."""
+    return tuple(int(n) for n in reversed(t.shape.tolist()))
+
+
+def check_gguf_types(reader: Any, path: str | Path) -> None:
+    """WeightsError naming the first tensor of a type minillama cannot read (its table alone)."""
     supported = _gguf_types()
     for t in reader.tensors:
         if t.tensor_type not in supported:
@@ -217,11 +223,10 @@ def _check_types(reader: Any, path: str | Path) -> None:
                                f"(supported: {', '.join(sorted(q.name for q in supported))})")
 
 
-def check_gguf_tensors(reader: Any, path: str | Path, config: LlamaConfig) -> None:
-    """What `read_gguf` would refuse, from the file's tensor table alone (nothing dequantized): a type it
-    cannot read, a tensor missing, unexpected or of another shape than the config implies."""
-    _check_types(reader, path)
-    shapes = {name: torch.empty(tuple(int(n) for n in reversed(t.shape.tolist())), device="meta")
+def check_gguf_layout(reader: Any, path: str | Path, config: LlamaConfig) -> None:
+    """WeightsError for a tensor missing, unexpected or of another shape than the config implies, from the
+    file's tensor table alone (nothing dequantized): what `read_gguf` would refuse after reading every tensor."""
+    shapes = {name: torch.empty(_shape(t), device="meta")
               for t in reader.tensors if (name := map_name(t.name, GGUF_NAMES, path)) is not None}
     check_state_dict(config, shapes, path)
 
@@ -233,20 +238,16 @@ def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConf
 
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
-    _check_types(reader, path)
+    check_gguf_types(reader, path)
     config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)
+    check_gguf_layout(reader, path, config)  # every whole shape, before any tensor is read or cut
     sd: StateDict = {}
     for t in reader.tensors:
         name = map_name(t.name, GGUF_NAMES, path)
         if name is None:
             continue
-        # GGUF lists dimensions fastest-first; numpy/torch want (rows, cols).
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        shape = _shape(t)
         if slices is not None:
-            want = expected_shapes(config).get(name)
-            if name in slices and shape != want:  # the whole shape, before it is cut
-                raise WeightsError(f"{path}: tensor {name} has shape {shape} but the config implies {want} "
-                                   "(config and weights do not match)")
             with open(path, "rb") as f:
                 sd[name] = _unpermute_qk(name, _read_part(f, t, shape, slices.get(name)), config)
             continue
