@@ -42,7 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
-from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, uses_onednn
+from .batched import WIDTH
+from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, plain_linear, uses_onednn
 from .proofs import held_short, opaque, opaque_op, proven_long, proven_short, proven_units
 
 if TYPE_CHECKING:
@@ -210,8 +211,14 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     calc = compute_dtype(x.device, x.dtype)
     width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
 
+    # torch.mm gave a row of 5-7 or 9-11 output columns other bits at another row of its tile (a CPU, the weight
+    # stored column-major: o and down at hidden size 6): such a narrow last part is padded to WIDTH columns
+    last = (n - 1) % width + 1  # the last part's columns
+    pad = -last % WIDTH if n and last < 2 * WIDTH else 0
+
     def part(a: int) -> torch.Tensor:  # (K, <= width): row-major when the weight is stored column-major
-        return _as(weight.t()[:, a:a + width], calc)
+        p = _as(weight.t()[:, a:a + width], calc)
+        return F.pad(p, (0, pad)) if pad and a + width >= n else p
 
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):  # autograd: no out= products
         rows, m = _whole_tiles(x, tile)
@@ -219,8 +226,9 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
         parts = [part(a) for a in range(0, n, width)]
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
-        return out[:m].to(x.dtype).reshape(*lead, n)
+        return out[:m, :n].to(x.dtype).reshape(*lead, n)
     onednn = uses_onednn(x.device, calc)
+    pad = 0 if onednn else pad  # oneDNN's rows kept their bits at every width
     # A decode step makes ~200 calls of one short tile: each op skipped below (a reshape, a cast or a slice
     # that changes nothing) is a dispatch saved, ~1,000 a step.
     rows = _as(x if x.dim() == 2 else x.reshape(-1, k), calc)  # (M, K)
@@ -243,20 +251,20 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
         rows = F.pad(rows, (0, 0, 0, end - m))
     if one is not None and onednn and len(pieces) == 1:  # one product: its result is the output
         return _output(onednn_linear(rows, one), m, x.dtype, lead)
-    out = rows.new_empty(end, n)  # (rows read, N)
+    out = rows.new_empty(end, n + pad)  # (rows read, N)
     for a in range(0, n, width):
         if one is None:  # one float32 slice at a time, in cache while every tile meets it; oneDNN takes (N, K)
             p = weight[a:a + width].to(calc) if onednn else part(a)
             pieces = products(p)
         else:
             p = one
-        cols = slice(a, a + width)  # the slice's output columns (the last may be narrower)
+        cols = slice(a, a + width if a + width < n else n + pad)  # the slice's output columns (the last may differ)
         for i, size in pieces:
             if onednn:
                 out[i:i + size, cols] = onednn_linear(rows[i:i + size], p)
             else:
                 torch.mm(rows[i:i + size], p, out=out[i:i + size, cols])
-    return _output(out, m, x.dtype, lead)
+    return _output(out[:, :n].contiguous() if pad else out, m, x.dtype, lead)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: list[int], long: list[int]) -> torch.Tensor:
@@ -311,21 +319,6 @@ def _mean_square(x: torch.Tensor, tile: int) -> torch.Tensor:
 
 
 _mean_square_op = opaque_op("tiled_mean_square", _mean_square, lambda x, tile: x.new_empty(*x.shape[:-1], 1))
-
-
-def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One product for the whole pass, in the arithmetic and library `tiled_linear` uses on this device and
-    dtype (precision.py): plain and invariant runs then differ by the tiling alone, which is what a
-    comparison of the two is meant to measure."""
-    calc = compute_dtype(x.device, x.dtype)
-    if calc == x.dtype:
-        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if not grad and uses_onednn(x.device, calc):
-            return onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight)
-    xc = x.to(calc)
-    return torch.cat([F.linear(xc, weight[a:a + FLOAT32_COLUMNS].to(calc))  # (..., <= C) each
-                      for a in range(0, weight.shape[0], FLOAT32_COLUMNS)], dim=-1).to(x.dtype)
 
 
 def unit_bounds(n: int, units: int) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 ENV = "MINILLAMA_CPU_16BIT"
 CHOICES = ("auto", "native", "float32")
@@ -144,3 +145,18 @@ def uses_onednn(device: torch.device, calc: torch.dtype) -> bool:
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (T, K) @ weight (N, K).T in one oneDNN linear: (T, N)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One product for the whole pass, in the arithmetic and library `invariant.tiled_linear` uses on this
+    device and dtype: plain and invariant runs then differ by the tiling alone, which is what a
+    comparison of the two is meant to measure."""
+    calc = compute_dtype(x.device, x.dtype)
+    if calc == x.dtype:
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if not grad and uses_onednn(x.device, calc):
+            return onednn_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight)
+    xc = x.to(calc)
+    return torch.cat([F.linear(xc, weight[a:a + FLOAT32_COLUMNS].to(calc))  # (..., <= C) each
+                      for a in range(0, weight.shape[0], FLOAT32_COLUMNS)], dim=-1).to(x.dtype)

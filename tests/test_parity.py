@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CUDA_TILES
+from minillama.precision import GEMM_ENV
 from test_signatures import expected_signatures, run_calls, scan_calls
 from tiny import DEVICE, ON_CPU, SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
 
@@ -121,13 +122,16 @@ def test_nested_and_unrelated_segments_in_one_pass(config, seed, data, tiles):
         row += len(o)
 
 
+@pytest.mark.parametrize("gemm", ["auto", "mm"])
 @pytest.mark.parametrize("tiles", ["default", "small", *(["fused"] if ON_CPU else [])])
-@pytest.mark.parametrize("head_dim, heads, kv_heads", [(6, 3, 1), (10, 1, 1), (6, 4, 2)])
-def test_head_sizes_of_narrow_values_products_keep_parity(head_dim, heads, kv_heads, tiles):
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(6, 3, 1), (10, 1, 1), (6, 4, 2), (6, 1, 1)])
+def test_head_sizes_of_narrow_values_products_keep_parity(head_dim, heads, kv_heads, tiles, gemm, monkeypatch):
     """A CPU's bmm gave a row of a 6- or 10-column product other bits at another row of its tile: at head
     size 6 or 10, parallel != independent (by ~5e-7, log-probs too) wherever a document filled a key block,
     and prefill != decode; torch's fused CPU kernel the same. Such products are now issued in whole multiples
-    of 8 columns (batched.WIDTH), zeros padding the head size."""
+    of 8 columns (batched.WIDTH), zeros padding the head size. `torch.mm` the same for a linear layer's
+    narrow output (o and down at a hidden size of 6 or 10, MINILLAMA_CPU_GEMM=mm): padded too."""
+    monkeypatch.setenv(GEMM_ENV, gemm)
     config = tiny_config(layers=2, heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=VOCAB)
     chosen = {"default": None, "small": SMALL_TILES, "fused": ON_CPU[0] if ON_CPU else None}[tiles]
     model = tiny_model(config, seed=5, tiles=chosen)

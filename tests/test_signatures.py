@@ -52,8 +52,10 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
                                                                   (tuple(p.shape), p.stride(), calc, 0))))
                     continue
                 p = w[:, a:a + FLOAT32_COLUMNS].to(calc) if calc != dt else w
+                pad = -p.shape[1] % WIDTH if p.shape[1] < 2 * WIDTH else 0  # a narrow ragged part: padded
+                p = torch.nn.functional.pad(p, (0, pad)) if pad else p
                 out.add(("aten.mm.out", (((t, k), (k, 1), calc, 0), (tuple(p.shape), p.stride(), calc, 0),
-                                         ((t, p.shape[1]), (n, 1), calc, 0))))
+                                         ((t, p.shape[1]), (n + pad, 1), calc, 0))))
     t = tiles.rows
     for name, mod in model.named_modules():  # RMSNorm's mean of squares, one (t, K) reduction per tile
         if isinstance(mod, RMSNorm):
@@ -164,7 +166,10 @@ QWEN = tiny_config(layers=2, heads=6, kv_heads=2, head_dim=8, model_type="qwen3"
 # A 16-bit model's products: native or float32 on 16-bit storage, whichever this CPU takes (precision.py);
 # the other path is checked too, forced by the override.
 WIDE = tiny_config(layers=1, heads=6, kv_heads=2, head_dim=8, tied=True, vocab=1500)  # an LM head of two slices
+# o and down 6 columns wide, the LM head's last float32 slice too: narrow parts, padded where torch.mm runs them
+NARROW = tiny_config(layers=1, heads=1, kv_heads=1, head_dim=6, vocab=1030)
 MODELS = {"default tiles": tiny_model(CONFIG, 0, tiles=None), "small tiles": tiny_model(CONFIG, 0),
+          "narrow": tiny_model(NARROW, 0), "narrow, bfloat16": tiny_model(NARROW, 0, torch.bfloat16),
           "window, default tiles": tiny_model(WINDOWED, 0, tiles=None), "window, small tiles": tiny_model(WINDOWED, 0),
           "qwen3 with biases": tiny_model(QWEN, 0), "bfloat16": tiny_model(CONFIG, 0, torch.bfloat16),
           "float16, wide vocabulary": tiny_model(WIDE, 0, torch.float16, tiles=None),
