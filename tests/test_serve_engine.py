@@ -8,6 +8,7 @@ has no `acquire_all`."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -180,3 +181,28 @@ def test_a_lone_prompt_leaves_its_tail_for_the_next_to_share(model):
         _check_solo(model, [prompt], events)
         total += computed
         assert engine.prefill_tokens == total, (prompt, engine.stats())
+
+
+def test_a_choices_top_logprobs_do_not_follow_another_choices_k(model):
+    """torch.topk picks and orders tied log-probs by the k it is asked for: the engine took one topk of the
+    largest k in the pass, so a choice's top log-probs changed when another in its pass asked for more (ties
+    are common in bfloat16). Each now takes the k likeliest, ties in token id order, whatever else runs."""
+    llama = copy.deepcopy(model.llama)
+    with torch.no_grad():  # every token's logit 0 but for tokens 0-2: every top-k list meets ties
+        llama.lm_head.weight[3:] = 0
+    prompt = [7, 8, 9, 10, 11]
+
+    def tops(*ks: int) -> list[list[list[tuple[int, float]]]]:
+        engine = Engine(llama, eos_of(model))
+        events: list[list[Event]] = [[] for _ in ks]
+        engine.submit([Choice(prompt, PARAMS, events[i].append, top_k=k) for i, k in enumerate(ks)])
+        while engine.waiting or engine.running:
+            with engine.lock:
+                engine._admit()
+            engine._step()
+        return [[e.top for e in evs] for evs in events]
+
+    alone = tops(5)[0]
+    assert tops(5, 20)[0] == alone
+    for step in alone:  # the likeliest first, a tie's ids in increasing order
+        assert step == sorted(step, key=lambda e: (-e[1], e[0])) and len(step) == 5

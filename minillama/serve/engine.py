@@ -34,7 +34,7 @@ from ..tokens import Chosen, Question, choose_tokens, take_tokens
 from ..model import Llama
 from ..step import Pack
 from ..transfer import to_device
-from .logits import PromptLogprob, filtered, prompt_logprobs
+from .logits import PromptLogprob, filtered, prompt_logprobs, top_entries
 from .prefix import Block, PrefixCache
 
 
@@ -383,11 +383,8 @@ class Engine:
         top: dict[int, list[tuple[int, float]]] = {}
         if want_top:
             lp = torch.log_softmax(raw[want_top].float(), -1)  # row-wise: the bits of take_tokens's
-            k = max(launched.seqs[i].top_k for i in want_top)
-            vals, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
-            for j, i in enumerate(want_top):
-                kk = launched.seqs[i].top_k
-                top[i] = list(zip(ids[j, :kk].tolist(), vals[j, :kk].tolist()))
+            for j, i in enumerate(want_top):  # each row its own k: tied ids picked by its own rule alone
+                top[i] = top_entries(lp[j:j + 1], launched.seqs[i].top_k)[0]
         for s, i in zip(seqs, keep):
             if not s.finished:  # those that failed were finished with their error
                 self._guarded(s, lambda s=s, i=i: self._report(s, top.get(i)))

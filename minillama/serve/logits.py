@@ -71,9 +71,29 @@ def prompt_logprobs(rows: torch.Tensor, prompt: Sequence[int], top_k: int) -> li
     ranks = ((rows[:-1] > picked).sum(dim=1) + 1).tolist()
     out: list[PromptLogprob] = [(None, None, [])]
     if top_k and len(nxt):
-        vals, ids = rows[:-1].topk(min(top_k, rows.shape[-1]), dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        tops = top_entries(rows[:-1], top_k)
     else:
         tops = [[] for _ in chosen]
     out.extend(zip(chosen, ranks, tops))
+    return out
+
+
+def top_entries(lp: torch.Tensor, k: int, chunk: int = 64) -> list[list[tuple[int, float]]]:
+    """Each row's k likeliest (token id, log-prob), likeliest first, tied log-probs in token id order. lp: (R,
+    vocab). `torch.topk` picks and orders tied values by the k it is asked for (bfloat16 ties often), so a
+    request's top log-probs would follow another request's k in the same pass; here only the k-th value comes
+    from `topk` (a value is the same whichever tied id it picks), and the rule above picks the ids."""
+    k = min(k, lp.shape[-1])
+    if k <= 0:
+        return [[] for _ in range(lp.shape[0])]
+    out: list[list[tuple[int, float]]] = []
+    for a in range(0, lp.shape[0], chunk):  # (chunk, vocab) at a time: the masks' memory
+        x = lp[a:a + chunk].nan_to_num(nan=float("-inf"))
+        kth = x.topk(k, dim=-1).values[:, -1:]  # (rows, 1)
+        above, tied = x > kth, x == kth
+        picked = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # k a row, ids ascending
+        ids = picked.nonzero()[:, 1].view(-1, k)
+        vals = x.gather(1, ids)
+        order = vals.argsort(dim=-1, descending=True, stable=True)  # ties keep their ids' order
+        out += [list(zip(i, v)) for i, v in zip(ids.gather(1, order).tolist(), vals.gather(1, order).tolist())]
     return out
