@@ -77,6 +77,25 @@ def test_continue_final_message_cuts_where_the_template_writes_the_message(final
     assert tok.decode(ids) == head + final and ids == tok.encode(head + final)
 
 
+def test_a_template_that_raises_under_continue_final_message_is_refused_in_its_own_words():
+    """The template's own refusal (raise_exception) under continue_final_message was reported as "does not
+    write the final message's text as given", which sends the client looking at the wrong thing; it is now
+    said as on the chat route without it."""
+    from minillama.serve.schema import BadRequest, Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['content'] == 'BAD' %}{{ raise_exception('no BAD here') }}"
+                         "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    turns = [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "BAD"}]
+    body = {"messages": turns, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True}
+    with pytest.raises(BadRequest, match=r"^messages: the chat template refused them \(.*no BAD here") as e:
+        parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny")
+    assert e.value.param == "messages"
+    turns[-1]["content"] = "The town"  # taken: the prompt ends where the message's text does
+    assert tok.decode(parse(body, True, tok, Limits(512, tok.vocab_size, 16), "tiny").prompts[0]).endswith("The town")
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(monkeypatch):
     """A megabyte of prompt is refused from its length alone (`checks.fewest_tokens`): tokenizing it first
     held every other client's stream for about a second."""

@@ -18,7 +18,7 @@ from ..checks import check_options, fewest_tokens
 from ..options import is_finite, text
 from ..errors import BadInput
 from ..generate import SamplingParams
-from ..tokenizer import TokenizerError
+from ..tokenizer.base import Uncontinuable
 from .fields import refusal
 from .logits import RowFilter, row_filter
 
@@ -275,7 +275,7 @@ def _continued(turns: list[dict[str, str]], tokenizer: Any) -> list[int]:
                          "continue_final_message")
     try:
         text = tokenizer.continued_chat(turns)
-    except TokenizerError:
+    except Uncontinuable:  # the template's own refusal (raise_exception, an undefined name) is said below
         raise BadRequest("continue_final_message: the chat template does not write the final message's text "
                          "as given", "continue_final_message") from None
     except Exception as e:

@@ -27,6 +27,10 @@ class TokenizerError(OneLineError):
     """A tokenizer file that is missing, unreadable or of a kind minillama does not support."""
 
 
+class Uncontinuable(TokenizerError):
+    """`Tokenizer.continued_chat`: the rendered chat does not show where the final message's text ends."""
+
+
 # GGUF `tokenizer.ggml.token_type` values; they are sentencepiece's `ModelProto.SentencePiece.Type`.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -190,11 +194,11 @@ class Tokenizer:
         skeleton = self._skeleton(messages, False, variables)
         spans = self._message_spans(messages, text, skeleton)
         if spans is None:
-            raise TokenizerError(f"{self.template_source}: the template changes the message text, so the end of the "
+            raise Uncontinuable(f"{self.template_source}: the template changes the message text, so the end of the "
                                  "final message cannot be found to continue it")
         ends = [hi for k, _, hi in spans if k == len(messages) - 1]
         if not ends:
-            raise TokenizerError("the chat template does not write the final message")
+            raise Uncontinuable("the chat template does not write the final message")
         return text[:ends[-1]]
 
     def _skeleton(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
