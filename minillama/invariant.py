@@ -227,7 +227,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
         out = torch.cat([torch.cat([torch.mm(rows[i:i + tile], p) for p in parts], dim=1)
                          for i in range(0, rows.shape[0], tile)])
         return out[:m, :n].to(x.dtype).reshape(*lead, n)
-    onednn = uses_onednn(x.device, calc)
+    onednn = uses_onednn(x.device, calc) and k > 0  # oneDNN refuses an empty sum (a unit of no features)
     pad = 0 if onednn else pad  # oneDNN's rows kept their bits at every width
     # A decode step makes ~200 calls of one short tile: each op skipped below (a reshape, a cast or a slice
     # that changes nothing) is a dispatch saved, ~1,000 a step.

@@ -123,3 +123,26 @@ def test_weights_are_laid_out_for_their_products():
     assert [layout(n) for n in qkv] == ["row"] * 2 and layout(rows[0]) == "column"
     model.to(torch.float32)
     assert [layout(n) for n in qkv] == ["column" if model.device.type == "cpu" else "row"] * 2
+
+
+@pytest.mark.parametrize("intermediate", [1, 3])
+def test_more_units_than_mlp_features_leave_a_unit_empty_and_keep_parity(intermediate):
+    """units = the KV heads (what loading sets) may exceed an MLP of fewer features: a unit then holds no
+    feature, and the down projection's product over it is an empty sum, which oneDNN's linear refused
+    (RuntimeError) where torch.mm gives zeros. Now it is zeros: the logits are the one unit's but for the
+    order of the units' sum, and parallel still equals independent."""
+    from minillama.generate import SamplingParams, generate
+
+    config = tiny_config(layers=1, heads=4, kv_heads=4, head_dim=8)
+    config.intermediate_size = intermediate
+    model = tiny_model(config, seed=0, tiles=None)
+    x = torch.tensor([5, 6, 7])
+    whole = model(x)
+    prompts = [[5, 6, 7, 8] * 20 + [9], [5, 6, 7, 8] * 20 + [10, 11]]
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    for units in (2, 4):
+        model.units = units
+        torch.testing.assert_close(model(x), whole, rtol=1e-5, atol=1e-5)
+        alone = generate(model, prompts, params, mode="independent")
+        packed = generate(model, prompts, params, mode="parallel")
+        assert all(torch.equal(torch.stack(a.logits), torch.stack(b.logits)) for a, b in zip(alone, packed))
