@@ -211,10 +211,11 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     calc = compute_dtype(x.device, x.dtype)
     width = FLOAT32_COLUMNS if calc != x.dtype else max(n, 1)  # native: one part, the weight itself
 
-    # torch.mm gave a row of 5-7 or 9-11 output columns other bits at another row of its tile (a CPU, the weight
-    # stored column-major: o and down at hidden size 6): such a narrow last part is padded to WIDTH columns
+    # torch.mm gave a row of 2 to 11 output columns other bits at another row of its tile (a CPU: 5-7 or 9-11
+    # for a weight stored column-major, o and down at hidden size 6; 2-11 for one stored row-major whose K is not
+    # a multiple of 4, a unit's q at hidden size 5): a last part narrower than 2 * WIDTH is padded to 2 * WIDTH
     last = (n - 1) % width + 1  # the last part's columns
-    pad = -last % WIDTH if n and last < 2 * WIDTH else 0
+    pad = 2 * WIDTH - last if n and last < 2 * WIDTH else 0
 
     def part(a: int) -> torch.Tensor:  # (K, <= width): row-major when the weight is stored column-major
         p = _as(weight.t()[:, a:a + width], calc)

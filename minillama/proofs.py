@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .precision import onednn_linear
+from .precision import compute_dtype, onednn_linear, uses_onednn
 
 
 class Proof(NamedTuple):
@@ -32,7 +32,7 @@ class Proof(NamedTuple):
     threads: int
     tile: int  # the tile's rows (0 for units)
     sizes: tuple[int, ...]  # the row counts asked about
-    how: Any  # whether oneDNN runs the product (short, long); the units' bounds (units)
+    how: Any  # whether oneDNN runs the product (short, long); the units' bounds and that (units)
 
 
 _PROVEN: dict[Proof, Any] = {}
@@ -111,8 +111,9 @@ def proven_units(weight: torch.Tensor, bounds: list[tuple[int, int]], rows: tupl
         return False
     if len(bounds) == 1 and weight.is_contiguous():  # the unit's own product, on its own block
         return True
+    library = uses_onednn(weight.device, compute_dtype(weight.device, weight.dtype))  # a proof stands for its own
     key = Proof("units", tuple(weight.shape), weight.stride(), weight.dtype, weight.device.type,
-                torch.get_num_threads(), 0, rows, tuple(bounds))
+                torch.get_num_threads(), 0, rows, (tuple(bounds), library))
     if key not in _PROVEN:
         with unwatched(), torch.no_grad():
             _PROVEN[key] = all(torch.equal(product(x[:m], w),

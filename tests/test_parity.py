@@ -15,8 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minillama.config import LlamaConfig
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CUDA_TILES
+from minillama.model import Llama
 from minillama.precision import GEMM_ENV
 from test_signatures import expected_signatures, run_calls, scan_calls
 from tiny import DEVICE, ON_CPU, SMALL_TILES, VOCAB, configs, ids, tiny_config, tiny_model
@@ -144,6 +146,33 @@ def test_head_sizes_of_narrow_values_products_keep_parity(head_dim, heads, kv_he
     params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
     assert_same_answers(generate(model, prompts, params, mode="independent"),
                         generate(model, prompts, params, mode="parallel", docs=docs))
+
+
+@pytest.mark.parametrize("gemm", ["auto", "mm"])
+@pytest.mark.parametrize("hidden", [5, 6, 9, 10])
+def test_a_units_narrow_block_at_a_ragged_hidden_size_keeps_parity(hidden, gemm, monkeypatch):
+    """torch.mm gave a row of a weight stored row-major with 2 to 11 output columns and K not a multiple of 4
+    other bits at another row of its tile: at units = 2 (a unit's q is 8 columns of K = hidden) parallel !=
+    independent and prefill != decode at hidden size 5, 6, 9 or 10 under MINILLAMA_CPU_GEMM=mm. A part
+    narrower than 16 columns is now padded to 16 (invariant.tiled_linear)."""
+    monkeypatch.setenv(GEMM_ENV, gemm)
+    model = Llama(LlamaConfig(vocab_size=61, hidden_size=hidden, intermediate_size=48, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms' weights about 1
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 + (p.dim() == 1))
+    model.units = 2
+    toks = torch.tensor([7, 9, 11, 13])
+    cache = model.new_cache(16)
+    s = cache.new_segment()
+    decoded = torch.cat([model(toks[i:i + 1], torch.tensor([i]), torch.tensor([s]), cache) for i in range(4)])
+    assert torch.equal(model(toks), decoded)
+    doc = list(range(3, 40))
+    prompts = [doc + [50, 51, 52], doc + [41], doc + [44, 45]]
+    params = SamplingParams(max_new_tokens=3, keep_logits=True, ignore_eos=True)
+    assert_same_answers(generate(model, prompts, params, mode="independent"),
+                        generate(model, prompts, params, mode="parallel"))
 
 
 def test_negative_control_plain_ops_break_parity():

@@ -45,17 +45,19 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
         for t in (tiles.rows, *tiles.short, *tiles.long) if isinstance(mod, torch.nn.Linear) else ():
             n, k = mod.weight.shape
             w = mod.weight.t()
-            for a in range(0, n, FLOAT32_COLUMNS if calc != dt else max(n, 1)):  # one product per slice
+            step = FLOAT32_COLUMNS if calc != dt else max(n, 1)
+            tail = max(2 * WIDTH - ((n - 1) % step + 1), 0)  # the output's columns past N: a narrow last part's
+            for a in range(0, n, step):  # one product per slice
                 if onednn:  # oneDNN's linear takes the weight as (N, K)
                     p = mod.weight[a:a + FLOAT32_COLUMNS if calc != dt else n].to(calc)
                     out.add(("mkldnn._linear_pointwise.default", (((t, k), (k, 1), calc, 0),
                                                                   (tuple(p.shape), p.stride(), calc, 0))))
                     continue
                 p = w[:, a:a + FLOAT32_COLUMNS].to(calc) if calc != dt else w
-                pad = -p.shape[1] % WIDTH if p.shape[1] < 2 * WIDTH else 0  # a narrow ragged part: padded
+                pad = max(2 * WIDTH - p.shape[1], 0)  # a narrow part: padded to 2 * WIDTH columns
                 p = torch.nn.functional.pad(p, (0, pad)) if pad else p
                 out.add(("aten.mm.out", (((t, k), (k, 1), calc, 0), (tuple(p.shape), p.stride(), calc, 0),
-                                         ((t, p.shape[1]), (n + pad, 1), calc, 0))))
+                                         ((t, p.shape[1]), (n + tail, 1), calc, 0))))
     t = tiles.rows
     for name, mod in model.named_modules():  # RMSNorm's mean of squares, one (t, K) reduction per tile
         if isinstance(mod, RMSNorm):
