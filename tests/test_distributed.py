@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -677,3 +679,31 @@ def test_the_answer_writing_thread_ends_through_the_one_error_runner(fault):
     errors = [line for line in ours if line.startswith("error: ")]
     assert errors == ([] if fault == "pipe" else ["error: cannot write the output (No space left on device)"]), \
         p.stderr[-3000:]
+
+
+def test_sigterm_to_the_launcher_ends_its_ranks(ckpt, jobs):
+    """SIGTERM (as `timeout` or a scheduler sends it) to `--procs`'s launcher left its ranks running, orphaned,
+    until they finished or --dist-timeout ended them; it now ends them as Ctrl-C does: exit 143, one line."""
+    cmd = [sys.executable, "-m", "minillama", "generate", *map(str, common(ckpt, jobs)), "--procs", "2"]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def children() -> set[int]:
+        found = set()
+        for task in Path(f"/proc/{launcher.pid}/task").glob("*/children"):
+            found |= {int(c) for c in task.read_text().split()}
+        return found
+
+    deadline = time.monotonic() + 120
+    while len(ranks := children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(ranks) >= 2, "the ranks never started"
+    launcher.send_signal(signal.SIGTERM)
+    code = launcher.wait(60)
+    time.sleep(1)
+    alive = [p for p in ranks if Path(f"/proc/{p}").exists()
+             and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]  # a zombie has ended
+    for p in alive:  # leave nothing behind, whatever the verdict
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived their launcher"
+    assert code == 128 + signal.SIGTERM and launcher.stderr.read().strip().splitlines()[-1] == "terminated"

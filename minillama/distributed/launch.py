@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Any, Sequence
@@ -82,6 +83,10 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     ctx = mp.start_processes(_rank, args=(entry, args, jobs, env), nprocs=args.procs, join=False,
                              start_method="spawn")
+    try:  # SIGTERM (`timeout`, a job scheduler) ends the ranks as Ctrl-C does, rather than orphan them
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread: signals are the main thread's to take
+        previous = None
     try:
         while not ctx.join():
             pass
@@ -94,13 +99,24 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
     except mp.ProcessRaisedException as e:  # a bug: the rank's traceback, then one line
         print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as e:
         for p in ctx.processes:
             if p.is_alive():
                 p.terminate()
-        print("interrupted", file=sys.stderr)
-        return 130
+        print("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+class Terminated(Exception):
+    """The launcher was sent SIGTERM."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def _rank(local_rank: int, entry, args: argparse.Namespace, jobs: Sequence[Any], env: dict[str, str]) -> None:
