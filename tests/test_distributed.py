@@ -707,3 +707,17 @@ def test_sigterm_to_the_launcher_ends_its_ranks(ckpt, jobs):
         os.kill(p, signal.SIGKILL)
     assert not alive, f"ranks {alive} outlived their launcher"
     assert code == 128 + signal.SIGTERM and launcher.stderr.read().strip().splitlines()[-1] == "terminated"
+
+
+def test_an_mlp_of_fewer_features_than_units_gives_one_process_bytes_at_every_degree(tmp_path, jobs):
+    """intermediate_size 3 at 4 KV heads (the default units): one unit of the MLP holds no feature. One process
+    raised oneDNN's RuntimeError (a traceback), and under --tp 4 that rank's report deadlocked against its peers'
+    collective until --dist-timeout. An empty unit's product is now an empty sum (zeros)."""
+    tok = tiny_tokenizer()
+    config = tiny_config(layers=1, heads=4, kv_heads=4, head_dim=6, vocab=tok.vocab_size, max_pos=512)
+    config.intermediate_size = 3
+    ckpt = save_hf_dir(config, tiny_model(config, seed=1).state_dict(), tok, tmp_path / "narrow")
+    alone = generate(*common(ckpt, jobs))
+    assert alone.returncode == 0 and alone.stdout.count("\n") == N_QUESTIONS, alone.stderr
+    ranks = generate(*common(ckpt, jobs, "--tp", "4", "--dist-timeout", "60"), procs=4)
+    assert (ranks.returncode, ranks.stdout) == (0, alone.stdout), ranks.stderr[-2000:]
