@@ -206,3 +206,20 @@ def test_a_choices_top_logprobs_do_not_follow_another_choices_k(model):
     assert tops(5, 20)[0] == alone
     for step in alone:  # the likeliest first, a tie's ids in increasing order
         assert step == sorted(step, key=lambda e: (-e[1], e[0])) and len(step) == 5
+
+
+def test_top_entries_are_the_k_likeliest_ties_in_id_order_row_by_row():
+    """logits.top_entries against its definition (sorted by log-prob, then token id), on bfloat16-rounded rows
+    full of ties, with NaN (the least likely) and -inf; a row's entries the same in any group of rows."""
+    from minillama.serve.logits import top_entries
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(40, 300, generator=g) * 4).round().log_softmax(-1)  # few distinct values: ties everywhere
+    x[3, 5], x[4, :] = float("nan"), float("-inf")
+    for k in (1, 5, 20, 300, 301):
+        got = top_entries(x, k)
+        for r in range(40):
+            key = [(-v if v == v else float("inf"), i) for i, v in enumerate(x[r].tolist())]
+            want = [i for _, i in sorted(key)][:k]
+            assert [i for i, _ in got[r]] == want, (k, r)
+            assert top_entries(x[r:r + 1], k)[0] == got[r]

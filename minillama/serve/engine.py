@@ -383,8 +383,11 @@ class Engine:
         top: dict[int, list[tuple[int, float]]] = {}
         if want_top:
             lp = torch.log_softmax(raw[want_top].float(), -1)  # row-wise: the bits of take_tokens's
-            for j, i in enumerate(want_top):  # each row its own k: tied ids picked by its own rule alone
-                top[i] = top_entries(lp[j:j + 1], launched.seqs[i].top_k)[0]
+            by_k: dict[int, list[int]] = {}  # rows of one k in one call: each row's entries are its own alone
+            for j, i in enumerate(want_top):
+                by_k.setdefault(launched.seqs[i].top_k, []).append(j)
+            for k, rows in by_k.items():
+                top.update(zip([want_top[j] for j in rows], top_entries(lp[rows], k)))
         for s, i in zip(seqs, keep):
             if not s.finished:  # those that failed were finished with their error
                 self._guarded(s, lambda s=s, i=i: self._report(s, top.get(i)))

@@ -81,19 +81,26 @@ def prompt_logprobs(rows: torch.Tensor, prompt: Sequence[int], top_k: int) -> li
 def top_entries(lp: torch.Tensor, k: int, chunk: int = 64) -> list[list[tuple[int, float]]]:
     """Each row's k likeliest (token id, log-prob), likeliest first, tied log-probs in token id order. lp: (R,
     vocab). `torch.topk` picks and orders tied values by the k it is asked for (bfloat16 ties often), so a
-    request's top log-probs would follow another request's k in the same pass; here only the k-th value comes
-    from `topk` (a value is the same whichever tied id it picks), and the rule above picks the ids."""
+    request's top log-probs would follow another request's k in the same pass; here `topk` gives the values
+    (the same whichever tied id it picks) and the ids where no tie crosses the k-th place, and the rule above
+    the order, and the ids where a tie does."""
     k = min(k, lp.shape[-1])
     if k <= 0:
         return [[] for _ in range(lp.shape[0])]
     out: list[list[tuple[int, float]]] = []
-    for a in range(0, lp.shape[0], chunk):  # (chunk, vocab) at a time: the masks' memory
-        x = lp[a:a + chunk].nan_to_num(nan=float("-inf"))
-        kth = x.topk(k, dim=-1).values[:, -1:]  # (rows, 1)
-        above, tied = x > kth, x == kth
-        picked = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # k a row, ids ascending
-        ids = picked.nonzero()[:, 1].view(-1, k)
-        vals = x.gather(1, ids)
+    for a in range(0, lp.shape[0], chunk):
+        x = lp[a:a + chunk]
+        vals, ids = x.topk(k, dim=-1)
+        if vals.isnan().any():  # topk takes NaN for the largest: a NaN is the least likely here
+            x = x.masked_fill(x.isnan(), float("-inf"))
+            vals, ids = x.topk(k, dim=-1)
+        kth = vals[:, -1:]
+        for r in ((x == kth).sum(-1) > (vals == kth).sum(-1)).nonzero()[:, 0].tolist():  # a tie the k-th place cuts
+            above = (x[r] > kth[r]).nonzero()[:, 0]
+            ids[r] = torch.cat([above, (x[r] == kth[r]).nonzero()[:, 0][:k - len(above)]])  # the lowest tied ids
+            vals[r] = x[r, ids[r]]
+        by_id = ids.argsort(dim=-1)
+        ids, vals = ids.gather(1, by_id), vals.gather(1, by_id)
         order = vals.argsort(dim=-1, descending=True, stable=True)  # ties keep their ids' order
         out += [list(zip(i, v)) for i, v in zip(ids.gather(1, order).tolist(), vals.gather(1, order).tolist())]
     return out
