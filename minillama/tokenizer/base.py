@@ -195,7 +195,7 @@ class Tokenizer:
         spans = self._message_spans(messages, text, skeleton)
         if spans is None:
             raise Uncontinuable(f"{self.template_source}: the template changes the message text, so the end of the "
-                                 "final message cannot be found to continue it")
+                                "final message cannot be found to continue it")
         ends = [hi for k, _, hi in spans if k == len(messages) - 1]
         if not ends:
             raise Uncontinuable("the chat template does not write the final message")
