@@ -215,11 +215,11 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
     # for a weight stored column-major, o and down at hidden size 6; 2-11 for one stored row-major whose K is not
     # a multiple of 4, a unit's q at hidden size 5): a last part narrower than 2 * WIDTH is padded to 2 * WIDTH
     last = (n - 1) % width + 1  # the last part's columns
-    pad = 2 * WIDTH - last if n and last < 2 * WIDTH else 0
+    narrow = 2 * WIDTH - last if n and last < 2 * WIDTH else 0  # zero columns on torch.mm's last part
 
     def part(a: int) -> torch.Tensor:  # (K, <= width): row-major when the weight is stored column-major
         p = _as(weight.t()[:, a:a + width], calc)
-        return F.pad(p, (0, pad)) if pad and a + width >= n else p
+        return F.pad(p, (0, narrow)) if narrow and a + width >= n else p
 
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):  # autograd: no out= products
         rows, m = _whole_tiles(x, tile)
@@ -229,7 +229,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int, short: tuple[
                          for i in range(0, rows.shape[0], tile)])
         return out[:m, :n].to(x.dtype).reshape(*lead, n)
     onednn = uses_onednn(x.device, calc) and k > 0  # oneDNN refuses an empty sum (a unit of no features)
-    pad = 0 if onednn else pad  # oneDNN's rows kept their bits at every width
+    pad = 0 if onednn else narrow  # the output's columns past N (oneDNN's rows kept their bits at every width)
     # A decode step makes ~200 calls of one short tile: each op skipped below (a reshape, a cast or a slice
     # that changes nothing) is a dispatch saved, ~1,000 a step.
     rows = _as(x if x.dim() == 2 else x.reshape(-1, k), calc)  # (M, K)
