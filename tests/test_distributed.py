@@ -323,6 +323,34 @@ def test_an_error_in_a_tensor_parallel_group_keeps_its_last_answer(ckpt, tmp_pat
     assert one.stdout.count("\n") > 4 and four.stdout == one.stdout
 
 
+@pytest.mark.parametrize("kind, launcher", [("bug", "procs"), ("refusal", "procs"), ("bug", "torchrun"),
+                                           ("hang", "procs")])
+def test_an_error_one_tensor_parallel_rank_alone_meets_ends_the_run_at_once(ckpt, jobs, kind, launcher):
+    """--tp 2, one data-parallel group: rank 1 alone fails in its third forward pass (its own device out of
+    memory, say) while rank 0 waits on it in a collective, with no thread that could hear a report. Rank 1 says
+    so in one line (a bug's traceback before it) and its launcher ends the run, long before --dist-timeout
+    (600 s; the subprocess has 200). A rank 1 that stops answering: rank 0 says so, in one line, at the timeout."""
+    args = ["generate", "--model", ckpt, "--input", jobs, "--json", "-n", "6", "--tp", "2",
+            "--dist-timeout", "20" if kind == "hang" else "600"]
+    script = ["tests/_dist_rank_fault.py", kind, *map(str, args)]
+    if launcher == "torchrun":
+        p = torchrun(2, *script, timeout=200)
+    else:
+        p = subprocess.run([sys.executable, *script, "--procs", "2"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    said = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    if kind == "hang":
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+        assert len(said) == 1 and said[0].startswith("error: lost contact with another rank in a collective ("), said
+        assert said[0].endswith("; the answers written so far are complete"), said
+        return
+    assert said == ["error: rank 1: planted: rank 1's device is out of memory"], p.stderr[-3000:]
+    assert ("Traceback" in p.stderr) == (kind == "bug"), p.stderr[-3000:]
+    assert p.returncode == (1 if kind == "bug" or launcher == "torchrun" else 2), p.stderr[-3000:]
+    if launcher == "procs":
+        assert p.stderr.strip().splitlines()[-1] == said[0], p.stderr[-3000:]
+
+
 def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
     """Under torchrun every rank reads the input itself. Where rank 1 read less of it (a file that changed, as
     a pipe given as /dev/stdin gave each rank a part), every rank stops before any work, one line saying what

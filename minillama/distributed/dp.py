@@ -119,14 +119,18 @@ class Channel:
         if self._receiver is not None:
             self._receiver.join()
 
-    def error(self, message: str, code: int) -> None:
+    def error(self, message: str, code: int) -> bool:
         """Tell rank 0 that this rank failed (a rank that is not rank 0), and wait until it has said so: the
-        launcher ends every rank as soon as one exits."""
+        launcher ends every rank as soon as one exits. False where rank 0 cannot hear it: one data-parallel
+        group runs no receiving thread, and rank 0's only thread may be waiting on this rank in a collective."""
+        if self.world.dp == 1:
+            return False
         try:
             self._send(ERROR, code, f"rank {self.world.rank}: {message}".encode())
             dist.recv(torch.empty(1), src=0, group=self.world.answers, tag=HEARD)
         except Exception:  # rank 0 may be gone too; the launcher reports the exit status
             pass
+        return True
 
     def fail(self, message: str, code: int, heard: int | None = None) -> None:
         """Rank 0: write one line, keep what is written, end this process now (its peers may be blocked).

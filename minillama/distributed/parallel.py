@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -51,9 +53,16 @@ class Here:
     def failed(self, error: BaseException) -> None:
         """This rank hit an error while answering. Alone: nothing to do here (the caller raises it). In a
         distributed run another rank's error goes to rank 0, which says it; then this rank ends at once with
-        the one error runner's status (`dp.end`), its peers and the process group being past waiting for."""
+        the one error runner's status (`dp.end`), its peers and the process group being past waiting for.
+        Where rank 0 cannot hear it (one data-parallel group: an error this rank alone met, such as its own
+        device's memory, while rank 0 waits on it in a collective), this rank says it and ends; its launcher
+        (torchrun, --procs) then ends the others at once rather than at the group's timeout."""
         if self.world.size == 1 or self._channel is None:
             return
+        if _lost_peer(error):  # another rank has ended: it, or its launcher, says why, and the launcher ends this one
+            time.sleep(PEER_GRACE_S)  # still here: a peer that hangs, or a launcher that does not end the rest
+            end(LostPeer(f"lost contact with another rank in a collective ({(str(error).splitlines() or [''])[0]}); "
+                         "the answers written so far are complete"))
         if not self.world.writes and not self.world.sends:
             # A tensor-parallel peer of the rank that sends its group's answers: that rank meets the same error
             # (the group runs as one) and reports it after its last answer, which this rank's report could
@@ -61,7 +70,12 @@ class Here:
             time.sleep(PEER_GRACE_S)
         if not self.world.writes and not isinstance(error, SaidElsewhere):
             message = " ".join(str(error).split()) or type(error).__name__
-            self._channel.error(message, 2 if isinstance(error, OneLineError) else 1)
+            code = 2 if isinstance(error, OneLineError) else 1
+            if not self._channel.error(message, code):
+                if code == 1:  # a bug: its traceback, then the line
+                    traceback.print_exception(error)
+                print(f"error: rank {self.world.rank}: {message}", file=sys.stderr, flush=True)
+                os._exit(code)
         end(error)
 
     def finish(self, channel: Channel, stats: Stats) -> Stats:
@@ -87,6 +101,16 @@ class Here:
         if self.world.size == 1 and self.units == self.kv_heads:  # one process at the default units
             return {}
         return {"ranks": self.world.size, "dp": self.world.dp, "tp": self.world.tp, "units": self.units}
+
+
+class LostPeer(OneLineError):
+    """A collective failed: another rank of the group has ended or stopped answering."""
+
+
+def _lost_peer(error: BaseException) -> bool:
+    """An error torch.distributed raised from a collective (gloo raises a RuntimeError when a peer has gone)."""
+    return isinstance(error, RuntimeError) and any(
+        frame.filename.endswith("distributed_c10d.py") for frame in traceback.extract_tb(error.__traceback__))
 
 
 def join(args: argparse.Namespace) -> Here:
