@@ -32,7 +32,7 @@ except ImportError:
 from . import api
 from . import distributed, precision, step
 from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as check_api_options, flag, too_long
-from .errors import BadInput, OneLineParser, check_device, one_line, run_command
+from .errors import BadInput, OneLineParser, check_cpu_env, check_device, one_line, run_command
 from .files import json_text
 from .generate import SamplingParams, Stats, StreamTooLong
 from .inputs import model_context, read_jobs
@@ -233,11 +233,7 @@ def check_options(args: argparse.Namespace) -> None:
     # the API's own checks, from the option table, naming the options as the command line spells them
     check_api_options(spell=flag, **{name: getattr(args, name) for name, row in OPTIONS.items() if row.flag})
     check_device(args.device)
-    try:
-        precision.cpu_mode()
-        precision.cpu_gemm()
-    except ValueError as e:
-        raise BadInput(str(e)) from None
+    check_cpu_env()
     if args.compile and (args.tp > 1 or args.procs > 1 or distributed.launched()):
         raise BadInput("--compile runs in one process (a tensor-parallel rank's steps run eagerly); drop it or --tp, "
                        "--procs and torchrun")

@@ -87,13 +87,54 @@ def check_device(device: str, option: str = "--device") -> None:
     if dev.type == "cuda" and dev.index is None and "LOCAL_RANK" in os.environ:
         # A rank started by torchrun uses the GPU of its local rank (distributed/parallel.py): probe that one,
         # not the current device, where every rank would otherwise open a context on GPU 0.
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        local = os.environ["LOCAL_RANK"]
+        if not local.strip().isdigit():
+            raise BadInput(f"LOCAL_RANK={local!r} in the environment: the index of this rank's GPU, >= 0 (torchrun "
+                           f"sets it); unset it, or start with torchrun")
+        dev = torch.device("cuda", int(local))
     if dev.type == "meta":  # before the probe below, whose read-back a meta tensor refuses in torch's words
         raise BadInput(f"{option} {device}: holds shapes, not numbers; choose cpu or an accelerator")
     try:
         torch.zeros(1, device=dev).cpu()
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
         raise BadInput(f"{option} {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+
+
+def check_cpu_env() -> None:
+    """The CPU's variables (MINILLAMA_CPU_16BIT, MINILLAMA_CPU_GEMM) read once, before anything slow: BadInput
+    naming the one that is wrong, rather than the first product's error (a server's every request)."""
+    from . import precision
+
+    try:
+        precision.cpu_mode()
+        precision.cpu_gemm()
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+
+
+def _stderr_to_devnull_if_unusable() -> None:
+    """Started with stderr closed (`2>&-`: sys.stderr is None, and print(file=None) writes to stdout) or open
+    for reading only: what would be said goes to /dev/null, so that none of it lands in the output and no
+    failed write changes the exit status. A stderr that is no file (a test's capture) is left alone."""
+    if sys.stderr is not None:
+        try:
+            fd = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            return
+        try:
+            import fcntl
+
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+                return
+        except ImportError:  # no fcntl (Windows): Python's own checks stand
+            return
+        except OSError:
+            pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    if devnull != 2:  # fd 2 itself, not a file opened later, must not be the output's
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    sys.stderr = open(2, "w", closefd=False)
 
 
 def _stdout_to_devnull() -> None:
@@ -142,6 +183,7 @@ def _speaks() -> bool:
 
 def run_command(body: Callable[[], int]) -> int:
     """Run a command line's body and turn what escapes into an exit status (the module docstring)."""
+    _stderr_to_devnull_if_unusable()
     if sys.stdout is None:  # started with stdout closed (`>&-`): the output would be lost
         print("error: standard output is closed; the output would be lost", file=sys.stderr)
         return 2

@@ -273,6 +273,15 @@ def keep_compiled_code() -> None:
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+        source = "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "$HOME"
+    else:
+        source = "$TORCHINDUCTOR_CACHE_DIR"
+    where = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    try:  # here, not deep in a compile, where the error would read as the checkpoint's
+        os.makedirs(where, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"--compile: the compile cache {where} (from {source}) cannot be made ({e.strerror or e}); "
+                       "set TORCHINDUCTOR_CACHE_DIR to a writable folder") from None
 
 
 def no_compiler(e: Exception) -> BadInput | None:

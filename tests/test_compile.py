@@ -234,6 +234,20 @@ def test_compiled_code_goes_to_minillamas_cache_directory(monkeypatch, tmp_path)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
+@pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR"])
+def test_a_compile_cache_that_cannot_be_made_is_named(monkeypatch, tmp_path, variable):
+    """A cache folder under a file: one line naming the folder and the variable it came from, not the model
+    (whose load the first compile is part of)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    monkeypatch.setenv(variable, str(tmp_path / "file" / "cache"))
+    with pytest.raises(BadInput, match=rf"^--compile: the compile cache {tmp_path}/file/cache\S* \(from \${variable}\) "
+                                       r"cannot be made \(Not a directory\); set TORCHINDUCTOR_CACHE_DIR"):
+        step_module.keep_compiled_code()
+
+
 def test_a_second_compile_of_a_shape_is_read_from_disk(monkeypatch, tmp_path):
     """After the in-process caches are dropped (as in a new process), the same shapes compile from the files
     the first compile left in the cache directory: Inductor's graph cache hits, and nothing is compiled

@@ -93,6 +93,32 @@ def test_a_closed_stdout_is_one_line(tool, tmp_path):
     assert one_line_error(p) == "error: standard output is closed; the output would be lost"
 
 
+def _read_only_stderr() -> None:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 2)
+
+
+@pytest.mark.parametrize("stderr", ["closed", "read-only"])
+def test_an_unusable_stderr_leaves_the_output_and_the_status_as_they_are(ckpt, inputs, stderr):
+    """Started with stderr closed (`2>&-`: Python's sys.stderr is None, and a print to it writes to stdout) or
+    open for reading only (a shell wrapper's own script): the answers alone on stdout, status 0; a bad input
+    is status 2 with nothing on stdout; the --json summary and every message go nowhere."""
+    preexec = (lambda: os.close(2)) if stderr == "closed" else _read_only_stderr
+    ok = run_tool("generate", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2",
+                  "--json", preexec=preexec, stdout=subprocess.PIPE)
+    answers = [json.loads(line) for line in ok.stdout.splitlines()]
+    assert ok.returncode == 0 and answers and all("question" in a for a in answers), ok.stdout
+    bad = run_tool("generate", "--model", ckpt, "--doc", "/nonexistent/doc.txt", "--questions", inputs["questions"],
+                   preexec=preexec, stdout=subprocess.PIPE)
+    assert (bad.returncode, bad.stdout) == (2, "")
+
+
+def test_a_local_rank_that_is_no_gpu_index_is_one_line(ckpt, inputs):
+    p = run_tool("generate", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                 "--device", "cuda", env={"LOCAL_RANK": "xyz"})
+    assert one_line_error(p).startswith("error: LOCAL_RANK='xyz' in the environment: the index of this rank's GPU")
+
+
 def test_a_closed_stdin_is_one_line(ckpt, inputs):
     p = run_tool("generate", "--model", ckpt, "--doc", "-", "--questions", inputs["questions"],
                  preexec=lambda: os.close(0))

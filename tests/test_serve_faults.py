@@ -216,9 +216,19 @@ def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
     (["--compile", "--plain-kernels"], "--compile takes the batch-invariant kernels"),
+    # what the environment gives, refused before the model loads, not at every request (HTTP 500s)
+    (["MINILLAMA_CPU_GEMM=garbage"], "MINILLAMA_CPU_GEMM='garbage': expected one of auto, onednn, mm"),
+    (["MINILLAMA_CPU_16BIT=xyz"], "MINILLAMA_CPU_16BIT='xyz': expected one of auto, native, float32"),
+    (["--device", "cuda", "LOCAL_RANK=xyz"], "LOCAL_RANK='xyz' in the environment: the index of this rank's GPU"),
+    # keys no client could send ('Authorization' is latin-1 with its ends stripped): refused, not 401 to all
+    (["MINILLAMA_API_KEY=  "], "$MINILLAMA_API_KEY: a key no client could send"),
+    (["--api-key", " sesame"], "--api-key: a key no client could send"),
+    (["--api-key", "\u043a\u043b\u044e\u0447"], "--api-key: a key no client could send"),
 ])
 def test_bad_command_lines_are_one_line_errors(args, says):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.update(a.split("=", 1) for a in args if "=" in a and a[0].isupper())
+    args = [a for a in args if not ("=" in a and a[0].isupper())]
     p = subprocess.run([sys.executable, "-m", "minillama", "serve", *args], capture_output=True, text=True,
                        cwd=ROOT, env=env, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr

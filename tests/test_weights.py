@@ -609,6 +609,9 @@ def test_weights_dir_follows_the_environment(tmp_path, monkeypatch):
     assert weights.default_model_dir() == tmp_path / "smollm2-135m-instruct"
     monkeypatch.delenv("MINILLAMA_WEIGHTS_DIR")
     assert weights.weights_dir() == Path(weights.__file__).resolve().parents[2] / "weights"
+    for blank in ("", "  ", "\t"):  # no folder: as unset, not a folder named by spaces in the working directory
+        monkeypatch.setenv("MINILLAMA_WEIGHTS_DIR", blank)
+        assert weights.weights_dir() == Path(weights.__file__).resolve().parents[2] / "weights"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from ..cli import DEFAULT_MAX_MEMORY_MB, add_model_options, load_checkpoint
-from ..errors import BadInput, OneLineParser, check_device, run_command
+from ..errors import BadInput, OneLineParser, check_cpu_env, check_device, run_command
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -76,11 +76,24 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
     if not (args.drain >= 0) or math.isinf(args.drain):
         raise BadInput(f"--drain must be a number of seconds >= 0, got {args.drain}")
-    if args.api_key is not None and not args.api_key:
-        raise BadInput("--api-key must not be empty")
+    check_api_key(args.api_key, "--api-key")
+    check_api_key(os.environ.get(API_KEY_ENV) if args.api_key is None else None, f"${API_KEY_ENV}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise BadInput("--served-model-name must not be empty")
     check_device(args.device)
+    check_cpu_env()
+
+
+def check_api_key(key: str | None, source: str) -> None:
+    """A key a client can send: 'Authorization: Bearer KEY' is read as latin-1 with its ends stripped, so a
+    blank key, one with spaces at its ends or one past printable ASCII would refuse every client."""
+    if key is None or (key == "" and source.startswith("$")):  # an empty variable: no key, as unset
+        return
+    if not key:
+        raise BadInput(f"{source} must not be empty")
+    if key != key.strip() or not all(" " <= c <= "~" for c in key):
+        raise BadInput(f"{source}: a key no client could send (blank, spaces at its ends, or a character past "
+                       "printable ASCII); use printable ASCII characters")
 
 
 def bind(host: str, port: int) -> socket.socket:

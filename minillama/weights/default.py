@@ -38,7 +38,7 @@ def weights_dir() -> Path:
     a source checkout (a pyproject.toml beside the package); else the user's cache directory,
     $XDG_CACHE_HOME/minillama or ~/.cache/minillama (an installed package never writes beside itself)."""
     env = os.environ.get("MINILLAMA_WEIGHTS_DIR")
-    if env:
+    if env and env.strip():  # a blank value is no folder: as unset (the other MINILLAMA_ variables do the same)
         return Path(env).expanduser()
     root = Path(__file__).resolve().parents[2]  # minillama/weights/default.py -> the checkout
     if (root / "pyproject.toml").is_file():
