@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,6 +229,21 @@ BAD_GGUF = {  # tokenizer values, metadata written in place of the writer's, ext
                      "llama.attention.head_count must be an integer >= 1, got 0"),
     "freq_base a string": ("bpe", {}, {"llama.rope.freq_base": ("x", "STRING")}, {},
                            "llama.rope.freq_base must be a number, got 'x'"),
+    # a flag or type the file spells otherwise would change the prompt's tokens, not be refused
+    "add_bos_token a string": ("sp", {}, {"tokenizer.ggml.add_bos_token": ("false", "STRING")}, {},
+                               "tokenizer.ggml.add_bos_token must be a boolean, got 'false'"),
+    "gpt2 add_bos_token a string": ("bpe", {}, {"tokenizer.ggml.add_bos_token": ("false", "STRING")}, {},
+                                    "tokenizer.ggml.add_bos_token must be a boolean, got 'false'"),
+    "add_eos_token a string": ("sp", {}, {}, {"tokenizer.ggml.add_eos_token": "no"},
+                               "tokenizer.ggml.add_eos_token must be a boolean, got 'no'"),
+    "add_space_prefix a number": ("sp", {}, {}, {"tokenizer.ggml.add_space_prefix": 1},
+                                  "tokenizer.ggml.add_space_prefix must be a boolean, got 1"),
+    "gpt2 without merges": ("bpe", {"merges": None}, {}, {},
+                            "tokenizer.ggml.merges missing: a gpt2 (byte-level BPE) tokenizer needs its merges"),
+    "token types as strings": ("bpe", {"types": lambda t: [str(x) for x in t]}, {}, {},
+                               "tokenizer.ggml.token_type holds '3', not a token type (0 to 6)"),
+    "a token type past the last": ("sp", {"types": lambda t: t[:-1] + [99]}, {}, {},
+                                   "tokenizer.ggml.token_type holds 99, not a token type (0 to 6)"),
 }
 
 
@@ -235,7 +251,9 @@ def _bad_gguf(path: Path, gguf_values: dict, case: str) -> Path:
     from gguf import GGUFValueType
 
     kind, tok_change, values, extra, _ = BAD_GGUF[case]
-    tok = _sp_tok(**tok_change) if kind == "sp" else _bpe_tok(**tok_change)
+    tok = _sp_tok() if kind == "sp" else _bpe_tok()
+    tok.update({k: change(tok[k]) if callable(change) else change for k, change in tok_change.items()})
+    tok = {k: v for k, v in tok.items() if v is not None}  # None: the key left out
     gguf_values.update({k: (v, GGUFValueType[t]) for k, (v, t) in values.items()})
     config = tiny_config(vocab=len(tok["tokens"]))
     return write_gguf(path, config, random_state_dict(config), tok, extra=extra)
@@ -247,6 +265,37 @@ def test_every_bad_gguf_value_is_one_line_naming_the_key(tmp_path, gguf_values, 
     with pytest.raises(WeightsError) as e:
         load_model(path)
     assert _one_line(e, BAD_GGUF[case][-1]).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize("moved", ["misaligned", "a block on", "onto the first tensor"])
+def test_a_tensor_whose_data_is_not_where_the_ones_before_it_end_is_refused(tmp_path, moved):
+    """Each tensor's data follows the one before it, aligned; an offset anywhere else reads another tensor's
+    bytes or a gap as weights, which load and answer (llama.cpp refuses such a file): one line naming it."""
+    from gguf import GGUFReader
+
+    tok = _bpe_tok()
+    config = tiny_config(vocab=len(tok["tokens"]))
+    path = write_gguf(tmp_path / "m.gguf", config, random_state_dict(config), tok)
+    reader = GGUFReader(str(path), "r+")
+    t = reader.tensors[2]
+    place = int(t.field.parts[-1][0])
+    t.field.parts[-1][0] = {"misaligned": place + 4, "a block on": place + 32, "onto the first tensor": 0}[moved]
+    reader.data.flush()
+    del reader, t
+    with pytest.raises(WeightsError) as e:
+        load_model(path)
+    found = {"misaligned": place + 4, "a block on": place + 32, "onto the first tensor": 0}[moved]
+    assert _one_line(e, f"has offset {found}, expected {place}").startswith(f"{path}: corrupt GGUF file (tensor ")
+
+
+@pytest.mark.parametrize("factors", [np.ones(3), np.ones((2, 8))])
+def test_rope_freqs_of_another_shape_than_the_heads_pairs_is_one_line(tmp_path, factors):
+    tok = _bpe_tok()
+    config = tiny_config(vocab=len(tok["tokens"]))  # head dim 16: 8 pairs
+    path = write_gguf(tmp_path / "m.gguf", config, random_state_dict(config), tok, rope_freqs=factors)
+    with pytest.raises(WeightsError) as e:
+        load_model(path)
+    assert _one_line(e, f"rope_freqs.weight has shape {factors.shape}, expected (8,)").startswith(f"{path}: ")
 
 
 def test_the_cli_names_a_gguf_tokenizer_id_past_the_tokens(tmp_path, gguf_values, inputs, capsys):

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
 from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer
 from .spm import SentencePieceTokenizer, sentencepiece_proto
@@ -22,6 +24,10 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF file"
     if not all(isinstance(t, str) for t in tokens):
         raise TokenizerError(f"{source}: tokenizer.ggml.tokens must be a list of strings")
     types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
+    bad = next((t for t in types if not (_is_id(t) and t <= MAX_TOKEN_TYPE)), None)
+    if bad is not None:  # a string or unknown type would leave a special token ordinary text
+        raise TokenizerError(f"{source}: tokenizer.ggml.token_type holds {bad!r}, not a token type (0 to "
+                             f"{MAX_TOKEN_TYPE})")
     for key, values in (("token_type", types), ("scores", meta.get("tokenizer.ggml.scores"))):
         if values is not None and len(values) != len(tokens):
             raise TokenizerError(f"{source}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
@@ -45,15 +51,18 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
                     eos_ids: list[int], template: str | None) -> Tokenizer:
     if kind == "llama":
         proto = sentencepiece_proto(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
-                                    add_dummy_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+                                    add_dummy_prefix=_flag(meta, "add_space_prefix", True, source))
         try:
             return SentencePieceTokenizer(proto, bos_id=bos_id, eos_ids=eos_ids, chat_template=template,
-                                          add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
-                                          add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+                                          add_bos=_flag(meta, "add_bos_token", True, source),
+                                          add_eos=_flag(meta, "add_eos_token", False, source))
         except TokenizerError as e:
             raise TokenizerError(f"{source}: {e}") from None
     if kind == "gpt2":
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+        add_bos = _flag(meta, "add_bos_token", False, source)
+        if "tokenizer.ggml.merges" not in meta:  # without them every text would split byte by byte
+            raise TokenizerError(f"{source}: tokenizer.ggml.merges missing: a gpt2 (byte-level BPE) tokenizer "
+                                 "needs its merges")
         try:
             tok = byte_bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges") or [], types,
                                      meta.get("tokenizer.ggml.pre", "default"), bos_id=bos_id, add_bos=add_bos)
@@ -61,8 +70,19 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
             raise TokenizerError(f"{source}: {e}") from None
         return HFTokenizer(tok, bos_token=tokens[bos_id] if bos_id is not None else None,
                            extra_eos_ids=eos_ids, chat_template=template, add_bos=add_bos,
-                           add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+                           add_eos=_flag(meta, "add_eos_token", False, source))
     raise TokenizerError(f"{source}: unsupported tokenizer type {kind!r} (supported: llama, gpt2)")
+
+
+MAX_TOKEN_TYPE = 6  # GGUF token types: undefined, normal, unknown, control, user-defined, unused, byte
+
+
+def _flag(meta: dict[str, Any], key: str, default: bool, source: str) -> bool:
+    """A boolean field of `tokenizer.ggml.*`; TokenizerError for any other type ("false" is no False)."""
+    value = meta.get(f"tokenizer.ggml.{key}", default)
+    if not isinstance(value, (bool, np.bool_)):
+        raise TokenizerError(f"{source}: tokenizer.ggml.{key} must be a boolean, got {value!r}")
+    return bool(value)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -42,10 +42,15 @@ def open_gguf(path: str | Path) -> Any:
         reader = GGUFReader(str(p))
     except Exception as e:  # the reader raises ValueError/IndexError on truncated or corrupt files
         raise WeightsError(f"{p}: truncated or corrupt GGUF file ({e})") from None
+    expected = 0  # each tensor's data where the ones before it end, aligned: the rule llama.cpp loads by
     for t in reader.tensors:
         if t.data.nbytes != t.n_bytes:
             raise WeightsError(f"{p}: truncated GGUF file (tensor {t.name} has {t.data.nbytes} of "
                                f"{t.n_bytes} bytes)")
+        if t.data_offset - reader.data_offset != expected:  # else it reads another tensor's bytes, or a gap
+            raise WeightsError(f"{p}: corrupt GGUF file (tensor {t.name} has offset "
+                               f"{t.data_offset - reader.data_offset}, expected {expected})")
+        expected += -(-int(t.n_bytes) // reader.alignment) * reader.alignment
     return reader
 
 
@@ -166,6 +171,9 @@ def llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float
     pairs give the same factors, so the same model: one is taken with the band's frequency as far from
     either edge as its neighbours allow."""
     f = np.asarray(factors, dtype=np.float64)
+    if f.shape != (head_dim // 2,):  # one factor per rotated pair of dimensions
+        raise WeightsError(f"{source}: rope_freqs.weight has shape {tuple(f.shape)}, expected ({head_dim // 2},): "
+                           f"one factor per pair of the head's {head_dim} dimensions")
     factor, old = float(f.max()), 8192
     a = old / (2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     band = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
@@ -198,7 +206,7 @@ def _rope_factors(reader: Any) -> np.ndarray | None:
     from gguf.quants import dequantize
 
     t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    return None if t is None else dequantize(t.data, t.tensor_type).reshape(-1)
+    return None if t is None else dequantize(t.data, t.tensor_type).reshape(_shape(t))
 
 
 def _checked_gguf_config(meta: dict[str, Any], names: set[str], source: str | Path, reader: Any) -> LlamaConfig:
