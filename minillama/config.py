@@ -121,6 +121,7 @@ class LlamaConfig:
         _count("dim", dim, 1)
         _count("n_layers", p["n_layers"], 1, MAX_LAYERS)
         _count("n_heads", n_heads, 1)
+        _count("n_kv_heads", p.get("n_kv_heads"), 1, optional=True)  # null or absent: n_heads (no GQA)
         hidden = int(2 * (4 * dim) / 3)  # Meta's FeedForward sizing rule
         if p.get("ffn_dim_multiplier") is not None:
             _positive("ffn_dim_multiplier", p["ffn_dim_multiplier"])
@@ -148,7 +149,7 @@ class LlamaConfig:
         return cls(
             vocab_size=vocab, hidden_size=dim, intermediate_size=hidden,
             num_hidden_layers=p["n_layers"], num_attention_heads=n_heads,
-            num_key_value_heads=p.get("n_kv_heads") or n_heads,
+            num_key_value_heads=n_heads if p.get("n_kv_heads") is None else p["n_kv_heads"],
             rms_norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 10000.0),
             rope_scaling=scaling, max_position_embeddings=p.get("max_seq_len", 4096),
         )

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ckpt_writers import (byte_bpe_tokenizer, gguf_tokenizer_metadata, random_state_dict,  # noqa: E402
                            sentencepiece_model, sp_gguf_tokenizer_metadata, tiny_config, write_gguf,
                            write_meta_dir)
-from _faults import ckpt, inputs, one_line_error  # noqa: E402,F401  (fixtures)
+from _faults import ckpt, inputs, one_line_error, run_tool  # noqa: E402,F401  (fixtures)
 from minillama import cli  # noqa: E402
 from minillama.weights import WeightsError, load_model  # noqa: E402
 
@@ -69,6 +69,8 @@ BAD_PARAMS = {
     "no n_layers": ({"n_layers": DROP}, "missing n_layers"),
     "dim a string": ({"dim": "64"}, "dim must be an integer, got '64'"),
     "n_heads a float": ({"n_heads": 4.0}, ": n_heads must be an integer, got 4.0"),
+    # 0 read as unset (n_heads), and k_proj's shape was blamed
+    "n_kv_heads 0": ({"n_kv_heads": 0}, ": n_kv_heads must be in 1 .. 2147483647, got 0"),
     "vocab_size a string": ({"vocab_size": "abc"}, "vocab_size must be an integer (-1: the tokenizer's), got 'abc'"),
     # "false" as a string was true: Llama 3's RoPE scaling on a model that has none
     "use_scaled_rope a string": ({"use_scaled_rope": "false"}, 'use_scaled_rope must be true or false, got "false"'),
@@ -116,6 +118,64 @@ def test_the_cli_names_a_bad_meta_shard_and_a_bad_params_field(meta_dir, tmp_pat
     d = _meta_copy(meta_dir, tmp_path / "b")
     (d / "params.json").write_text(json.dumps({**json.loads((d / "params.json").read_text()), "multiple_of": 0}))
     assert "params.json: multiple_of must be in 1 .." in _cli_error(capsys, d, inputs)
+
+
+@pytest.fixture(scope="module")
+def meta_dir2(tmp_path_factory) -> Path:
+    config = tiny_config(vocab=512)
+    return write_meta_dir(tmp_path_factory.mktemp("m2") / "meta", config, random_state_dict(config),
+                          sentencepiece_model(), shards=2)
+
+
+WQ = "layers.0.attention.wq.weight"
+# shards (the change is to the last) -> {key: tensor, or None to drop}, and the line after the file's name.
+# The Q/K rows were permuted before the shapes were checked (a traceback from reshape), and torch.cat joined
+# the shards' pieces unchecked; past shard 0, tensors only there were dropped and replicated ones never read.
+BAD_META_TENSORS = {
+    "wq 63 rows": (1, {WQ: torch.zeros(63, 64)}, "tensor model.layers.0.self_attn.q_proj.weight has shape "
+                   "(63, 64) but the config implies (64, 64) (config and weights do not match)"),
+    "wq 8 rows": (1, {WQ: torch.zeros(8, 64)}, "tensor model.layers.0.self_attn.q_proj.weight has shape (8, 64) "
+                  "but the config implies (64, 64) (config and weights do not match)"),
+    "wq a scalar": (1, {WQ: torch.tensor(1.0)}, "tensor model.layers.0.self_attn.q_proj.weight has shape () but "
+                    "the config implies (64, 64) (config and weights do not match)"),
+    "pieces that do not join": (2, {WQ: torch.zeros(32, 65)}, f"tensor {WQ!r} has shape (32, 65), which does not "
+                                "join consolidated.00.pth's (32, 64) along dimension 0"),
+    "a 1-D piece of a 2-D tensor": (2, {WQ: torch.zeros(64)}, f"tensor {WQ!r} has shape (64,), which does not "
+                                    "join consolidated.00.pth's (32, 64) along dimension 0"),
+    "a tensor only in shard 1": (2, {"layers.0.attention.bogus": torch.zeros(4)}, "tensor "
+                                 "'layers.0.attention.bogus' is not in consolidated.00.pth (every shard holds every "
+                                 "tensor)"),
+    "a tensor missing from shard 1": (2, {"norm.weight": None}, "tensor 'norm.weight' is missing "
+                                      "(consolidated.00.pth holds it)"),
+    "a norm's shape in shard 1": (2, {"norm.weight": torch.ones(65)}, "tensor 'norm.weight' has shape (65,) but "
+                                  "consolidated.00.pth holds it with shape (64,) (a replicated tensor is the same "
+                                  "in every shard)"),
+    "a norm's values in shard 1": (2, {"norm.weight": torch.full((64,), 2.0)}, "tensor 'norm.weight' differs from "
+                                   "consolidated.00.pth's copy (a replicated tensor is the same in every shard)"),
+}
+
+
+def _bad_meta(meta_dirs: tuple[Path, Path], tmp_path: Path, case: str) -> tuple[Path, str]:
+    """A copy of the one- or two-shard directory with the case's change, and the line its loading must raise."""
+    shards, change, line = BAD_META_TENSORS[case]
+    d = _meta_copy(meta_dirs[shards - 1], tmp_path)
+    f = d / f"consolidated.{shards - 1:02d}.pth"
+    part = {**torch.load(f, weights_only=True), **change}
+    torch.save({k: v for k, v in part.items() if v is not None}, f)
+    return d, f"{d if 'config' in line else f}: {line}"
+
+
+@pytest.mark.parametrize("case", list(BAD_META_TENSORS))
+def test_a_bad_or_disagreeing_meta_shard_tensor_is_one_line_naming_it(meta_dir, meta_dir2, tmp_path, case):
+    d, line = _bad_meta((meta_dir, meta_dir2), tmp_path, case)
+    with pytest.raises(WeightsError) as e:
+        load_model(d)
+    assert _one_line(e) == line
+
+
+def test_weights_info_names_disagreeing_meta_shards(meta_dir, meta_dir2, tmp_path):
+    d, line = _bad_meta((meta_dir, meta_dir2), tmp_path, "a norm's shape in shard 1")
+    assert one_line_error(run_tool("weights", "info", d)) == f"error: {line}"
 
 
 # --- config.json: the family's fields and every rope_scaling field, by type, at load ------------------------

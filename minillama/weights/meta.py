@@ -34,11 +34,12 @@ def _read_meta_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, 
         name = map_name(key, META_NAMES, d)
         if name is None:
             continue
-        cut = (slices or {}).get(name)
-        if cut is not None and _shape(pieces, axis) != want.get(name):  # the whole shape, before it is cut
+        if name not in want:
+            raise WeightsError(f"{d}: unexpected tensor {name!r} for this config")
+        if _shape(pieces, axis) != want[name]:  # the whole shape, before it is cut or its Q/K rows permuted
             raise WeightsError(f"{d}: tensor {name} has shape {_shape(pieces, axis)} but the config implies "
-                               f"{want.get(name)} (config and weights do not match)")
-        sd[name] = _unpermute_qk(name, _part(pieces, axis, cut), config)
+                               f"{want[name]} (config and weights do not match)")
+        sd[name] = _unpermute_qk(name, _part(pieces, axis, (slices or {}).get(name)), config)
     check_state_dict(config, sd, d, slices)
     return config, sd
 
@@ -68,15 +69,27 @@ def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Ten
         raise WeightsError(f"{d / 'params.json'}: must be a JSON object, got a {type(params).__name__}")
     dim = params.get("dim")
     raw: dict[str, tuple[list[torch.Tensor], int | None]] = {}  # each tensor's pieces and the axis joining them
+    for f, part in zip(shards[1:], parts[1:]):  # every shard holds a part (or a copy) of every tensor
+        key = next((k for k in parts[0] if k not in part), None)
+        if key is not None:
+            raise WeightsError(f"{f}: tensor {key!r} is missing ({shards[0].name} holds it)")
+        key = next((k for k in part if k not in parts[0]), None)
+        if key is not None:
+            raise WeightsError(f"{f}: tensor {key!r} is not in {shards[0].name} (every shard holds every tensor)")
     for key in parts[0]:
-        if any(key not in p for p in parts):
-            raise WeightsError(f"{d}: tensor {key!r} is missing from some shards")
         pieces = [p[key] for p in parts]
         if len(pieces) == 1 or pieces[0].dim() < 2:
+            _check_copies(key, pieces, shards)
             raw[key] = ([pieces[0]], None)
             continue
         kind = key.split(".")[-2]
-        raw[key] = (pieces, 0 if kind == "tok_embeddings" and pieces[0].shape[1] == dim else META_SPLIT_DIM.get(kind, 1))
+        axis = 0 if kind == "tok_embeddings" and pieces[0].shape[1] == dim else META_SPLIT_DIM.get(kind, 1)
+        for f, p in zip(shards[1:], pieces[1:]):
+            if p.dim() != pieces[0].dim() or any(a != b for i, (a, b) in enumerate(zip(p.shape, pieces[0].shape))
+                                                 if i != axis):
+                raise WeightsError(f"{f}: tensor {key!r} has shape {tuple(p.shape)}, which does not join "
+                                   f"{shards[0].name}'s {tuple(pieces[0].shape)} along dimension {axis}")
+        raw[key] = (pieces, axis)
     vocab = _shape(*raw["tok_embeddings.weight"])[0] if "tok_embeddings.weight" in raw else None
     try:
         config = LlamaConfig.from_meta_params(d / "params.json", vocab_size=vocab)
@@ -102,6 +115,20 @@ def _check_shard(f: Path, part: object) -> None:
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             raise WeightsError(f"{f}: not a Meta checkpoint (a dict of tensor names to tensors): it maps "
                                f"{repr(key)[:80]} to a value of type {type(value).__name__}")
+
+
+def _check_copies(key: str, pieces: list[torch.Tensor], shards: list[Path]) -> None:
+    """WeightsError naming the shard unless a replicated tensor (a norm, rope.freqs) is the same in every shard:
+    only shard 0's copy is read."""
+    first = pieces[0]
+    for f, p in zip(shards[1:], pieces[1:]):
+        if p.shape != first.shape:
+            raise WeightsError(f"{f}: tensor {key!r} has shape {tuple(p.shape)} but {shards[0].name} holds it "
+                               f"with shape {tuple(first.shape)} (a replicated tensor is the same in every shard)")
+        if p.dtype != first.dtype or not torch.equal(p.reshape(-1).view(torch.uint8),
+                                                     first.reshape(-1).view(torch.uint8)):  # bits: NaN too
+            raise WeightsError(f"{f}: tensor {key!r} differs from {shards[0].name}'s copy (a replicated tensor "
+                               "is the same in every shard)")
 
 
 def _shape(pieces: list[torch.Tensor], axis: int | None) -> tuple[int, ...]:
