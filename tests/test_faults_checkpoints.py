@@ -224,6 +224,24 @@ def test_every_bad_family_or_rope_field_is_refused_at_load_naming_it(ckpt, tmp_p
     assert _one_line(e, word).startswith(f"{d / 'config.json'}: ")
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+@pytest.mark.parametrize("kind, says", [("fifo", "a fifo (named pipe)"), ("device", "a device"),
+                                        ("directory", "a directory"), ("loop", "a symlink loop"),
+                                        ("dangling", "a symlink to nothing (no such file or directory)")])
+def test_a_file_of_a_checkpoint_that_is_no_regular_file_is_named(ckpt, tmp_path, name, kind, says):
+    """A fifo would block the read for ever, a device (/dev/zero) never end; a directory, a loop or a link to
+    nothing read as a missing shard or no checkpoint at all. Each: one line naming the file and what it is."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt, d)
+    f = d / name
+    f.unlink()
+    {"fifo": lambda: os.mkfifo(f), "device": lambda: f.symlink_to("/dev/zero"), "directory": f.mkdir,
+     "loop": lambda: f.symlink_to(f), "dangling": lambda: f.symlink_to(d / "nothing")}[kind]()
+    with pytest.raises(WeightsError) as e:
+        load_model(d)
+    assert str(e.value) == f"{f}: {says}, where a file belongs"
+
+
 def test_a_window_past_the_context_is_no_window(ckpt, tmp_path):
     import minillama
 
@@ -376,10 +394,11 @@ def test_an_unreadable_chat_template_jinja_is_one_line_naming_it(ckpt, tmp_path,
         (d / "chat_template.jinja").mkdir()
     else:
         (d / "chat_template.jinja").write_bytes(content)
+    says = "not a readable UTF-8 file" if content is not None else "a directory, where a file belongs"
     with pytest.raises(WeightsError) as e:
         load_model(d)
-    assert _one_line(e).startswith(f"{d / 'chat_template.jinja'}: not a readable UTF-8 file")
-    assert "chat_template.jinja: not a readable UTF-8 file" in _cli_error(capsys, d, inputs)
+    assert _one_line(e).startswith(f"{d / 'chat_template.jinja'}: {says}")
+    assert f"chat_template.jinja: {says}" in _cli_error(capsys, d, inputs)
 
 
 # --- paths that are not checkpoints: an empty path, a fifo, a symlink loop ---------------------------------

@@ -40,12 +40,37 @@ def detect_format(path: str | Path) -> str:
             raise WeightsError(f"{p}: bad magic {magic!r}, not a GGUF file")
         raise WeightsError(f"{p}: not a checkpoint (expected a .gguf file or a directory)")
     if p.is_dir():
+        _check_entries(p)
         if (p / "config.json").exists():
             return "hf"
         if (p / "params.json").exists():
             return "meta"
         raise WeightsError(f"{p}: neither an HF directory (config.json) nor a Meta directory (params.json)")
     raise WeightsError(f"{p}: {_not_a_file(p)}")
+
+
+# The files of a checkpoint directory minillama reads (an HF or Meta one, and its tokenizer's), by name or suffix
+READ_NAMES = {"config.json", "params.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "tokenizer.model",
+              "model.safetensors.index.json"}
+READ_SUFFIXES = (".safetensors", ".pth")
+
+
+def _check_entries(d: Path) -> None:
+    """WeightsError naming the first file of `d` minillama would read that is no regular file: a fifo would
+    block the read for ever, a device (`/dev/zero`) never end, a directory, a loop or a dangling link would be
+    reported as some other fault."""
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:  # unreadable: the reader that fails names it
+        return
+    for name in names:
+        if name in READ_NAMES or name.endswith(READ_SUFFIXES):
+            f = d / name
+            if f.is_dir():
+                raise WeightsError(f"{f}: a directory, where a file belongs")
+            if not f.is_file():
+                raise WeightsError(f"{f}: {_not_a_file(f).split(', not a checkpoint')[0]}, where a file belongs")
 
 
 def _not_a_file(p: Path) -> str:
