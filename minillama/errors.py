@@ -100,6 +100,14 @@ def check_device(device: str, option: str = "--device") -> None:
         raise BadInput(f"{option} {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """Python's MemoryError, torch's (a GPU's) OutOfMemoryError, or its CPU allocator's refusal."""
+    torch = sys.modules.get("torch")  # not imported: no torch allocation can have failed
+    return (isinstance(e, MemoryError)
+            or (torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ())))
+            or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
+
+
 def check_cpu_env() -> None:
     """The CPU's variables (MINILLAMA_CPU_16BIT, MINILLAMA_CPU_GEMM) read once, before anything slow: BadInput
     naming the one that is wrong, rather than the first product's error (a server's every request)."""
@@ -214,6 +222,10 @@ def report(e: BaseException) -> int | None:
     if isinstance(e, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)
         return 130
+    if _out_of_memory(e):  # the machine's refusal, as a full disk is: what ran out, in one line
+        print(f"error: out of memory ({one_line((str(e).splitlines() or [type(e).__name__])[0])[:300]}); "
+              "free memory, or ask for less (a smaller model, shorter input, fewer questions at once)", file=sys.stderr)
+        return 2
     if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
         if e.filename is None:  # a write to stdout failed: Python would fail again at exit
             _stdout_to_devnull()

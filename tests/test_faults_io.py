@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -198,6 +199,9 @@ def _raiser(e: BaseException):
     return raise_it
 
 
+OUT_OF_MEMORY = "free memory, or ask for less (a smaller model, shorter input, fewer questions at once)"
+
+
 @pytest.mark.parametrize("exc,code,stderr", [
     (errors.BadInput("bad value"), 2, "error: bad value\n"),
     (WeightsError("x.gguf: corrupt\nfile"), 2, "error: x.gguf: corrupt file\n"),
@@ -206,6 +210,13 @@ def _raiser(e: BaseException):
     (PermissionError(13, "Permission denied", "/ro/file"), 2, "error: /ro/file: Permission denied\n"),
     (KeyboardInterrupt(), 130, "interrupted\n"),
     (BrokenPipeError(), 141, ""),
+    (MemoryError(), 2, f"error: out of memory (MemoryError); {OUT_OF_MEMORY}\n"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 17179869184 bytes. Error code 12 (Cannot allocate memory)"), 2,
+     "error: out of memory ([enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+     f"you tried to allocate 17179869184 bytes. Error code 12 (Cannot allocate memory)); {OUT_OF_MEMORY}\n"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"), 2,
+     f"error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB); {OUT_OF_MEMORY}\n"),
 ])
 def test_every_tool_maps_errors_to_the_same_exit_status(monkeypatch, capsys, exc, code, stderr):
     for name, main in _tool_bodies(monkeypatch)(_raiser(exc)).items():
