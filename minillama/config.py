@@ -100,6 +100,8 @@ class LlamaConfig:
         out = {k: v for k, v in d.items() if k in names}
         # transformers 5 writes RoPE settings as one `rope_parameters` dict (theta included).
         rope = d.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):  # else its theta and scaling would go unread
+            raise ValueError(f"rope_parameters must be an object or null, got {rope!r}")
         if isinstance(rope, dict):
             if "rope_theta" in rope:
                 out["rope_theta"] = rope["rope_theta"]

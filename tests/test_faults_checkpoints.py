@@ -184,6 +184,8 @@ QWEN_WINDOW = {"model_type": "qwen2", "use_sliding_window": True, "sliding_windo
 YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
 BAD_HF = {
     "model_type a list": ({"model_type": ["llama"]}, "unsupported model_type ['llama']"),
+    "rope_parameters a list": ({"rope_parameters": [{"rope_theta": 5.0}]}, "rope_parameters must be an object or null"),
+    "rope_parameters a string": ({"rope_parameters": "llama3"}, "rope_parameters must be an object or null, got 'llama3'"),
     "layer_types of objects": ({**QWEN_WINDOW, "layer_types": [{"a": 1}]}, "layer_types must be a list of"),
     "layer_types a number": ({**QWEN_WINDOW, "layer_types": 5}, "layer_types must be a list of"),
     "max_window_layers a string": ({**QWEN_WINDOW, "max_window_layers": "x"}, "max_window_layers must be an integer"),
