@@ -100,7 +100,7 @@ def check_device(device: str, option: str = "--device") -> None:
         raise BadInput(f"{option} {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
 
 
-def _out_of_memory(e: BaseException) -> bool:
+def out_of_memory(e: BaseException) -> bool:
     """Python's MemoryError, torch's (a GPU's) OutOfMemoryError, or its CPU allocator's refusal."""
     torch = sys.modules.get("torch")  # not imported: no torch allocation can have failed
     return (isinstance(e, MemoryError)
@@ -222,7 +222,7 @@ def report(e: BaseException) -> int | None:
     if isinstance(e, KeyboardInterrupt):
         print("interrupted", file=sys.stderr)
         return 130
-    if _out_of_memory(e):  # the machine's refusal, as a full disk is: what ran out, in one line
+    if out_of_memory(e):  # the machine's refusal, as a full disk is: what ran out, in one line
         print(f"error: out of memory ({one_line((str(e).splitlines() or [type(e).__name__])[0])[:300]}); "
               "free memory, or ask for less (a smaller model, shorter input, fewer questions at once)", file=sys.stderr)
         return 2

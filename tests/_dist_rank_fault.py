@@ -1,13 +1,14 @@
 """`minillama generate ARGS` with a fault planted in rank 1's third forward pass only, as a device of its own
 would meet it (tests/test_distributed.py): `python tests/_dist_rank_fault.py KIND generate ...` under torchrun,
 or with --procs (whose ranks import this file again, so they are planted too). KIND: "bug" (a RuntimeError),
-"refusal" (a one-line error) or "hang" (rank 1 stops answering)."""
+"refusal" (a one-line error), "oom" (torch's OutOfMemoryError) or "hang" (rank 1 stops answering)."""
 
 import os
 import sys
 import time
 
 import minillama  # noqa: F401
+import torch
 from minillama.errors import OneLineError
 from minillama.model import Llama
 
@@ -22,7 +23,8 @@ def planted(self, *args, **kwargs):
     if os.environ.get("RANK") == "1" and calls == 3:
         if KIND == "hang":
             time.sleep(3600)
-        raise (OneLineError if KIND == "refusal" else RuntimeError)("planted: rank 1's device is out of memory")
+        kind = {"refusal": OneLineError, "oom": torch.OutOfMemoryError}.get(KIND, RuntimeError)
+        raise kind("planted: rank 1's device is out of memory")
     return forward(self, *args, **kwargs)
 
 

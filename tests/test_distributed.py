@@ -323,8 +323,8 @@ def test_an_error_in_a_tensor_parallel_group_keeps_its_last_answer(ckpt, tmp_pat
     assert one.stdout.count("\n") > 4 and four.stdout == one.stdout
 
 
-@pytest.mark.parametrize("kind, launcher", [("bug", "procs"), ("refusal", "procs"), ("bug", "torchrun"),
-                                           ("hang", "procs")])
+@pytest.mark.parametrize("kind, launcher", [("bug", "procs"), ("refusal", "procs"), ("oom", "procs"),
+                                           ("bug", "torchrun"), ("hang", "procs")])
 def test_an_error_one_tensor_parallel_rank_alone_meets_ends_the_run_at_once(ckpt, jobs, kind, launcher):
     """--tp 2, one data-parallel group: rank 1 alone fails in its third forward pass (its own device out of
     memory, say) while rank 0 waits on it in a collective, with no thread that could hear a report. Rank 1 says
@@ -344,7 +344,8 @@ def test_an_error_one_tensor_parallel_rank_alone_meets_ends_the_run_at_once(ckpt
         assert len(said) == 1 and said[0].startswith("error: lost contact with another rank in a collective ("), said
         assert said[0].endswith("; the answers written so far are complete"), said
         return
-    assert said == ["error: rank 1: planted: rank 1's device is out of memory"], p.stderr[-3000:]
+    planted = "planted: rank 1's device is out of memory"
+    assert said == [f"error: rank 1: {f'out of memory ({planted})' if kind == 'oom' else planted}"], p.stderr[-3000:]
     assert ("Traceback" in p.stderr) == (kind == "bug"), p.stderr[-3000:]
     assert p.returncode == (1 if kind == "bug" or launcher == "torchrun" else 2), p.stderr[-3000:]
     if launcher == "procs":
