@@ -383,6 +383,21 @@ def test_gguf_metadata_of_the_wrong_type_is_one_line():
         weights._checked_gguf_config(meta, set(), "x.gguf", SimpleNamespace(tensors=[]))
 
 
+@pytest.mark.parametrize("missing", ["llama.context_length", "llama.block_count", "llama.embedding_length"])
+def test_gguf_metadata_without_a_required_key_is_one_line(missing):
+    """A context length left out is not taken as some default (llama.cpp refuses such a file too)."""
+    from types import SimpleNamespace
+
+    from minillama.weights import gguf as weights
+
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+            "llama.block_count": 2, "llama.context_length": 512}
+    del meta[missing]
+    with pytest.raises(WeightsError, match=r"^x\.gguf: incomplete llama metadata \(embedding_length, "
+                                           r"attention\.head_count, block_count and context_length are required"):
+        weights._checked_gguf_config(meta, set(), "x.gguf", SimpleNamespace(tensors=[]))
+
+
 @pytest.mark.parametrize("option", [["--stop", "\udcff"], ["--system", "be \udce9brief"]])
 def test_arguments_that_are_not_utf8_are_one_line(ckpt, inputs, capsys, option):
     # Python hands undecodable argv bytes over as lone surrogates.

@@ -83,9 +83,9 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path
     if key("expert_count", 0):
         raise WeightsError(f"{source}: mixture-of-experts {arch} ({arch}.expert_count) is not supported")
     hidden, heads = count("embedding_length"), count("attention.head_count")
-    if hidden is None or heads is None or key("block_count") is None:
-        raise WeightsError(f"{source}: incomplete llama metadata (embedding_length, attention.head_count, "
-                           "block_count are required)")
+    if hidden is None or heads is None or key("block_count") is None or key("context_length") is None:
+        raise WeightsError(f"{source}: incomplete {arch} metadata (embedding_length, attention.head_count, "
+                           "block_count and context_length are required, as llama.cpp requires them)")
     head_dim = count("attention.key_length") or hidden // heads
     if count("rope.dimension_count", head_dim) != head_dim:
         raise WeightsError(f"{source}: {arch}.rope.dimension_count {key('rope.dimension_count')} is not the head "
