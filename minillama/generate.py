@@ -288,6 +288,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs), ("prefill_chunk", prefill_chunk)):
         if v is not None and (not options.is_int(v) or v < 1):
             raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")  # else answers come back empty
+    for name, f in (("on_token", on_token), ("on_answer", on_answer)):
+        if f is not None and not callable(f):  # else it fails after the prefill, naming neither
+            raise TypeError(f"{name} must be a function or None, got {f!r}")
     prompts, docs, streams = _checked(model, prompts, params, docs, streams, stats, eos_ids)
     if not prompts:
         return []

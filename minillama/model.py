@@ -206,7 +206,9 @@ class Llama(nn.Module):
 
     @invariant.setter
     def invariant(self, on: bool) -> None:
-        self.kernels.invariant = bool(on)
+        if not isinstance(on, bool):  # "False" or [0] would read as True
+            raise TypeError(f"invariant must be True or False, got {on!r}")
+        self.kernels.invariant = on
 
     @property
     def units(self) -> int:
@@ -272,6 +274,7 @@ class Llama(nn.Module):
         if n and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
+        self._check_pass(tokens, positions, segments, cache, logits_rows)
 
         bound = self.tiles.attention.at_once
         if self.steps.compiled and bound and n > 1 and self.at_once_bytes(positions) > bound:
@@ -279,6 +282,28 @@ class Llama(nn.Module):
         step = self.lay_out(cache, tokens, positions.cpu(), segments.cpu(), logits_rows,
                             buckets=self.steps.bucketed(self.device), at_once=self.steps.compiled)
         return self.steps.run(self.run_step, cache, step)
+
+    def _check_pass(self, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cache: KVCache,
+                    logits_rows: torch.Tensor | None) -> None:
+        """What a pass would fail on, or get wrong, once the cache has given its tokens slots: refused before it
+        has (ValueError, TypeError). Token ids are checked where they are on the host (ids on a device would
+        be read back, a wait the pass is laid out without)."""
+        given = (("tokens", tokens), ("positions", positions), ("segments", segments), ("logits_rows", logits_rows))
+        for name, t in given:
+            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+                raise TypeError(f"{name} must be integers, got {t.dtype}")
+        vocab, n = self.config.vocab_size, tokens.shape[0]
+        if n and tokens.device.type == "cpu" and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+            bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
+        if logits_rows is not None and logits_rows.numel() and not 0 <= int(logits_rows.min()) <= \
+                int(logits_rows.max()) < n:
+            raise ValueError(f"logits_rows must be rows of this pass, 0 .. {n - 1}, got {logits_rows.tolist()}")
+        mine = KVCache.shape(self.config, cache.k.shape[2], self.model.layers[0].self_attn.n_kv) \
+            if len(self.model.layers) else tuple(cache.k.shape)
+        if tuple(cache.k.shape) != mine or cache.k.dtype != self.dtype:
+            raise ValueError(f"this cache (layers, KV heads, slots, head dim {tuple(cache.k.shape)}, {cache.k.dtype}) "
+                             f"is not this model's ({mine}, {self.dtype}): make one with model.new_cache()")
 
     def at_once_bytes(self, positions: torch.Tensor) -> int:
         """An estimate of the bytes attention holds in a pass of tokens at these positions where every item is

@@ -123,6 +123,9 @@ def test_bad_requests(model):
         generate(model, [[1, 2], []])
     with pytest.raises(ValueError, match="context is 2048"):
         generate(model, [[3] * 2048])
+    for name in ("on_token", "on_answer"):  # at the call, not after the prefill in words naming neither
+        with pytest.raises(TypeError, match=f"^{name} must be a function or None, got 3$"):
+            generate(model, [[1, 2]], **{name: 3})
 
 
 @pytest.mark.parametrize("mode", ["parallel", "independent", "seqbatch"])

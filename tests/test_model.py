@@ -146,3 +146,53 @@ def test_more_units_than_mlp_features_leave_a_unit_empty_and_keep_parity(interme
         alone = generate(model, prompts, params, mode="independent")
         packed = generate(model, prompts, params, mode="parallel")
         assert all(torch.equal(torch.stack(a.logits), torch.stack(b.logits)) for a, b in zip(alone, packed))
+
+
+BAD_PASSES = {  # what the pass is given instead, and what it is refused with, before the cache gives it slots
+    "a token past the vocabulary": ({"tokens": torch.tensor([5, 61, 7])}, "token id 61 is outside the vocabulary"),
+    "a negative token": ({"tokens": torch.tensor([5, -1, 7])}, "token id -1 is outside the vocabulary"),
+    "float tokens": ({"tokens": torch.tensor([5.0, 6.0, 7.0])}, "tokens must be integers, got torch.float32"),
+    "float positions": ({"positions": torch.arange(3, 6).float()}, "positions must be integers"),
+    "bool segments": ({"segments": torch.ones(3, dtype=torch.bool)}, "segments must be integers, got torch.bool"),
+    "a logits row past the pass": ({"logits_rows": torch.tensor([3])}, r"logits_rows must be rows of this pass, 0 \.\. 2"),
+    "a negative logits row": ({"logits_rows": torch.tensor([-1])}, "logits_rows must be rows of this pass"),
+    "a cache of another dtype": ({"cache": "float64"}, "is not this model's"),
+    "a cache of another model": ({"cache": "one layer"}, "is not this model's"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PASSES))
+def test_a_bad_pass_is_refused_before_the_cache_changes(case):
+    """Each had failed deep in the model after the cache gave the tokens slots (a retry then found its
+    positions taken, and a pass that went on attended to zero keys), or had answered wrong (a row past the
+    pass, a foreign cache's dtype). Refused at the call; the same pass given right then has the bits of one
+    fresh pass over all the tokens (prefill == decode), so the cache was left as it was."""
+    from minillama.cache import KVCache
+
+    config = tiny_config()
+    model = tiny_model(config)
+    cache = model.new_cache(16)
+    root = cache.new_segment()
+    model(torch.arange(3), torch.arange(3), torch.full((3,), root), cache)
+    given = {"tokens": torch.tensor([5, 6, 7]), "positions": torch.arange(3, 6), "segments": torch.full((3,), root),
+             "cache": cache, "logits_rows": None}
+    change, says = BAD_PASSES[case]
+    given.update(change)
+    if given["cache"] == "float64":
+        given["cache"] = KVCache(config, 16, dtype=torch.float64)
+    elif given["cache"] == "one layer":
+        given["cache"] = KVCache(tiny_config(layers=1), 16)
+    if isinstance(given["cache"], KVCache) and given["cache"] is not cache:
+        given["cache"].new_segment()
+    with pytest.raises((TypeError, ValueError), match=says):
+        model(**given)
+    again = model(torch.tensor([5, 6, 7]), torch.arange(3, 6), torch.full((3,), root), cache)
+    assert torch.equal(again, model(torch.tensor([0, 1, 2, 5, 6, 7]))[3:])
+
+
+def test_invariant_takes_a_bool_only():
+    model = tiny_model(tiny_config())
+    for bad in ("False", [0], 0):
+        with pytest.raises(TypeError, match="invariant must be True or False"):
+            model.invariant = bad
+    assert model.invariant is True
