@@ -108,6 +108,11 @@ def out_of_memory(e: BaseException) -> bool:
             or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)))
 
 
+def memory_cause(e: BaseException) -> str:
+    """`out of memory (what the allocator said, its first line)` for an `out_of_memory` error."""
+    return f"out of memory ({one_line((str(e).splitlines() or [type(e).__name__])[0])[:300]})"
+
+
 def check_cpu_env() -> None:
     """The CPU's variables (MINILLAMA_CPU_16BIT, MINILLAMA_CPU_GEMM) read once, before anything slow: BadInput
     naming the one that is wrong, rather than the first product's error (a server's every request)."""
@@ -223,8 +228,8 @@ def report(e: BaseException) -> int | None:
         print("interrupted", file=sys.stderr)
         return 130
     if out_of_memory(e):  # the machine's refusal, as a full disk is: what ran out, in one line
-        print(f"error: out of memory ({one_line((str(e).splitlines() or [type(e).__name__])[0])[:300]}); "
-              "free memory, or ask for less (a smaller model, shorter input, fewer questions at once)", file=sys.stderr)
+        print(f"error: {memory_cause(e)}; free memory, or ask for less (a smaller model, shorter input, fewer "
+              "questions at once)", file=sys.stderr)
         return 2
     if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
         if e.filename is None:  # a write to stdout failed: Python would fail again at exit

@@ -238,10 +238,15 @@ class Llama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads this process's cache holds: the model's, or a tensor-parallel rank's share of them."""
+        return self.model.layers[0].self_attn.n_kv if len(self.model.layers) else self.config.num_key_value_heads
+
     def new_cache(self, capacity: int = 256) -> KVCache:
         """An empty cache of at least `capacity` slots: on the spare storage of a finished one where its graphs
         can be replayed (step.py: a GPU's captured steps outlive a generate call), else a new one."""
-        kv_heads = self.model.layers[0].self_attn.n_kv if len(self.model.layers) else self.config.num_key_value_heads
+        kv_heads = self.kv_heads
         spare = self.steps.take_spare(KVCache.shape(self.config, capacity, kv_heads), self.dtype, self.device)
         cache = KVCache(self.config, capacity, device=self.device, dtype=self.dtype, kv_heads=kv_heads,
                         storage=None if spare is None else (spare.k, spare.v))
@@ -299,8 +304,7 @@ class Llama(nn.Module):
         if logits_rows is not None and logits_rows.numel() and not 0 <= int(logits_rows.min()) <= \
                 int(logits_rows.max()) < n:
             raise ValueError(f"logits_rows must be rows of this pass, 0 .. {n - 1}, got {logits_rows.tolist()}")
-        mine = KVCache.shape(self.config, cache.k.shape[2], self.model.layers[0].self_attn.n_kv) \
-            if len(self.model.layers) else tuple(cache.k.shape)
+        mine = KVCache.shape(self.config, cache.k.shape[2], self.kv_heads)
         if tuple(cache.k.shape) != mine or cache.k.dtype != self.dtype:
             raise ValueError(f"this cache (layers, KV heads, slots, head dim {tuple(cache.k.shape)}, {cache.k.dtype}) "
                              f"is not this model's ({mine}, {self.dtype}): make one with model.new_cache()")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import OneLineError, RankRefused, SaidElsewhere, out_of_memory
+from ..errors import OneLineError, RankRefused, SaidElsewhere, memory_cause, out_of_memory
 from ..generate import Stats
 from ..model import Llama
 from . import check_degrees, launched
@@ -70,9 +70,9 @@ class Here:
             time.sleep(PEER_GRACE_S)
         if not self.world.writes and not isinstance(error, SaidElsewhere):
             message = " ".join(str(error).split()) or type(error).__name__
-            if out_of_memory(error):  # this rank's device: the machine's refusal, not a bug
-                message = f"out of memory ({(str(error).splitlines() or [type(error).__name__])[0]})"
-            code = 2 if isinstance(error, OneLineError) or out_of_memory(error) else 1
+            oom = out_of_memory(error)  # this rank's device: the machine's refusal, not a bug
+            message = memory_cause(error) if oom else message
+            code = 2 if isinstance(error, OneLineError) or oom else 1
             if not self._channel.error(message, code):
                 if code == 1:  # a bug: its traceback, then the line
                     traceback.print_exception(error)

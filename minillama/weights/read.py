@@ -70,20 +70,29 @@ def _check_entries(d: Path) -> None:
             if f.is_dir():
                 raise WeightsError(f"{f}: a directory, where a file belongs")
             if not f.is_file():
-                raise WeightsError(f"{f}: {_not_a_file(f).split(', not a checkpoint')[0]}, where a file belongs")
+                raise WeightsError(f"{f}: {_what_is(f)}, where a file belongs")
 
 
 def _not_a_file(p: Path) -> str:
     """What a path that is neither a file nor a directory is, in words (a fifo is not "no such file")."""
+    what = _what_is(p)
+    if "no such file or directory" in what:  # nothing there, or a link to nothing
+        return what
+    if what == "a symlink loop":
+        return f"{what}, not a checkpoint"
+    return f"{what}, not a checkpoint (expected a .gguf file or a directory)"
+
+
+def _what_is(p: Path) -> str:
+    """What a path that is no regular file or directory is: a loop, a dangling link, a fifo, a socket, a device."""
     try:
         mode = os.stat(p).st_mode
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return "a symlink loop, not a checkpoint"
+            return "a symlink loop"
         return "a symlink to nothing (no such file or directory)" if p.is_symlink() else "no such file or directory"
-    kind = ("a fifo (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+    return ("a fifo (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
-    return f"{kind}, not a checkpoint (expected a .gguf file or a directory)"
 
 
 def load_state_dict(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
