@@ -12,6 +12,8 @@ The committed notebooks carry their outputs. To refresh them after a change, run
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +67,21 @@ def test_notebook_cites_only_the_repository(path: Path):
     text = path.read_text(encoding="utf-8")
     for outside in ("NOTES" + ".md", "../shared", "/work/", "/tmp/"):  # spelled apart: the repository names neither
         assert outside not in text, f"{path.name} mentions {outside!r}"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
+def test_first_cell_finds_the_checkout_from_any_folder_in_it(path: Path):
+    """A reader's Jupyter may start a notebook's kernel in another folder of the checkout than notebooks/
+    (the repository root, or deeper): the first cell finds the checkout from any of them and imports minillama
+    from it. Run here from docs/bench, with nothing of the checkout on the path before the cell puts it there."""
+    root = NOTEBOOKS.parent
+    probe = "\nimport minillama\nprint(ROOT, minillama.__file__, sep='\\n')\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MPLBACKEND": "Agg"}
+    p = subprocess.run([sys.executable, "-P", "-c", code_cells(path)[0].source + probe], cwd=root / "docs" / "bench",
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, f"{path.name}: {p.stderr.strip().splitlines()[-1:]}"
+    found, module = p.stdout.strip().splitlines()[-2:]
+    assert Path(found) == root and Path(module).is_relative_to(root), (path.name, found, module)
 
 
 @pytest.mark.slow
