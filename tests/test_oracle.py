@@ -26,6 +26,7 @@ from minillama.oracle.__main__ import main
 from minillama.oracle.backends import BackendError, LlamaCppBackend
 from minillama.oracle.diff import diff_hidden
 from minillama.oracle.schema import RecordError
+from minillama.oracle.tolerances import PRESETS
 from tiny import tiny_config, tiny_model
 
 LAYERS = 3
@@ -211,6 +212,46 @@ def test_logprobs_of_the_chosen_tokens_are_checked(ref):
     assert not r.passed and r.logprob_max == pytest.approx(1e-2, rel=1e-3)
 
 
+def test_a_files_logprobs_are_checked_beside_its_logits(ref):
+    """Both given: the log-probs were once ignored, and a file whose logits agree passed with any of them."""
+    from minillama.oracle.diff import Comparison, hints
+
+    for bad, hint in ((1e-2, None), (float("nan"), "NaN or inf values")):
+        c = candidate(ref)
+        c.questions[1].logprobs[3] += bad
+        results = compare(ref, c)
+        assert [r.passed for r in results] == [True, False, True]
+        assert results[1].reason == "logprob of the chosen token out of tolerance from step 3"
+        if hint:
+            assert hint in hints(Comparison({}, {}, Tolerances(), results))[0]
+
+
+def test_nan_in_one_question_is_named_by_the_hint(ref):
+    """max() keeps a NaN only where it comes first: a NaN after a finite error once read as rounding."""
+    from minillama.oracle.diff import Comparison, hints
+
+    c = candidate(ref)
+    c.questions[0].logits = c.questions[0].logits + 0.01
+    c.questions[1].logits = torch.full_like(c.questions[1].logits, float("nan"))
+    got = hints(Comparison({}, {}, Tolerances(), compare(ref, c, PRESETS["half"])))
+    assert len(got) == 1 and "NaN or inf values" in got[0], got
+
+
+def test_an_answer_that_goes_on_after_the_reference_stopped(ref):
+    """Past a stop token the candidate did not stop: a failure; past the reference's length limit, a note."""
+    for finish, passed in (("stop", False), ("length", True)):
+        r_ = copy.deepcopy(ref)
+        r_.questions[0].finish_reason = finish
+        c = candidate(r_, logits=None, logprobs=None)
+        c.questions[0].token_ids = c.questions[0].token_ids + [3, 4]
+        res = compare(r_, c)[0]
+        assert res.passed == passed
+        if passed:
+            assert res.notes == ["the candidate goes on for 2 steps after the reference stopped"]
+        else:
+            assert res.reason.startswith("the candidate goes on for 2 steps after the reference's stop token")
+
+
 def test_tokens_may_part_only_at_a_near_tie(ref):
     step = 4
     for gap, passed in ((5e-5, True), (1e-2, False)):
@@ -225,6 +266,7 @@ def test_tokens_may_part_only_at_a_near_tie(ref):
         cq.logits[step, other] = cq.logits[step, best] + 1e-6
         cq.logits[step + 1:] += 1.0  # after parting its context differs: those steps are not compared
         cq.token_ids = parted
+        cq.logprobs = torch.log_softmax(cq.logits, dim=-1).gather(1, torch.tensor(parted)[:, None])[:, 0]
         res = compare(r_, with_logits)[0]
         assert (res.passed, res.first_divergence, res.compared) == (passed, step, step + 1)
         if passed:
@@ -272,6 +314,30 @@ def test_hidden_states_of_another_shape_are_bad_input(tiny, tmp_path, capsys):
                  str(tmp_path / "flat.safetensors"), "--layers"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hidden must be (layers + 1, tokens, hidden size)" in err, err
+
+
+def test_hidden_states_over_fewer_tokens_are_bad_input(tiny, tmp_path, capsys):
+    """Two records cut alike were compared over the rows both had; empty ones raised from torch."""
+    from safetensors.torch import load_file, save_file
+
+    _, model, _ = tiny
+    save(export(model, PROMPTS[:1], max_new_tokens=4, hidden=True), tmp_path / "ref.safetensors")
+    tensors = load_file(str(tmp_path / "ref.safetensors"))
+    for rows in (3, 0):
+        tensors["q0.hidden"] = tensors["q0.hidden"][:, :rows].clone()
+        save_file(tensors, str(tmp_path / "cut.safetensors"))
+        assert main(["compare", "--reference", str(tmp_path / "cut.safetensors"), "--candidate",
+                     str(tmp_path / "cut.safetensors"), "--layers"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"over {len(PROMPTS[0]) + 3} tokens; got (4, {rows}, " in err, err
+
+
+def test_a_manifests_null_fields_are_not_a_traceback(ref, tmp_path, capsys):
+    save(ref, tmp_path / "ref.safetensors")
+    _rewrite_manifest(tmp_path / "ref.safetensors", tmp_path / "null.safetensors", backend=None, mode=None)
+    assert main(["compare", "--reference", str(tmp_path / "null.safetensors"), "--candidate",
+                 str(tmp_path / "ref.safetensors")]) == 0
+    assert capsys.readouterr().out.startswith("reference  minillama, ? mode, greedy")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -451,6 +517,15 @@ def _rewrite_manifest(src, dst, **changes) -> None:
     (["compare", "--reference", "COMMIT_INT", "--candidate", "REF"], "its manifest's minillama_commit must be a string"),
     (["compare", "--reference", "REF", "--candidate", "VERSIONS_LIST"], "its manifest's versions must be an object"),
     (["compare", "--reference", "REF", "--candidate", "HUGE_LOGPROB"], "logprobs must be a list of numbers"),
+    # references edited, swapped or of another version: once compared as if whole
+    (["compare", "--reference", "FORMAT2", "--candidate", "REF"],
+     "its manifest's format is \"minillama-oracle/2\"; this minillama reads minillama-oracle/1"),
+    (["compare", "--reference", "EDITED", "--candidate", "REF"],
+     "the manifest's question 2: token_ids differ from the tensor q1.token_ids"),
+    (["compare", "--reference", "FEWER", "--candidate", "REF"],
+     "its manifest describes 2 questions, its tensors hold 3"),
+    (["compare", "--reference", "MANIFEST", "--candidate", "REF"], "a record's manifest, not a record; give "),
+    (["compare", "--reference", "FOLDER", "--candidate", "REF"], "is a folder"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
     _, _, path = tiny
@@ -468,6 +543,14 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args,
     _rewrite_manifest(files["REF"], files["BACKEND_INT"], backend=5)  # each once a traceback
     _rewrite_manifest(files["REF"], files["COMMIT_INT"], minillama_commit=12345)
     _rewrite_manifest(files["REF"], files["VERSIONS_LIST"], versions=[1])
+    described = json.loads(files["REF"].with_suffix(".json").read_text())["questions"]
+    _rewrite_manifest(files["REF"], tmp_path / "format2.safetensors", format="minillama-oracle/2")
+    edited = copy.deepcopy(described)
+    edited[1]["token_ids"][0] += 1
+    _rewrite_manifest(files["REF"], tmp_path / "edited.safetensors", questions=edited)
+    _rewrite_manifest(files["REF"], tmp_path / "fewer.safetensors", questions=described[:2])
+    files.update({k: tmp_path / f"{k.lower()}.safetensors" for k in ("FORMAT2", "EDITED", "FEWER")},
+                 MANIFEST=files["REF"].with_suffix(".json"), FOLDER=tmp_path)
     files["HUGE_LOGPROB"].write_text(json.dumps({"token_ids": ref.questions[0].token_ids,
                                                  "logprobs": [10**400] + [0] * (STEPS - 1)}) + "\n")
     files["BAD"].write_text("{not json\n")

@@ -232,7 +232,7 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
 
 def _describe_reference(rec: Record) -> str:
     m = rec.manifest
-    parts = [m.get("backend", "minillama"), f"{m.get('mode', '?')} mode, greedy"]
+    parts = [m.get("backend") or "minillama", f"{m.get('mode') or '?'} mode, greedy"]  # null in a manifest
     if (m.get("model") or {}).get("path"):
         parts.append(m["model"]["path"])
     if m.get("minillama_commit"):

@@ -51,6 +51,12 @@ class QuestionResult:
     layers: LayerDiff | None = None
 
 
+def _nan_max(xs) -> float:
+    """max(), but NaN when one is NaN (max() keeps a NaN only where it comes first)."""
+    xs = list(xs)
+    return math.nan if any(math.isnan(x) for x in xs) else max(xs)
+
+
 def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -102,10 +108,12 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         top_r, top_c = lr.topk(k, dim=-1).indices, lc.topk(k, dim=-1).indices
         overlap = [len(set(a.tolist()) & set(b.tolist())) / k for a, b in zip(top_r, top_c)]
         res.top_k_overlap = sum(overlap) / len(overlap)
-    elif cand.logprobs is not None and compared:
+    if cand.logprobs is not None and compared:  # beside logits too: a file's log-probs are its own answer
         want = lpr.gather(1, torch.tensor(C[:compared])[:, None])[:, 0]  # reference logprob of each chosen token
         err = (cand.logprobs[:compared] - want).abs()
-        res.logprob_max, res.logprob_mean = float(err.max()), float(err.mean())
+        res.logprob_max = _nan_max([float(err.max())] + ([] if res.logprob_max is None else [res.logprob_max]))
+        if res.logprob_mean is None:
+            res.logprob_mean = float(err.mean())
         bad = _out_of_tol(err, want, tol.logprob_atol, tol.logprob_rtol).nonzero()
         if len(bad):
             fail(f"logprob of the chosen token out of tolerance from step {int(bad[0])}", int(bad[0]))
@@ -136,6 +144,8 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         else:
             fail(f"the candidate answered {len(C)} of the reference's {len(R)} steps (a shorter answer passes "
                  "only with --allow-prefix)")
+    elif len(C) > len(R) and ref.finish_reason == "stop":
+        fail(f"the candidate goes on for {len(C) - len(R)} steps after the reference's stop token {R[-1]}")
     elif len(C) > len(R):
         res.notes.append(f"the candidate goes on for {len(C) - len(R)} steps after the reference stopped")
     return res
@@ -212,17 +222,19 @@ def hints(c: Comparison) -> list[str]:
     from_start = " from the first step on" if steps0 else ""
     with_logits = [q for q in qs if q.logit_max is not None]
     if with_logits:
-        err = max(q.logit_max for q in with_logits)
+        err = _nan_max(q.logit_max for q in with_logits)
         scale = max(q.logit_scale or 1.0 for q in with_logits)
-        lp = max(q.logprob_max or 0.0 for q in with_logits)
+        lp = _nan_max(q.logprob_max or 0.0 for q in with_logits)
         rel = err / scale
         size = f"max|dlogit| {err:.1e} = {rel:.0e} of the logit scale ({scale:.0f})"
+        if math.isfinite(rel) and not math.isfinite(lp):  # the file's own log-probs, beside finite logits
+            rel, size = lp, f"max|dlogprob| {lp:.1e}"
         if err > 1e-3 and lp < 0.01 * err:
             return [f"{size}, but the log-probs agree ({lp:.1e}): the logits are shifted by a constant per step "
                     "(another normalization of the logits); sampling is unaffected"]
         bands = (1e-5, 3e-3, 0.1)
     else:
-        rel = max(q.logprob_max or 0.0 for q in qs)
+        rel = _nan_max(q.logprob_max or 0.0 for q in qs)
         size = f"max|dlogprob| {rel:.1e}"
         bands = (1e-4, 0.1, 2.0)
     if not math.isfinite(rel):  # every comparison below is False for NaN: it once read as quantization

@@ -167,8 +167,9 @@ def load(path: str | Path) -> Record:
     """A record from a safetensors file or a JSON Lines candidate file."""
     p = Path(path)
     if not p.is_file():
-        raise RecordError(f"{p}: no such file")
-    if p.suffix in (".jsonl", ".json"):
+        raise RecordError(f"{p}: " + ("is a folder" if p.is_dir() else "not a regular file (a pipe or a device): "
+                                      "give a file" if p.exists() else "no such file"))
+    if p.suffix.lower() in (".jsonl", ".json"):
         return _load_jsonl(p)
     return _load_safetensors(p)
 
@@ -181,17 +182,25 @@ def _load_safetensors(p: Path) -> Record:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for bad headers
-        raise RecordError(f"{p}: not a readable safetensors file ({e})") from None
+        with open(p, "rb") as f:
+            text = f.read(1) == b"{"
+        raise RecordError(f"{p}: not a readable safetensors file ({e})"
+                          + ("; a JSON Lines candidate is read as one when named .jsonl" if text else "")) from None
     try:
         manifest = json.loads(meta[META_KEY]) if META_KEY in meta else {}
     except (ValueError, RecursionError):
         raise RecordError(f"{p}: its {META_KEY} metadata is not readable JSON") from None
     if not isinstance(manifest, dict):
         raise RecordError(f"{p}: its {META_KEY} metadata is not a JSON object")
+    if manifest.get("format", FORMAT) != FORMAT:
+        raise RecordError(f"{p}: its manifest's format is {json.dumps(manifest['format'])[:40]}; this minillama "
+                          f"reads {FORMAT}")
     described = _manifest_parts(manifest, p)
     count = 0
     while f"q{count}.token_ids" in tensors:
         count += 1
+    if described and len(described) != count:
+        raise RecordError(f"{p}: its manifest describes {len(described)} questions, its tensors hold {count}")
     if count == 0:
         raise RecordError(f"{p}: no q0.token_ids tensor (see `python -m minillama.oracle --help` for the layout)")
     known = {f"q{i}.{k}" for i in range(count) for k in ("token_ids", "prompt_ids", "logits", "logprobs", "hidden")}
@@ -216,6 +225,9 @@ def _load_safetensors(p: Path) -> Record:
             hidden=_float(tensors.get(f"q{i}.hidden")), shared=d.get("shared", 0), doc=d.get("doc", 0),
             question=d.get("question"), finish_reason=d.get("finish_reason"))
         _check_question(q, f"{p}: question {i + 1}")
+        for key in ("prompt_ids", "token_ids"):  # the manifest is what another backend reads: it must agree
+            if d.get(key) is not None and d[key] != getattr(q, key):
+                raise RecordError(f"{p}: the manifest's question {i + 1}: {key} differ from the tensor q{i}.{key}")
         questions.append(q)
     manifest.pop("questions", None)
     return Record(questions, manifest)
@@ -251,6 +263,12 @@ def _load_jsonl(p: Path) -> Record:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"{p}: not a readable UTF-8 text file ({e})") from None
+    try:  # export's manifest, given where its record goes
+        ours = json.loads(text).get("format") == FORMAT
+    except (ValueError, RecursionError, AttributeError):
+        ours = False
+    if ours:
+        raise RecordError(f"{p}: a record's manifest, not a record; give {p.with_suffix('.safetensors')}")
     for where, obj in json_objects(text, lambda n: f"{p}:{n}", RecordError, "an object with token_ids"):
         unknown = sorted(set(obj) - JSONL_KEYS)
         if unknown:
@@ -296,8 +314,11 @@ def _check_question(q: QuestionRecord, where: str) -> None:
     if q.logprobs is not None and tuple(q.logprobs.shape) != (steps,):
         raise RecordError(f"{where}: logprobs must have one value per token id; got {tuple(q.logprobs.shape)} "
                           f"for {steps} token ids")
-    if q.hidden is not None and q.hidden.dim() != 3:
-        raise RecordError(f"{where}: hidden must be (layers + 1, tokens, hidden size); got {tuple(q.hidden.shape)}")
+    # Over the prompt and the answer but its last token, as export writes them: no fewer rows, none empty.
+    tokens = None if q.prompt_ids is None else len(q.prompt_ids) + max(steps - 1, 0)
+    if q.hidden is not None and (q.hidden.dim() != 3 or 0 in q.hidden.shape or tokens not in (None, q.hidden.shape[1])):
+        raise RecordError(f"{where}: hidden must be (layers + 1, tokens, hidden size) over "
+                          f"{tokens or 'the prompt and the answer but its last'} tokens; got {tuple(q.hidden.shape)}")
     # A token id names a row of the vocabulary: a negative one would read from the row's end, a huge one fail.
     vocab = q.logits.shape[1] if q.logits is not None and q.logits.shape[1] else 2**31
     for key, ids in (("token_ids", q.token_ids), ("prompt_ids", q.prompt_ids or [])):
