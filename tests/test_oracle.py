@@ -226,6 +226,15 @@ def test_a_files_logprobs_are_checked_beside_its_logits(ref):
             assert hint in hints(Comparison({}, {}, Tolerances(), results))[0]
 
 
+def test_a_reference_whose_tokens_are_not_its_greedy_choice_is_bad_input(ref):
+    """An edited reference token: the candidate's true one parted from it at a "near tie" of negative margin."""
+    r_ = copy.deepcopy(ref)
+    q = r_.questions[0]
+    q.token_ids = [int(q.logits[0].argsort()[-2])] + q.token_ids[1:]
+    with pytest.raises(RecordError, match="the reference's token .* at step 0 is not the greedy choice"):
+        compare(r_, candidate(ref, logits=None))
+
+
 def test_nan_in_one_question_is_named_by_the_hint(ref):
     """max() keeps a NaN only where it comes first: a NaN after a finite error once read as rounding."""
     from minillama.oracle.diff import Comparison, hints

@@ -122,6 +122,9 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
 
     if div is not None:
         r, c = R[div], C[div]
+        if lr[div, c] > lr[div, r]:  # a parting at a "near tie" of negative margin once passed
+            raise RecordError(f"question {i + 1}: the reference's token {r} at step {div} is not the greedy choice "
+                              f"of its own logits ({c} scores higher): an edited or mismatched reference")
         if cand.logits is None and cand.logprobs is None:
             fail(f"tokens differ at step {div} ({r} vs {c}) and the candidate gave no logits or logprobs")
         else:
