@@ -341,6 +341,22 @@ def test_hidden_states_over_fewer_tokens_are_bad_input(tiny, tmp_path, capsys):
         assert err.count("\n") == 1 and f"over {len(PROMPTS[0]) + 3} tokens; got (4, {rows}, " in err, err
 
 
+def test_a_question_without_hidden_states_is_noted_under_layers(tiny, tmp_path, capsys):
+    """--layers from files compares the questions both hold hidden states for; the others were once passed
+    over in silence, so a report read as a layer diff of every question."""
+    from safetensors.torch import load_file, save_file
+
+    _, model, _ = tiny
+    save(export(model, PROMPTS[:2], max_new_tokens=4, hidden=True), tmp_path / "ref.safetensors")
+    tensors = load_file(str(tmp_path / "ref.safetensors"))
+    del tensors["q1.hidden"]
+    save_file(tensors, str(tmp_path / "part.safetensors"))
+    assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--candidate",
+                 str(tmp_path / "part.safetensors"), "--layers"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("no layer diff: a file holds no hidden states") == 1, out
+
+
 def test_a_manifests_null_fields_are_not_a_traceback(ref, tmp_path, capsys):
     save(ref, tmp_path / "ref.safetensors")
     _rewrite_manifest(tmp_path / "ref.safetensors", tmp_path / "null.safetensors", backend=None, mode=None)
@@ -535,6 +551,12 @@ def _rewrite_manifest(src, dst, **changes) -> None:
      "its manifest describes 2 questions, its tensors hold 3"),
     (["compare", "--reference", "MANIFEST", "--candidate", "REF"], "a record's manifest, not a record; give "),
     (["compare", "--reference", "FOLDER", "--candidate", "REF"], "is a folder"),
+    (["compare", "--reference", "DEEP", "--candidate", "REF", "--json"],  # --json once recursed past the stack
+     "metadata is nested more than 100 levels deep"),
+    (["compare", "--reference", "QUESTIONS_OBJECT", "--candidate", "REF"],  # once read as no questions described
+     "its manifest's questions must be a list of objects"),
+    (["compare", "--reference", "REF", "--candidate", "OOV_ID"],
+     "question 1: the candidate's token id 999999 at step 2 is outside the reference's vocabulary"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args, message):
     _, _, path = tiny
@@ -558,7 +580,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(tiny, ref, tmp_path, capsys, args,
     edited[1]["token_ids"][0] += 1
     _rewrite_manifest(files["REF"], tmp_path / "edited.safetensors", questions=edited)
     _rewrite_manifest(files["REF"], tmp_path / "fewer.safetensors", questions=described[:2])
-    files.update({k: tmp_path / f"{k.lower()}.safetensors" for k in ("FORMAT2", "EDITED", "FEWER")},
+    deep: list = []
+    for _ in range(900):
+        deep = [deep]
+    _rewrite_manifest(files["REF"], tmp_path / "deep.safetensors", model={"path": None, "config": deep})
+    _rewrite_manifest(files["REF"], tmp_path / "questions_object.safetensors", questions={})
+    files["OOV_ID"] = tmp_path / "oov_id.jsonl"
+    files["OOV_ID"].write_text("".join(json.dumps({"token_ids": q.token_ids[:2] + [999999] * (i == 0)}) + "\n"
+                                       for i, q in enumerate(ref.questions)))
+    files.update({k: tmp_path / f"{k.lower()}.safetensors"
+                  for k in ("FORMAT2", "EDITED", "FEWER", "DEEP", "QUESTIONS_OBJECT")},
                  MANIFEST=files["REF"].with_suffix(".json"), FOLDER=tmp_path)
     files["HUGE_LOGPROB"].write_text(json.dumps({"token_ids": ref.questions[0].token_ids,
                                                  "logprobs": [10**400] + [0] * (STEPS - 1)}) + "\n")

@@ -368,6 +368,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.layers and args.candidate:
         for r, d in zip(results, diff_hidden(ref, cand, tol)):
             r.layers = d
+            if d is None:  # said, not skipped in silence: the other questions' layers were compared
+                r.notes.append("no layer diff: a file holds no hidden states (or no prompt ids) for this question")
     elif args.layers:
         if model is None:
             if ref_path is None:

@@ -73,8 +73,10 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         raise RecordError(f"question {i + 1}: the candidate's prompt_ids differ from the reference's")
     R, C = ref.token_ids, cand.token_ids
     vocab = ref.logits.shape[-1]
-    if any(not 0 <= t < vocab for t in C):
-        raise RecordError(f"question {i + 1}: candidate token ids must be in 0 .. {vocab - 1}")
+    bad = next((s for s, t in enumerate(C) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RecordError(f"question {i + 1}: the candidate's token id {C[bad]} at step {bad} is outside the "
+                          f"reference's vocabulary (0 .. {vocab - 1})")
     n = min(len(R), len(C))
     div = _first_difference(R, C)
     compared = n if teacher_forced or div is None else div + 1

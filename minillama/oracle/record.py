@@ -43,6 +43,7 @@ from .schema import QuestionRecord, Record, RecordError, is_number
 FORMAT = "minillama-oracle/1"
 META_KEY = "minillama-oracle"
 JSONL_KEYS = {"token_ids", "logprobs", "logits", "prompt_ids"}
+MAX_DEPTH = 100  # levels of nesting a manifest may have
 
 
 # --------------------------------------------------------------------------------------------------
@@ -192,6 +193,8 @@ def _load_safetensors(p: Path) -> Record:
         raise RecordError(f"{p}: its {META_KEY} metadata is not readable JSON") from None
     if not isinstance(manifest, dict):
         raise RecordError(f"{p}: its {META_KEY} metadata is not a JSON object")
+    if _depth(manifest) > MAX_DEPTH:  # the report and --json walk it: past Python's stack, a traceback
+        raise RecordError(f"{p}: its {META_KEY} metadata is nested more than {MAX_DEPTH} levels deep")
     if manifest.get("format", FORMAT) != FORMAT:
         raise RecordError(f"{p}: its manifest's format is {json.dumps(manifest['format'])[:40]}; this minillama "
                           f"reads {FORMAT}")
@@ -233,9 +236,21 @@ def _load_safetensors(p: Path) -> Record:
     return Record(questions, manifest)
 
 
+def _depth(x: Any) -> int:
+    """How deep JSON data nests (a scalar: 0), counted without recursion."""
+    deepest, todo = 0, [(x, 0)]
+    while todo:
+        x, d = todo.pop()
+        deepest = max(deepest, d)
+        if isinstance(x, (dict, list)) and d < MAX_DEPTH + 1:
+            todo.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return deepest
+
+
 def _manifest_parts(manifest: dict, p: Path) -> list[dict]:
     """The manifest's questions, checked with its model: what the tools read of them has the types they read."""
-    described = manifest.get("questions") or []
+    described = manifest.get("questions", [])
+    described = [] if described is None else described
     if not (isinstance(described, list) and all(isinstance(d, dict) for d in described)):
         raise RecordError(f"{p}: its manifest's questions must be a list of objects")
     for i, d in enumerate(described, 1):
