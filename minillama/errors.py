@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import sys
 from typing import Callable, NoReturn
 
@@ -71,8 +72,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def one_line(s: str) -> str:
-    """Any text as one line: runs of whitespace, line breaks included, made one space."""
-    return " ".join(str(s).split())
+    """Any text as one line: runs of whitespace, line breaks included, made one space; other control
+    characters written as escapes (an ESC from a user's value would reach the terminal as a command)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", " ".join(str(s).split()))
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 def check_device(device: str, option: str = "--device") -> None:

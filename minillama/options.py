@@ -140,6 +140,9 @@ def non_empty_texts(value: Any, name: str) -> None:
 def text(value: Any, name: str) -> None:
     """Text that can be encoded: a lone surrogate (from a JSON "\\ud800" escape) is not a character."""
     m = re.search("[\ud800-\udfff]", value) if isinstance(value, str) else None
+    if m and name.startswith("--") and 0xDC80 <= ord(m.group()) <= 0xDCFF:  # how Python reads a byte of argv
+        raise BadInput(f"{name}: the byte 0x{ord(m.group()) - 0xDC00:02X} at character {m.start()} is not UTF-8 "
+                       "(the command line is read as UTF-8)")
     if m:
         raise BadInput(f"{name}: a lone surrogate U+{ord(m.group()):04X} at character {m.start()} is not "
                        "text (it cannot be encoded as UTF-8)")

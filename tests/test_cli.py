@@ -227,6 +227,8 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
         "jsonl repeated key": [*m, "--input", d / "twice.jsonl"],
         "top-k past 2**31": [*m, *doc, *qs, "--top-k", str(2**63)],
         "stop past its length": [*m, *doc, *qs, "--stop", "Q" * 1025],
+        "escape in a value": [*m, *doc, *qs, "--device", "x\x1b[31mRED"],
+        "stop not utf-8": [*m, *doc, *qs, "--stop", "ok\udcff"],  # the byte 0xff, as Python reads argv
     }
 
 
@@ -238,7 +240,7 @@ CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "em
          "infinite temperature", "top-p zero", "top-p above one", "negative top-k", "unknown mode",
          "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
          "unknown option", "meta device", "negative max-memory", "compile with tp", "compile with plain kernels",
-         "jsonl repeated key", "top-k past 2**31", "stop past its length"]
+         "jsonl repeated key", "top-k past 2**31", "stop past its length", "escape in a value", "stop not utf-8"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -260,7 +262,9 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "compile with tp": "--compile runs in one process",
               "compile with plain kernels": "--compile takes the batch-invariant kernels",
               "jsonl repeated key": "the key 'doc' is given twice", "top-k past 2**31": "below 2**31",
-              "stop past its length": "at most 1024"}
+              "stop past its length": "at most 1024",
+              "escape in a value": "--device x\\x1b[31mRED: not a torch device",  # not a colour code
+              "stop not utf-8": "--stop: the byte 0xFF at character 2 is not UTF-8"}
     cases = bad_cases(ckpt, files)
     for case, words in expect.items():
         cli.main([str(a) for a in cases[case]])

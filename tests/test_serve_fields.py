@@ -77,6 +77,20 @@ def test_continue_final_message_cuts_where_the_template_writes_the_message(final
     assert tok.decode(ids) == head + final and ids == tok.encode(head + final)
 
 
+def test_text_parts_are_joined_as_written():
+    """A message's text parts reach the template joined with nothing between them (docs/serve.md): the
+    prompt holds what the client sent and nothing it did not (a separator is the client's to send)."""
+    from minillama.serve.schema import Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    parts = [{"type": "text", "text": "Translate:"}, {"type": "text", "text": " Bonjour\n"}, {"type": "text", "text": "!"}]
+    whole = [{"role": "user", "content": "Translate: Bonjour\n!"}]
+    prompt = parse({"messages": [{"role": "user", "content": parts}], "max_tokens": 2}, True, tok,
+                   Limits(512, tok.vocab_size, 16), "tiny").prompts[0]
+    assert prompt == tok.encode(tok.apply_chat_template(whole, add_generation_prompt=True))
+
+
 def test_a_template_that_raises_under_continue_final_message_is_refused_in_its_own_words():
     """The template's own refusal (raise_exception) under continue_final_message was reported as "does not
     write the final message's text as given", which sends the client looking at the wrong thing; it is now
