@@ -263,6 +263,12 @@ class Llama(nn.Module):
         With no cache, the tokens are one fresh sequence at positions 0 .. N-1. The new tokens are written
         into the cache; each token attends to what the segment rule lets it see, this call's tokens included.
         """
+        for name, t in (("tokens", tokens), ("positions", positions), ("segments", segments),
+                        ("logits_rows", logits_rows)):
+            if t is not None and not isinstance(t, torch.Tensor):  # a list once failed on its missing .dim()
+                raise TypeError(f"{name} must be a tensor (torch.tensor(...)), got {type(t).__name__}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D (packed), got shape {tuple(tokens.shape)}")
         n = tokens.shape[0]

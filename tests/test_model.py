@@ -158,6 +158,9 @@ BAD_PASSES = {  # what the pass is given instead, and what it is refused with, b
     "a negative logits row": ({"logits_rows": torch.tensor([-1])}, "logits_rows must be rows of this pass"),
     "a cache of another dtype": ({"cache": "float64"}, "is not this model's"),
     "a cache of another model": ({"cache": "one layer"}, "is not this model's"),
+    "a list of tokens": ({"tokens": [5, 6, 7]}, r"tokens must be a tensor \(torch.tensor\(...\)\), got list"),
+    "a list of positions": ({"positions": [3, 4, 5]}, "positions must be a tensor"),
+    "a cache that is not one": ({"cache": {}}, "cache must be a KVCache"),
 }
 
 
