@@ -102,7 +102,10 @@ def check_device(device: str, option: str = "--device") -> None:
     try:
         torch.zeros(1, device=dev).cpu()
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
-        raise BadInput(f"{option} {device}: not usable here ({(str(e).splitlines() or [type(e).__name__])[0]})") from None
+        said = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0]  # the rest: advice for torch's makers
+        if re.match(r"Could not run '.*' with arguments from the '.*' backend", said):  # then a page of backends
+            said = f"this torch was built without the {dev.type} backend"
+        raise BadInput(f"{option} {device}: not usable here ({said[:300]})") from None
 
 
 def out_of_memory(e: BaseException) -> bool:

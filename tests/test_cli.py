@@ -229,6 +229,7 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
         "stop past its length": [*m, *doc, *qs, "--stop", "Q" * 1025],
         "escape in a value": [*m, *doc, *qs, "--device", "x\x1b[31mRED"],
         "stop not utf-8": [*m, *doc, *qs, "--stop", "ok\udcff"],  # the byte 0xff, as Python reads argv
+        "a backend torch lacks": [*m, *doc, *qs, "--device", "ipu"],  # once a page naming every backend
     }
 
 
@@ -240,7 +241,8 @@ CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "em
          "infinite temperature", "top-p zero", "top-p above one", "negative top-k", "unknown mode",
          "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
          "unknown option", "meta device", "negative max-memory", "compile with tp", "compile with plain kernels",
-         "jsonl repeated key", "top-k past 2**31", "stop past its length", "escape in a value", "stop not utf-8"]
+         "jsonl repeated key", "top-k past 2**31", "stop past its length", "escape in a value", "stop not utf-8",
+         "a backend torch lacks"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -264,7 +266,8 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "jsonl repeated key": "the key 'doc' is given twice", "top-k past 2**31": "below 2**31",
               "stop past its length": "at most 1024",
               "escape in a value": "--device x\\x1b[31mRED: not a torch device",  # not a colour code
-              "stop not utf-8": "--stop: the byte 0xFF at character 2 is not UTF-8"}
+              "stop not utf-8": "--stop: the byte 0xFF at character 2 is not UTF-8",
+              "a backend torch lacks": "--device ipu: not usable here (this torch was built without the ipu backend)"}
     cases = bad_cases(ckpt, files)
     for case, words in expect.items():
         cli.main([str(a) for a in cases[case]])
