@@ -60,7 +60,8 @@ class StopStrings:
         skip_special_tokens), read at its end only. The last 4 tokens' text (all a character's bytes, which
         may change the text before them) and the longest stop string's length before it, decoded after the
         tokens before (`decoded_after`: a stop string may span tokens, and a tail of ids decoded alone is not
-        always a tail of the text), so a long answer does not decode all of itself at every token."""
+        always a tail of the text), so a long answer does not decode all of itself at every token. U+FFFD at the
+        end wait for the next token (half a character, as a stream holds it back; "\ufffd" once stopped there)."""
         if self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
         skip = self.skip_special
@@ -70,7 +71,7 @@ class StopStrings:
         while len(tail) < need and start > 0:
             start, step = max(0, start - step), step * 2
             tail = decoded_after(self.tokenizer, ids, start, skip)
-        return any(s in tail for s in self.strings)
+        return any(s in tail.rstrip("\ufffd") for s in self.strings)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)
@@ -320,9 +321,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
 
 def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, stats: Any, eos_ids: Any = None
              ) -> tuple[list[list[int]], list[Any], list[int] | None]:
-    """`generate`'s arguments, each refused naming it (ValueError, TypeError) rather than met inside torch:
-    the prompts as lists of ints in the vocabulary and shorter than the context, and one document and one
-    stream per prompt."""
+    """`generate`'s arguments, each refused naming it (ValueError, TypeError) rather than met inside torch: the
+    prompts as lists of ints in the vocabulary and shorter than the context, one document and stream each."""
     for name, v, kind in (("model", model, Llama), ("params", params, SamplingParams), ("stats", stats, Stats)):
         if not isinstance(v, kind):
             raise options.BadType(f"{name} must be a {kind.__name__}, got {type(v).__name__}"
