@@ -9,6 +9,10 @@ rendered template -> token ids): the CLI, the benchmark and the notebooks all ca
 prompt is tokenized whole, exactly as a stand-alone run would tokenize it; `generate()` finds the prefix
 the questions of one document share (tokenizing the document alone can merge tokens differently
 at the boundary; docs/design.md). So the modes differ only in how the same token ids are scheduled.
+
+One loaded model may answer in several threads at once (a threaded web app's): each call gets its own
+cache, and each answer the bits of its solo run. While a call is under way, setting
+`model.llama.invariant` or `.units` raises RuntimeError, from any thread or callback.
 """
 
 from __future__ import annotations

@@ -281,6 +281,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     on_answer(i, answer) is called as soon as prompt i's answer is finished (in finishing order), so a
     caller can stream answers out; a question with max_new_tokens = 0 is reported before any forward pass.
     streams[i] numbers prompt i's random stream (default i): a share of a larger run keeps the run's streams.
+    Threads may share a model (each answer its solo bits); meanwhile model.invariant = ... raises RuntimeError.
     """
     params = params or SamplingParams()
     stats = stats if stats is not None else Stats()
@@ -302,20 +303,19 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
         for q in questions:
             if q.done:  # max_new_tokens == 0: finished before it starts
                 on_answer(q.index, q.answer)
-
-    if mode == "independent":
-        for q, p in zip(questions, prompts):
-            _prefill_and_decode(model, [(q, p, None)], None, prefill_chunk, stats, on_token)
-    elif mode == "seqbatch":
-        for d in dict.fromkeys(docs):
-            _seqbatch(model, [q for q, dd in zip(questions, docs) if dd == d],
-                      [p for p, dd in zip(prompts, docs) if dd == d], prefill_chunk, stats, on_token)
-    else:
-        order = list(dict.fromkeys(docs))
-        per_batch = batch_docs or len(order)
-        for b in range(0, len(order), per_batch):
-            _parallel(model, prompts, questions, docs, order[b:b + per_batch], parallel_size, prefill_chunk,
-                      stats, on_token)
+    with model.steps.answering():  # model.invariant and .units refuse to change under it (any thread)
+        if mode == "independent":
+            for q, p in zip(questions, prompts):
+                _prefill_and_decode(model, [(q, p, None)], None, prefill_chunk, stats, on_token)
+        elif mode == "seqbatch":
+            for d in dict.fromkeys(docs):
+                _seqbatch(model, [q for q, dd in zip(questions, docs) if dd == d],
+                          [p for p, dd in zip(prompts, docs) if dd == d], prefill_chunk, stats, on_token)
+        else:
+            order = list(dict.fromkeys(docs))
+            for b in range(0, len(order), per_batch := batch_docs or len(order)):
+                _parallel(model, prompts, questions, docs, order[b:b + per_batch], parallel_size, prefill_chunk,
+                          stats, on_token)
     return [q.answer for q in questions]
 
 

@@ -208,7 +208,9 @@ class Llama(nn.Module):
     def invariant(self, on: bool) -> None:
         if not isinstance(on, bool):  # "False" or [0] would read as True
             raise TypeError(f"invariant must be True or False, got {on!r}")
-        self.kernels.invariant = on
+        with self.steps.lock:  # not under a generate call's feet (Steps.answering)
+            self.steps.unchanged("invariant")
+            self.kernels.invariant = on
 
     @property
     def units(self) -> int:
@@ -222,8 +224,10 @@ class Llama(nn.Module):
             raise ValueError("units are fixed once the model is sharded over processes")
         if not isinstance(units, int) or units < 1 or n_kv % units:
             raise ValueError(f"units must divide the model's {n_kv} KV heads, got {units}")
-        self.kernels.units = units
-        self.column_major_()  # a column split's layout follows the units
+        with self.steps.lock:
+            self.steps.unchanged("units")
+            self.kernels.units = units
+            self.column_major_()  # a column split's layout follows the units
 
     @property
     def tiles(self) -> Tiles:

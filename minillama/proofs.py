@@ -64,7 +64,7 @@ def held_short(tile: int, short: tuple[int, ...], dtype: torch.dtype, device: to
     `dtype` on `device`'s kind refused (every one of them before the first): the last tile a pass's products
     take, for all of its weights, as far as the process knows (`Llama.rows_end`)."""
     held = set(short)
-    for key, sizes in _PROVEN.items():
+    for key, sizes in list(_PROVEN.items()):  # a copy: another thread may add a proof meanwhile
         if key.kind == "short" and key.dtype == dtype and key.tile == tile and key.device == device.type:
             held -= set(key.sizes) - set(sizes)  # the sizes it was asked about and refused
     return tuple(s for s in short if s in held)

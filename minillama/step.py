@@ -27,11 +27,13 @@ every pass is then laid out in buckets with its attention items held at once, so
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import threading
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -330,6 +332,8 @@ class Steps:
     runs its layers through `torch.compile` (`compile_block`), laid out in buckets with its attention items
     held at once, captured or not as above; off by default."""
 
+    lock = threading.RLock()  # every model's spare and `calls`, between threads (re-entered by a cache's finalizer)
+
     def __init__(self, kernels: Kernels):
         self.kernels = kernels  # the model's: a tensor-parallel rank's collectives run eagerly
         self.captured: bool | None = None
@@ -340,6 +344,25 @@ class Steps:
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
         self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
         self.overlap: bool | None = OVERLAP  # decoding one step ahead of the host (`overlapping`); None: by device
+        self.calls = 0  # generate calls under way on the model, in every thread (`answering`)
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """A generate call under way: until it ends, the switches that choose the kernels (`Llama.invariant`,
+        `Llama.units`) refuse to change (`unchanged`), from any thread, so that no answer mixes two kinds."""
+        with self.lock:
+            self.calls += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.calls -= 1
+
+    def unchanged(self, name: str) -> None:
+        """Refuse (RuntimeError) to change `name` while a generate call is under way; called with the lock held."""
+        if self.calls:
+            raise RuntimeError(f"model.{name} cannot change while generate() is answering on this model (in another "
+                               "thread, or from its callback): its answers would mix two kinds of kernels")
 
     def capturing(self, device: torch.device) -> bool:
         """Whether the model's steps on `device` are captured (in buckets) now."""
@@ -386,11 +409,12 @@ class Steps:
                    ) -> CapturedSteps | None:
         """The spare, for a new cache of `shape` (L, Hkv, S, D): one of the same dtype, device, layers, heads
         and head size, with at least S slots; else None. The caller makes the cache on its storage (`attach`)."""
-        spare = self.spare
-        if spare is None or spare.k.dtype != dtype or spare.k.device != device or not KVCache.holds(spare.k, shape):
-            return None
-        self.spare = None
-        return spare
+        with self.lock:  # one taker: two threads' caches on one storage would write each other's keys
+            spare = self.spare
+            if spare is None or spare.k.dtype != dtype or spare.k.device != device or not KVCache.holds(spare.k, shape):
+                return None
+            self.spare = None
+            return spare
 
     def attach(self, cache: KVCache, captured: CapturedSteps) -> None:
         """`cache`, made on `captured`'s storage, replays its graphs."""
@@ -405,7 +429,8 @@ class Steps:
     def _retire(self, box: list[CapturedSteps]) -> None:
         """A cache is gone: its storage and graphs become the spare (the previous spare's are freed)."""
         if box:
-            self.spare = box[0]
+            with self.lock:
+                self.spare = box[0]
 
     def run(self, run_step: Callable[[KVCache, Step], torch.Tensor], cache: KVCache, step: Step) -> torch.Tensor:
         """The step's logits (step.wanted, vocab); `run_step` is the model's device half (`Llama.run_step`)."""

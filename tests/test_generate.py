@@ -1,6 +1,7 @@
 """Generation modes and sampling on token ids (parity itself is in test_parity.py)."""
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -314,3 +315,45 @@ def test_the_unwaited_copies_give_the_same_answers(model, monkeypatch):
         model.steps.overlap = None
     assert_same_answers(plain, ahead)
     assert pinned and len(events) >= 6 and all(e.waited == 1 for e in events)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "independent", "seqbatch"])
+def test_the_kernel_switches_refuse_to_change_under_a_call(model, mode):
+    """Calls on one model from several threads give each answer its solo bits; a switch that chooses the
+    kernels (`model.invariant`, `model.units`), set by another thread or a callback while a call answers, raises
+    RuntimeError rather than give that answer some steps of each kind (it gave mixed answers, solo of neither)."""
+    prompts, params = _prompts(n=3), SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=2,
+                                                              keep_logits=True)
+    solo = generate(model, prompts, params, mode=mode)
+    started, go_on, refused = threading.Event(), threading.Event(), []
+
+    def waits(_):
+        started.set()
+        go_on.wait(60)
+
+    def flips(_):
+        with pytest.raises(RuntimeError, match="model.invariant cannot change while generate"):
+            model.invariant = False
+
+    answers = {}
+    threads = [threading.Thread(target=lambda: answers.update(a=generate(model, prompts, params, mode=mode,
+                                                                         on_token=waits))),
+               threading.Thread(target=lambda: answers.update(b=generate(model, prompts, params, mode=mode)))]
+    for t in threads:
+        t.start()
+    assert started.wait(60)
+    for name, value in (("invariant", False), ("units", 2)):
+        try:
+            setattr(model, name, value)
+        except RuntimeError as e:
+            refused.append(str(e))
+    go_on.set()
+    for t in threads:
+        t.join(120)
+    assert len(refused) == 2 and "model.units cannot change" in refused[1]
+    assert model.invariant and model.units == 1
+    assert_same_answers(solo, answers["a"])
+    assert_same_answers(solo, answers["b"])
+    assert_same_answers(solo, generate(model, prompts, params, mode=mode, on_token=flips))  # its own callback
+    model.invariant = False  # between calls: as before
+    model.invariant = True

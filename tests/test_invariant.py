@@ -335,3 +335,22 @@ def test_a_pass_ends_at_the_short_tiles_no_proof_refused(monkeypatch):
     assert proofs.held_short(32, short, torch.float32, cpu) == (16, 32)
     assert proofs.held_short(64, short, torch.float32, torch.device("meta")) == short
     assert proofs.held_short(64, short, torch.bfloat16, cpu) == short
+
+
+def test_held_short_reads_the_proofs_while_another_thread_adds_one(monkeypatch):
+    """A server's pass asks `held_short` while a thread answering on another model proves its weights: the
+    proof added while the proofs are read (here as the first one's kind is read) once raised 'dictionary changed
+    size during iteration' in the pass."""
+    cpu = torch.device("cpu")
+    arriving = proofs.Proof("short", (40, 96), (1, 40), torch.float32, "cpu", 1, 64, (4, 8), False)
+
+    class Reading(proofs.Proof):
+        @property
+        def kind(self):
+            proofs._PROVEN[arriving] = (4,)  # another thread's proof, made meanwhile: it refuses 8
+            return "short"
+
+    first = Reading("short", (40, 48), (1, 40), torch.float32, "cpu", 1, 64, (4, 8), False)
+    monkeypatch.setattr(proofs, "_PROVEN", {first: (4, 8)})
+    assert proofs.held_short(64, (4, 8), torch.float32, cpu) == (4, 8)  # as the proofs stood when asked
+    assert proofs.held_short(64, (4, 8), torch.float32, cpu) == (4,)

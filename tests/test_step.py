@@ -15,6 +15,8 @@ What a GPU's captured step relies on, checked on a CPU:
 import copy
 import dataclasses
 import gc
+import threading
+import time
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ import minillama.step as step_module
 import minillama.transfer as transfer
 from minillama.attention import blocked_attention
 from minillama.audit import host_reads
+from minillama.cache import KVCache
 from minillama.generate import SamplingParams, generate
 from minillama.invariant import CPU_TILES, CUDA_TILES
 from minillama.model import RMSNorm
@@ -473,6 +476,23 @@ def test_a_cache_on_the_spare_storage_starts_as_a_fresh_one():
     del cache
     assert model.new_cache(k.shape[2] + 1).k is not k  # the spare is too small for this one
 
+
+
+def test_two_threads_never_take_one_spare(monkeypatch):
+    """Two threads' new caches (two generate calls on one model, as a threaded server's) both find the spare:
+    one takes it, the other gets storage of its own. A thread switch between reading the spare and taking it
+    (here a sleep in `KVCache.holds`) once gave both caches the one storage, each writing the other's keys."""
+    model = _captured(tiny_model(tiny_config()), Rerun())
+    generate(model, PROMPTS, PARAMS)
+    holds = KVCache.holds
+    monkeypatch.setattr(KVCache, "holds", staticmethod(lambda *a: time.sleep(0.05) or holds(*a)))
+    caches = []
+    threads = [threading.Thread(target=lambda: caches.append(model.new_cache())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(caches) == 2 and caches[0].k.data_ptr() != caches[1].k.data_ptr()
 
 def test_captured_steps_follow_the_kernels_and_the_weights():
     """A step replays another graph when the kernels change (32-row linear tiles: the same step tensors, other
