@@ -13,12 +13,14 @@ imported and the environment names neither a policy nor a spin count:
 
 (docs/bench/README.md#a-cpu-shared-with-other-work has the measurements). How threads wait never changes
 what they compute: the bits are the same either way. OpenMP reads these settings once, when torch loads it,
-so a program that imported torch before minillama keeps the runtime's own default.
+so a program that imported torch before minillama keeps the runtime's own default, and its environment as
+it was (its child processes inherit no setting chosen for another process).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Callable
 
@@ -62,9 +64,11 @@ def wait_settings(elsewhere: int | None, ours: int, cpus: int) -> dict[str, str]
 
 
 def choose_wait_policy(environ: dict[str, str] | None = None) -> None:
-    """Put `wait_settings` for this process into the environment, unless it names a policy or a spin count."""
+    """Put `wait_settings` for this process into the environment, unless it names a policy or a spin count,
+    or torch is loaded already (OpenMP has read its settings: one written now would change nothing here, only
+    the processes the program starts, which inherit the environment)."""
     environ = os.environ if environ is None else environ
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ or "torch" in sys.modules:
         return
     cpus = os.cpu_count() or 1
     ours = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus  # torch's default threads
