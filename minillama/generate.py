@@ -34,7 +34,7 @@ from .cache import KVCache
 from .model import Llama
 from .sampling import sample_rows
 from .step import Pack
-from .tokenizer.base import decoded_after
+from .tokenizer.base import decoded_after, whole_characters
 from .tokens import Answer, Chosen, Question, choose_tokens, take_tokens
 from .transfer import to_device
 
@@ -60,8 +60,8 @@ class StopStrings:
         skip_special_tokens), read at its end only. The last 4 tokens' text (all a character's bytes, which
         may change the text before them) and the longest stop string's length before it, decoded after the
         tokens before (`decoded_after`: a stop string may span tokens, and a tail of ids decoded alone is not
-        always a tail of the text), so a long answer does not decode all of itself at every token. U+FFFD at the
-        end wait for the next token (half a character, as a stream holds it back; "\ufffd" once stopped there)."""
+        always a tail of the text), so a long answer does not decode all of itself at every token. Of a character
+        not yet whole, its U+FFFD is not read (`whole_characters`: a stop string "\ufffd" once stopped there)."""
         if self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
         skip = self.skip_special
@@ -71,7 +71,7 @@ class StopStrings:
         while len(tail) < need and start > 0:
             start, step = max(0, start - step), step * 2
             tail = decoded_after(self.tokenizer, ids, start, skip)
-        return any(s in tail.rstrip("\ufffd") for s in self.strings)
+        return any(s in whole_characters(self.tokenizer, ids[-4:], tail) for s in self.strings)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)

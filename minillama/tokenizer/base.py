@@ -13,6 +13,7 @@ past the sandbox's bounds (`RANGE_BUDGET` items over all its `range` calls, `MAX
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
@@ -246,6 +247,17 @@ class Tokenizer:
 
 
 DECODE_CONTEXT = 8  # tokens before a text's new tokens that they are decoded after
+
+
+def whole_characters(tokenizer: Any, ids: Sequence[int], text: str) -> str:
+    """`text`, the decoding of a text whose last tokens are `ids` (a few: 4 hold any character's bytes), less
+    the U+FFFD it ends with where that stands for a character's first bytes only, a character not yet whole
+    (not one the text holds): what a stream has released of it."""
+    if not text.endswith("\ufffd"):
+        return text
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(b"".join(tokenizer.token_bytes(i) for i in ids))
+    return text[:-1] if decoder.getstate()[0] else text  # the bytes it holds back, waiting for the rest
 
 
 def decoded_after(tokenizer: Any, ids: Sequence[int], start: int, skip_special: bool = False) -> str:
