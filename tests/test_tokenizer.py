@@ -346,6 +346,19 @@ def test_a_texts_tokens_bytes_join_to_the_text(text):
         assert got == (" " + words).encode("utf-8"), (words, got)
 
 
+def test_an_id_past_the_tokenizers_pieces_adds_no_text():
+    """A model's vocabulary may be padded past its tokenizer's pieces (a Qwen2's 151,936 rows for 151,665
+    pieces): such an id, chosen or among the top log-probs, adds nothing to the text in either tokenizer (as
+    HF's decode has it), where `token_bytes` once raised AttributeError and sentencepiece's decode IndexError."""
+    bpe = HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"])
+    spm = SentencePieceTokenizer(sentencepiece_model())
+    for tok in (bpe, spm):
+        a, b = tok.encode("ab", parse_special=False)[-1], tok.encode("cd", parse_special=False)[-1]
+        for past in (tok.vocab_size, tok.vocab_size + 7):
+            assert tok.token_bytes(past) == b"" and tok.id_to_token(past) is None
+            assert tok.decode([a, past, b]) == tok.decode([a, b])
+
+
 def test_threads_spelling_markers_as_text_never_change_another_threads_encode():
     """The server tokenizes requests in several threads at once, on one tokenizer. Spelling control tokens as
     text once flipped a switch on that shared tokenizer around the call: another thread's encode in between

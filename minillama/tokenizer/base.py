@@ -84,6 +84,8 @@ class Tokenizer:
         it holds part of a character (alone it decodes to U+FFFD), the byte its piece stands for (a
         sentencepiece "<0xE6>", a byte-level BPE "Ġæ": b" \xe6"). What a server's log-probs report of it."""
         text, piece = self.decode([token_id]), self.id_to_token(token_id)
+        if piece is None:  # an id of the model's vocabulary past the tokenizer's pieces (padding): no text
+            return text.encode("utf-8")
         if "\ufffd" not in text:
             if piece.startswith("\u2581") and not text.startswith(" "):  # sentencepiece's word start: a space
                 text = " " + text  # that decoding a token alone drops ("▁the" is " the" in a text)

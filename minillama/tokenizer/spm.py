@@ -81,7 +81,10 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         out: list[str] = []
         run: list[int] = []
+        pieces = self._sp.get_piece_size()
         for i in map(int, ids):
+            if not 0 <= i < pieces:  # an id of the model's vocabulary past the pieces (padding): no text, as in HF's
+                continue
             if self._sp.is_control(i) or self._sp.is_unknown(i):
                 out.append(self._sp.decode(run))
                 run = []
@@ -103,8 +106,8 @@ class SentencePieceTokenizer(Tokenizer):
         i = self._sp.piece_to_id(token)
         return None if i == self._sp.unk_id() and token != self._sp.id_to_piece(i) else i
 
-    def id_to_token(self, token_id: int) -> str:
-        return self._sp.id_to_piece(token_id)
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._sp.id_to_piece(token_id) if 0 <= token_id < self._sp.get_piece_size() else None
 
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
