@@ -96,7 +96,8 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode("utf-8")
 
-    def id_to_token(self, token_id: int) -> str:
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's piece; None for an id past the tokenizer's pieces."""
         raise NotImplementedError
 
     def largest_ids(self) -> list[tuple[str, int, str]]:
