@@ -128,9 +128,10 @@ def plan_attention(cache: KVCache, segments: torch.Tensor, positions: torch.Tens
                    buckets: bool = False, at_once: bool = False) -> AttentionPlan:
     """Lay out the blocked attention of new tokens already given slots in `cache` (KVCache.append).
 
-    `n_rows` >= N is the padded token count the model runs (model.py says why); `window`: the sliding
-    window (config.sliding_window), None for none; `buckets`: round every count up to a bucket (`bucket`), so
-    that steps of one bucket have one shape (the padded rows of a dense plan see the padding slot only);
+    `n_rows` >= N: the rows attention runs (`step.lay_out`: N, a bucket of it, or plain kernels' padded count);
+    `window`: the sliding window (config.sliding_window), None for none; `buckets`: round every count up to a
+    bucket (`bucket`), so that steps of one bucket have one shape (the padded rows of a dense plan see the
+    padding slot only);
     `at_once`: every item held at once (row order) however many, as a compiled step needs (step.py).
     """
     segment_list, position_list = segments.tolist(), positions.tolist()
