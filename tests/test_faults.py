@@ -400,10 +400,11 @@ def test_gguf_metadata_without_a_required_key_is_one_line(missing):
 
 @pytest.mark.parametrize("option", [["--stop", "\udcff"], ["--system", "be \udce9brief"]])
 def test_arguments_that_are_not_utf8_are_one_line(ckpt, inputs, capsys, option):
-    # Python hands undecodable argv bytes over as lone surrogates.
+    # Python hands undecodable argv bytes over as lone surrogates: named as the bytes the user typed.
     code = cli.main([str(a) for a in ["--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
                                       *option]])
-    assert "lone surrogate" in one_line_error((code, capsys.readouterr().err))
+    byte = f"{ord(option[1][-1] if option[0] == '--stop' else option[1][3]) - 0xDC00:02X}"
+    assert f"{option[0]}: the byte 0x{byte} at character" in one_line_error((code, capsys.readouterr().err))
 
 
 @pytest.mark.parametrize("bad", [{"parallel_size": -1}, {"batch_docs": 0}, {"prefill_chunk": -5},
