@@ -223,3 +223,41 @@ def test_top_entries_are_the_k_likeliest_ties_in_id_order_row_by_row():
             want = [i for _, i in sorted(key)][:k]
             assert [i for i, _ in got[r]] == want, (k, r)
             assert top_entries(x[r:r + 1], k)[0] == got[r]
+
+
+def test_sequences_admitted_together_count_against_the_memory_budget(model):
+    """A budget with room for one sequence: of eight submitted together, one runs at a time (before, `_admit`
+    compared each with the cache's bytes alone, which those admitted in the same call do not hold yet, and
+    all eight ran: 5x the budget)."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [[3 + i] + list(range(10, 50)) for i in range(8)]
+    engine = Engine(model.llama, eos_of(model), prefix_cache=False)
+    engine.budget = engine.kv_per_token * (41 + 40) * 6 // 5
+    engine.submit([Choice(p, params, lambda ev: None) for p in prompts])
+    peak = 0
+    while engine.waiting or engine.running:
+        with engine.lock:
+            engine._admit()
+        assert len(engine.running) <= 1
+        engine._step()
+        peak = max(peak, engine.cache.used_bytes())
+    assert 0 < peak <= engine.budget
+
+
+def test_a_burst_sharing_a_document_counts_the_document_once(model):
+    """Those admitted together share the tokens their prompts share (`PrefixCache.acquire_all`): a budget with
+    room for the document once and each question's own tokens and answer takes all eight in one step, and
+    holds them (counting the document eight times would have admitted half of them)."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    doc = list(range(10, 50))
+    engine = Engine(model.llama, eos_of(model))
+    engine.budget = engine.kv_per_token * (len(doc) + 8 * (1 + 40))
+    engine.submit([Choice(doc + [3 + i], params, lambda ev: None) for i in range(8)])
+    with engine.lock:
+        engine._admit()
+    assert len(engine.running) == 8 and not engine.waiting
+    peak = 0
+    while engine.running:
+        engine._step()
+        peak = max(peak, engine.cache.used_bytes())
+    assert 0 < peak <= engine.budget

@@ -7,10 +7,9 @@ several steps), exactly as parallel mode packs a document's questions, through t
 (step.py's host and device halves) that `generate` runs. A prompt's whole leading blocks come from the prefix
 cache (prefix.py) when an earlier prompt computed them, and the tokens that the prompts admitted together share
 past those blocks from one partial block; its other tokens go into its own segment, where its answer grows.
-Tokens are chosen and recorded by `tokens.choose_tokens` and `Chosen.record`, as `generate` does, with each
-sequence's own random stream `stream_key(seed, index)`, so a
-sequence's tokens and log-probs are those of `generate([prompt], params, mode="independent")` (index 0;
-choice i of a request with n choices: index i of n copies of the prompt), whatever else is in the pass.
+Tokens are chosen and recorded as in `generate` (`tokens.choose_tokens`, `Chosen.record`), each sequence with
+its own random stream `stream_key(seed, index)`, so its tokens and log-probs are those of `generate([prompt],
+params, mode="independent")` (index 0; choice i of n: index i of n copies of the prompt), whatever else runs.
 
 The HTTP side (app.py) talks to the engine only through `submit` and `cancel`; the engine reports each
 sequence's progress through the sequence's `emit` callback, from its own thread. What one sequence does
@@ -35,7 +34,7 @@ from ..model import Llama
 from ..step import Pack
 from ..transfer import to_device
 from .logits import PromptLogprob, filtered, prompt_logprobs, top_entries
-from .prefix import Block, PrefixCache
+from .prefix import Block, PrefixCache, common_length
 
 
 class QueueFull(Exception):
@@ -73,8 +72,7 @@ class Choice:
     # A request's own change to its row of logits before its token is picked (min_p, allowed_token_ids);
     # row-wise, so a sequence's bits still do not depend on the others.
     logits_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # engine state
-    q: Question | None = field(default=None, repr=False)
+    q: Question | None = field(default=None, repr=False)  # engine state, from here on
     blocks: list[Block] = field(default_factory=list)
     segment: int = -1
     tail: list[int] = field(default_factory=list)  # prompt tokens in its own segment
@@ -100,8 +98,7 @@ class Engine:
 
     def __init__(self, model: Llama, eos_ids: Sequence[int], max_running: int = 64, max_queue: int = 256,
                  max_batch_tokens: int = 512, max_memory_bytes: int = 0, prefix_cache: bool = True):
-        self.model = model
-        self.eos = set(eos_ids)
+        self.model, self.eos = model, set(eos_ids)
         self.max_running, self.max_queue = max_running, max_queue
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.budget = max_memory_bytes
@@ -211,13 +208,16 @@ class Engine:
         """Move waiting sequences to running while there is room (called with the lock held)."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
         admitted: list[Choice] = []
+        planned = 0  # the bytes of those admitted in this call, placed only after it: a burst counts together
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
-            need = self.kv_per_token * (len(s.prompt) + s.params.max_new_tokens)
-            if (self.running or admitted) and self.budget and self.cache.used_bytes() + need > self.budget:
-                if self.prefix is None or not self.prefix.evict(max(self.budget - need, 1)):
+            shared = common_length(s.prompt, admitted[-1].prompt) if admitted else 0  # a document they share: once
+            need = self.kv_per_token * (len(s.prompt) - shared + s.params.max_new_tokens)
+            if (self.running or admitted) and self.budget and self.cache.used_bytes() + planned + need > self.budget:
+                if self.prefix is None or not self.prefix.evict(max(self.budget - planned - need, 1)):
                     break
                 continue
+            planned += need
             admitted.append(self.waiting.pop(0))
         self._place(admitted)
         self.running.extend(admitted)

@@ -85,7 +85,7 @@ class PrefixCache:
             if partial:
                 key = max(partial, key=len)
             else:
-                shared = [(_common(key, rest), key) for key in level if len(key) < self.block
+                shared = [(common_length(key, rest), key) for key in level if len(key) < self.block
                           and level[key].refs == 0 and level[key].ready]
                 most, key = max(shared, default=(0, ()))
                 if not most:
@@ -113,7 +113,7 @@ class PrefixCache:
             level, parent, at = self._below(chains[members[0]])
             rests = sorted(tuple(prompts[i][at:len(prompts[i]) - 1]) for i in members)
             first, last = rests[0], rests[-1]  # sorted: what the first and last share, every one shares
-            b = self._take(level, parent, first[:_common(first, last)])
+            b = self._take(level, parent, first[:common_length(first, last)])
             b.refs += len(members) - 1
             for i in members:
                 chains[i].append(b)
@@ -195,6 +195,6 @@ class PrefixCache:
         return sum(b.filled for b in self.blocks.values())
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens a and b share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
