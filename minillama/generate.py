@@ -177,9 +177,8 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
     """
     pack = Pack()
     last = [pack.put(*piece) for piece in pieces]
-    out = []  # the wanted rows of each pass, in order (the last tokens are in increasing order)
-    chunk = max(chunk, 1)
-    for lo in range(0, len(pack), chunk):
+    out = None  # the wanted rows (the last tokens are in increasing order), filled in pass by pass
+    for lo in range(0, len(pack), chunk := max(chunk, 1)):
         hi = min(lo + chunk, len(pack))
         want = [i - lo for i in last if lo <= i < hi]
         ids, positions, segments = pack.tensors(lo, hi)
@@ -187,11 +186,12 @@ def _run(model: Llama, cache: KVCache, pieces: list[tuple[int, int, Sequence[int
                        logits_rows=torch.tensor(want, dtype=torch.long))
         stats.forward_passes += 1
         stats.peak_kv_bytes = max(stats.peak_kv_bytes, cache.used_bytes())
-        if want:
-            out.append(logits)
-    if not out:  # nothing to run (a document with no tokens of its own)
-        return torch.empty(0, model.config.vocab_size)
-    return torch.cat(out) if len(out) > 1 else out[0]
+        if len(want) == len(last):  # every wanted row in this one pass
+            out = logits
+        elif want:  # copied in as they come (a list of passes' rows and its concatenation held them twice)
+            out = logits.new_empty(len(last), logits.shape[1]) if out is None else out
+            out[sum(i < lo for i in last):][:len(want)] = logits
+    return torch.empty(0, model.config.vocab_size) if out is None else out  # none: no tokens to run
 
 
 def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
