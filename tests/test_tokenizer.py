@@ -606,3 +606,21 @@ def test_default_model_prompt_keeps_user_text_as_text(real):
     assert tok.decode(ids) == api.prompt_text(tok, INJECTION, "How tall is it?<|endoftext|>", system="Be brief.<|im_end|>")
     plain = api.prompt_ids(tok, INJECTION, "How tall?", chat_template=False)
     assert control_ids(tok, plain) == []
+
+
+def test_text_after_a_long_run_of_tokens_that_write_nothing_decodes_a_few_times():
+    """`decoded_after` looks back for text to decode after. Past a run of tokens that write nothing (control
+    tokens left out: a server's skip_special_tokens, an answer of repeated EOS) it once stepped back 8 tokens at
+    a time, decoding each longer stretch afresh: O(n^2) ids decoded per token, 45 ms a token at 1,024 tokens of
+    the default model's tokenizer, 2.9 ms now. Counted here in ids decoded, not timed."""
+    from minillama.tokenizer.base import decoded_after
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    decoded = []
+    real = tok.decode
+    tok.decode = lambda ids, skip_special=False: decoded.append(len(ids)) or real(ids, skip_special=skip_special)
+    text_id = tok.encode("town", parse_special=False)[0]
+    ids = [text_id] + [2] * 1024 + [text_id]  # EOS, left out of the text
+    assert decoded_after(tok, ids, len(ids) - 1, skip_special=True) == real([text_id], skip_special=True)
+    assert sum(decoded) <= 4 * len(ids), (len(decoded), sum(decoded))

@@ -268,10 +268,11 @@ def decoded_after(tokenizer: Any, ids: Sequence[int], start: int, skip_special: 
     (more where those decode to nothing), so that a sentencepiece word keeps the space it has inside a text, and
     a character's bytes split at `start` come whole. The whole text is decoded where that text does not
     begin with the context's own (a tokenizer whose decoding looks further back)."""
-    lo = max(0, start - DECODE_CONTEXT)
+    lo, back = max(0, start - DECODE_CONTEXT), DECODE_CONTEXT
     head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
-    while not head and lo > 0:
-        lo = max(0, lo - DECODE_CONTEXT)
+    while not head and lo > 0:  # twice as far back each time: a run of tokens that write nothing (control tokens
+        back *= 2  # left out) costs a few decodes, not one per DECODE_CONTEXT tokens of it at every token
+        lo = max(0, start - back)
         head = tokenizer.decode(ids[lo:start], skip_special=skip_special)
     text = tokenizer.decode(ids[lo:], skip_special=skip_special)
     if not text.startswith(head):
