@@ -332,7 +332,7 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
     vocab, max_pos, out = model.config.vocab_size, model.config.max_position_embeddings, []
     for i, p in enumerate(prompts):
         ids = p.tolist() if hasattr(p, "dtype") else p  # a tensor or an array
-        if not isinstance(ids, (list, tuple)) or not all(options.is_int(t) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not all(type(t) is int or options.is_int(t) for t in ids):
             raise options.BadType(f"prompt {i} must be a list of integer token ids, got {repr(p)[:80]}")
         if not ids:
             raise ValueError(f"prompt {i} is empty")
