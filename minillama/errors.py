@@ -102,7 +102,7 @@ def check_device(device: str, option: str = "--device") -> None:
     try:
         torch.zeros(1, device=dev).cpu()
     except (RuntimeError, AssertionError, ValueError, NotImplementedError) as e:
-        said = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0]  # the rest: advice for torch's makers
+        said = first_line(e).split(". ")[0]  # the rest: advice for torch's makers
         if re.match(r"Could not run '.*' with arguments from the '.*' backend", said):  # then a page of backends
             said = f"this torch was built without the {dev.type} backend"
         raise BadInput(f"{option} {device}: not usable here ({said[:300]})") from None
@@ -118,7 +118,12 @@ def out_of_memory(e: BaseException) -> bool:
 
 def memory_cause(e: BaseException) -> str:
     """`out of memory (what the allocator said, its first line)` for an `out_of_memory` error."""
-    return f"out of memory ({one_line((str(e).splitlines() or [type(e).__name__])[0])[:300]})"
+    return f"out of memory ({one_line(first_line(e))[:300]})"
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (its type's name where it has none)."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def check_cpu_env() -> None:

@@ -60,18 +60,18 @@ class StopStrings:
         skip_special_tokens), read at its end only. The last 4 tokens' text (all a character's bytes, which
         may change the text before them) and the longest stop string's length before it, decoded after the
         tokens before (`decoded_after`: a stop string may span tokens, and a tail of ids decoded alone is not
-        always a tail of the text), so a long answer does not decode all of itself at every token. Of a character
-        not yet whole, its U+FFFD is not read (`whole_characters`: a stop string "\ufffd" once stopped there)."""
+        always a tail of the text), so a long answer does not decode all of itself at every token; a character
+        not yet whole is not read (`whole_characters`: its U+FFFD once met a stop string "\ufffd")."""
         if self.tokenizer is None:
             raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
-        skip = self.skip_special
-        start = max(0, len(ids) - 4)
+        skip, start = self.skip_special, max(0, len(ids) - 4)
         tail = decoded_after(self.tokenizer, ids, start, skip)
         need, step = len(tail) + max(map(len, self.strings)), 8
         while len(tail) < need and start > 0:
             start, step = max(0, start - step), step * 2
             tail = decoded_after(self.tokenizer, ids, start, skip)
-        return any(s in whole_characters(self.tokenizer, ids[-4:], tail) for s in self.strings)
+        tail = whole_characters(self.tokenizer, ids[-4:], tail)  # once, for every stop string
+        return any(s in tail for s in self.strings)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)

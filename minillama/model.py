@@ -267,10 +267,12 @@ class Llama(nn.Module):
         With no cache, the tokens are one fresh sequence at positions 0 .. N-1. The new tokens are written
         into the cache; each token attends to what the segment rule lets it see, this call's tokens included.
         """
-        for name, t in (("tokens", tokens), ("positions", positions), ("segments", segments),
-                        ("logits_rows", logits_rows)):
-            if t is not None and not isinstance(t, torch.Tensor):  # a list once failed on its missing .dim()
+        given = (("tokens", tokens), ("positions", positions), ("segments", segments), ("logits_rows", logits_rows))
+        for name, t in given:  # before anything reads them (a list once failed on its missing .dim())
+            if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a tensor (torch.tensor(...)), got {type(t).__name__}")
+            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
+                raise TypeError(f"{name} must be integers, got {t.dtype}")
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
         if tokens.dim() != 1:
@@ -301,12 +303,8 @@ class Llama(nn.Module):
     def _check_pass(self, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cache: KVCache,
                     logits_rows: torch.Tensor | None) -> None:
         """What a pass would fail on, or get wrong, once the cache has given its tokens slots: refused before it
-        has (ValueError, TypeError). Token ids are checked where they are on the host (ids on a device would
-        be read back, a wait the pass is laid out without)."""
-        given = (("tokens", tokens), ("positions", positions), ("segments", segments), ("logits_rows", logits_rows))
-        for name, t in given:
-            if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
-                raise TypeError(f"{name} must be integers, got {t.dtype}")
+        has (ValueError; `forward` has refused what is not an integer tensor). Token ids are checked where they
+        are on the host (ids on a device would be read back, a wait the pass is laid out without)."""
         vocab, n = self.config.vocab_size, tokens.shape[0]
         if n and tokens.device.type == "cpu" and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
             bad = int(tokens[(tokens < 0) | (tokens >= vocab)][0])
