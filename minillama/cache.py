@@ -133,7 +133,8 @@ class KVCache:
     # --- slots --------------------------------------------------------------------------------------
     @property
     def used_slots(self) -> int:
-        return sum(len(s.slots) for s in self.segments.values())
+        """Slots that live tokens hold: all but the free ones and the two held back (no scan of the segments)."""
+        return self.k.shape[2] - (SPILL_SLOT + 1) - len(self._free)
 
     def used_bytes(self) -> int:
         """Bytes of keys and values held for live tokens (each stored once)."""

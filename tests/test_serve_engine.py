@@ -244,6 +244,27 @@ def test_sequences_admitted_together_count_against_the_memory_budget(model):
     assert 0 < peak <= engine.budget
 
 
+def test_a_running_answer_keeps_its_room_in_the_memory_budget(model):
+    """A sequence admitted while another runs counts what the running one will still add (its answer up to its
+    max_new_tokens), not only the bytes it holds now: with room for one and a half sequences, the second waits
+    until the first ends (before, `_admit` saw the first's two tokens, admitted the second, and the two
+    answers grew to 1.3x the budget)."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    engine = Engine(model.llama, eos_of(model), prefix_cache=False)
+    engine.budget = engine.kv_per_token * (2 + 40) * 3 // 2
+    engine.submit([Choice([3, 11], params, lambda ev: None)])
+    peak = steps = 0
+    while steps < 2 or engine.running or engine.waiting:
+        if steps == 2:
+            engine.submit([Choice([4, 12], params, lambda ev: None)])
+        with engine.lock:
+            engine._admit()
+        assert len(engine.running) <= 1
+        engine._step()
+        peak, steps = max(peak, engine.cache.used_bytes()), steps + 1
+    assert 80 <= steps <= 90 and 0 < peak <= engine.budget
+
+
 def test_a_burst_sharing_a_document_counts_the_document_once(model):
     """Those admitted together share the tokens their prompts share (`PrefixCache.acquire_all`): a budget with
     room for the document once and each question's own tokens and answer takes all eight in one step, and

@@ -161,6 +161,51 @@ def test_prefix_blocks_are_shared_and_evicted_least_recently_used(model):
     assert prefix.evict(1) == 1 and not cache.segments and not prefix.roots
 
 
+def test_eviction_releases_the_least_recently_used_leaves_in_order_and_counts_slots(model):
+    """`evict` (one scan, then a heap that a parent joins when its last child goes) against its definition,
+    a scan of the idle leaves per block released (the least recently used first), on random trees of shared,
+    split and partial blocks, some acquired in bursts, and random budgets; and `used_slots` (counted from the
+    free slots) against the slots the segments hold."""
+    import random
+
+    def build(seed):
+        rng, cache = random.Random(seed), model.llama.new_cache()
+        prefix = PrefixCache(cache, block=4)
+        held = []
+        for _ in range(60):
+            if held and rng.random() < 0.4:
+                prefix.release(held.pop(rng.randrange(len(held))))
+                continue
+            burst = [[rng.randrange(3) for _ in range(rng.randrange(2, 14))] for _ in range(rng.choice((1, 3)))]
+            for chain in prefix.acquire_all(burst):  # some admitted together
+                for blk in chain:
+                    if blk.filled < len(blk.tokens):
+                        n = len(blk.tokens) - blk.filled
+                        start = blk.position + blk.filled
+                        cache.append(torch.full((n,), blk.segment), torch.arange(start, start + n))
+                        blk.filled = len(blk.tokens)
+                held.append(chain)
+        return prefix, cache
+
+    for seed in range(12):
+        (fast, fast_cache), (slow, slow_cache) = build(seed), build(seed)
+        assert fast_cache.used_slots == sum(len(g.slots) for g in fast_cache.segments.values()) > 0
+        per_slot = fast_cache.bytes_per_token
+        for keep in (0.8, 0.5, 0.2, 0.0):
+            budget = max(1, int(fast_cache.used_bytes() * keep))
+            released = fast.evict(budget)
+            n = 0
+            while slow_cache.used_bytes() > budget:
+                idle = [b for b in slow.blocks.values() if b.refs == 0 and not b.children]
+                if not idle:
+                    break
+                slow._drop(min(idle, key=lambda b: b.used))
+                n += 1
+            assert released == n and list(fast.blocks) == list(slow.blocks), (seed, keep)
+            assert fast_cache.used_slots == sum(len(g.slots) for g in fast_cache.segments.values())
+            assert fast_cache.used_bytes() == slow_cache.used_bytes() == fast_cache.used_slots * per_slot
+
+
 def start_server(ckpt, *extra: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "minillama.serve", "--model", str(ckpt), "--port", "0", *extra],

@@ -34,7 +34,7 @@ from ..model import Llama
 from ..step import Pack
 from ..transfer import to_device
 from .logits import PromptLogprob, filtered, prompt_logprobs, top_entries
-from .prefix import Block, PrefixCache, common_length
+from .prefix import Block, PrefixCache, common_length, unfilled
 
 
 class QueueFull(Exception):
@@ -141,10 +141,9 @@ class Engine:
         return self
 
     def run(self) -> None:
-        """Run the loop in the calling thread until `stop()`. `minillama serve` runs it on the thread that
-        loaded the model, its main thread: a CPU's OpenMP runtime keeps one team of worker threads per thread
-        that calls into it, and a second team beside the loader's made every pass 1.7x slower on a 2-core
-        machine (docs/serve.md, "One thread computes")."""
+        """Run the loop in the calling thread until `stop()`. `minillama serve` runs it on the model loader's
+        thread: OpenMP keeps a team of worker threads per calling thread, and a second team beside the loader's
+        made every pass 1.7x slower on a 2-core machine (docs/serve.md, "One thread computes")."""
         with self.lock:
             if self.owner is not None:
                 raise RuntimeError("the engine's loop runs once")
@@ -172,12 +171,11 @@ class Engine:
                 owner.join(timeout)
 
     def stats(self) -> dict[str, int]:
+        p = self.prefix
         return {"running": len(self.running), "waiting": len(self.waiting), "steps": self.steps,
                 "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
-                "cached_prefix_tokens": self.prefix.cached_tokens if self.prefix else 0,
-                "prefix_hit_tokens": self.prefix.hits if self.prefix else 0,
-                "evicted_blocks": self.prefix.evicted if self.prefix else 0,
-                "kv_bytes": self.cache.used_bytes()}
+                "cached_prefix_tokens": p.cached_tokens if p else 0, "prefix_hit_tokens": p.hits if p else 0,
+                "evicted_blocks": p.evicted if p else 0, "kv_bytes": self.cache.used_bytes()}
 
     # --- the engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -205,10 +203,13 @@ class Engine:
             self.running, self.waiting = [], []
 
     def _admit(self) -> None:
-        """Move waiting sequences to running while there is room (called with the lock held)."""
+        """Move waiting sequences to running while there is room (called with the lock held): the cache's bytes,
+        all that those running will still add (prompt tokens not computed, a shared block once; answers to their
+        max_new_tokens) and all that those admitted in this call will (a burst together) stay within the budget."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
         admitted: list[Choice] = []
-        planned = 0  # the bytes of those admitted in this call, placed only after it: a burst counts together
+        planned = self.kv_per_token * (unfilled(s.blocks for s in self.running) + sum(
+            len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in self.running))
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
             shared = common_length(s.prompt, admitted[-1].prompt) if admitted else 0  # a document they share: once
@@ -394,8 +395,7 @@ class Engine:
 
     @staticmethod
     def _raw_logprobs(seqs: list[Choice], raw: torch.Tensor, rows: Sequence[int]) -> None:
-        """A filtered sequence's log-prob is the model's, of its raw row (raw[rows[i]]: seqs[i]'s), as every
-        other sequence's."""
+        """A filtered sequence's log-prob is the model's, of its raw row (raw[rows[i]] for seqs[i]), as any other's."""
         for s, i in zip(seqs, rows):
             if s.logits_filter is not None:
                 a = s.q.answer

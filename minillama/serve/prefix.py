@@ -17,8 +17,9 @@ users have finished stay cached; past the memory budget the least recently used 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ..blocks import KEY_BLOCK
 from ..cache import KVCache
@@ -81,12 +82,13 @@ class PrefixCache:
         at = n * self.block
         while at < len(prompt) - 1:
             rest = tuple(prompt[at:len(prompt) - 1])  # past the blocks so far, the last token left out
-            partial = [key for key in level if len(key) < self.block and rest[:len(key)] == key]
+            first = rest[:1]  # a block that the prompt continues past, or parts from partway, begins with it
+            alike = [key for key in level if key[:1] == first and len(key) < self.block]
+            partial = [key for key in alike if rest[:len(key)] == key]
             if partial:
                 key = max(partial, key=len)
             else:
-                shared = [(common_length(key, rest), key) for key in level if len(key) < self.block
-                          and level[key].refs == 0 and level[key].ready]
+                shared = [(common_length(key, rest), key) for key in alike if level[key].refs == 0 and level[key].ready]
                 most, key = max(shared, default=(0, ()))
                 if not most:
                     break
@@ -167,12 +169,18 @@ class PrefixCache:
         """Release least-recently-used unused leaf blocks until the cache holds at most `budget_bytes`
         (0: no bound). Returns the number of blocks released."""
         released = 0
-        while budget_bytes and self.cache.used_bytes() > budget_bytes:
-            idle = [b for b in self.blocks.values() if b.refs == 0 and not b.children]
-            if not idle:
-                break
-            self._drop(min(idle, key=lambda b: b.used))
+        if not budget_bytes or self.cache.used_bytes() <= budget_bytes:
+            return 0
+        # One scan, then a heap (least recently used first): a parent whose last child goes is a leaf and joins it.
+        # A scan per block released (and a count of the cache's slots per check) took 1.5 s for 2,000 blocks.
+        idle = [(b.used, b.segment) for b in self.blocks.values() if b.refs == 0 and not b.children]
+        heapq.heapify(idle)
+        while idle and self.cache.used_bytes() > budget_bytes:
+            b = self.blocks[heapq.heappop(idle)[1]]
+            self._drop(b)
             released += 1
+            if b.parent is not None and b.parent.refs == 0 and not b.parent.children:
+                heapq.heappush(idle, (b.parent.used, b.parent.segment))
         self.evicted += released
         return released
 
@@ -198,3 +206,8 @@ class PrefixCache:
 def common_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens a and b share."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def unfilled(chains: Iterable[Sequence[Block]]) -> int:
+    """Tokens of these chains' blocks not computed yet, a block held by several chains once."""
+    return sum({id(b): len(b.tokens) - b.filled for chain in chains for b in chain if not b.ready}.values())
