@@ -341,7 +341,7 @@ def _add_by_block(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     the rest again (the same products, the same bits) rather than hold them all."""
     d = queries.shape[1]
     kinds = [(items, kind.batch, _pieces(items, items.count if 0 < items.count <= tiles.keep else kind.chunk),
-              _run_blocks(keys, values, items, queries.dtype)) for items, kind in _kinds(plan, tiles)]  # whole, partial
+              _run_blocks(keys, values, items, queries.dtype)) for items, kind in _kinds(plan, tiles)]  # _kinds' order
 
     row_max = queries.new_full((queries.shape[0],), float("-inf"))  # pass 1: each row's maximum
     held = []  # each kind's first pieces' scores: its first piece, and more as far as `hold` allows

@@ -104,7 +104,8 @@ class KVCache:
         return seg.end
 
     def release(self, sid: int) -> None:
-        """Drop a segment (a finished question): its slots go back to the pool."""
+        """Drop a segment (a finished question): its slots go back to the pool. A segment whose child segments
+        hold tokens stays (ValueError): they go first."""
         seg = self.segments[sid]
         if seg.children:
             raise ValueError(f"segment {sid} still has {seg.children} live children")

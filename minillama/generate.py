@@ -202,9 +202,9 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
     Where the device runs apart from the host (a GPU: `Steps.overlapping`), one step ahead of it: step t + 1
     is laid out and launched before step t's tokens are read back, its token ids taken on the device from
     step t's choice (`Chosen.tokens`), so that the host plans a step while the device computes the one
-    before. A question that ends by its length or the context with step t's token is known to and gets no
-    row in step t + 1; one that step t stops (a stop token or string) has one already: that row is dropped
-    unread, and rows being independent, no other row's bits change (tests/test_generate.py).
+    before. A question that ends by its length or the context with step t's token is known to end before that token is
+    read, and gets no row in step t + 1; one that step t stops (a stop token or string) has one already: that row is
+    dropped unread, and rows being independent, no other row's bits change (tests/test_generate.py).
     """
     max_pos = model.config.max_position_embeddings
     ahead = model.steps.overlapping(cache.k.device)

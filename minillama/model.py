@@ -266,6 +266,11 @@ class Llama(nn.Module):
 
         With no cache, the tokens are one fresh sequence at positions 0 .. N-1. The new tokens are written
         into the cache; each token attends to what the segment rule lets it see, this call's tokens included.
+        What it cannot run raises before the cache changes: TypeError for inputs that are not integer tensors,
+        ValueError for shapes that differ, no segments for a cache that holds some, a token id outside the
+        vocabulary (ids on the host), a position past the context, logits_rows outside the pass, another model's
+        cache, or positions that do not continue their segments (KVCache.append, which raises KeyError for a
+        segment the cache does not hold).
         """
         given = (("tokens", tokens), ("positions", positions), ("segments", segments), ("logits_rows", logits_rows))
         for name, t in given:  # before anything reads them (a list once failed on its missing .dim())
@@ -322,7 +327,7 @@ class Llama(nn.Module):
         held at once (a compiled step's layout): per query row (a token's heads) and key block it sees (one
         more for a block cut at both ends), in float32, the block's scores, the row gathered, and five copies
         of its terms, the weighted values and the sum (attention._add_in_row_order: the products, joined, all
-        joined, in the row's order, added). On a CPU, a 4,752-token prompt's pass held 593 MB more at its peak
+        joined, in the row's order, added). On a CPU, a 4,752-token prompt's pass held 591 MB more at its peak
         at once than in chunks, where this says 553 MB (docs/gpu.md)."""
         c = self.config
         keys = positions.cpu().long() + 1
@@ -369,7 +374,8 @@ class Llama(nn.Module):
         return self.lm_head(self.model.norm(x.index_select(0, step.logits_rows)))
 
     def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin (rope.signed_sin) for every position up to the context length, once per device."""
+        """cos and signed sin (rope.signed_sin) for every position up to the context length, once per device and
+        dtype."""
         key = (self.device, dtype)
         if getattr(self, "_rope", (None,))[0] != key:
             positions = torch.arange(self.config.max_position_embeddings, device=self.device)

@@ -1,10 +1,10 @@
 """The plan of one forward pass's blocked attention: which query rows meet which key blocks, in what tiles.
 
-attention.py states the rule and the blocked order a row's keys are added in, blocks.py how keys are cut
-into blocks and the two kinds of item (whole, partial); this module lays out the pass so that
-`attention.blocked_attention` can issue every (query tile, key block) product in a few fixed-shape batched calls. Shape letters are attention.py's (N, G, S, R, B, T, I); the plan is built on
-the host with whole-pass numpy operations and moved to the device once per tensor, so its cost does not
-grow with the number of groups (tests/test_signatures.py counts a decode step's launches).
+attention.py states the rule and the blocked order a row's keys are added in, blocks.py how keys are cut into blocks and
+the two kinds of item (whole, partial); this module lays out the pass so that `attention.blocked_attention` can issue
+every (query tile, key block) product in a few fixed-shape batched calls. Shape letters are attention.py's
+(N, G, S, R, B, T, I); the plan is built on the host with whole-pass numpy operations and moved to the device once per
+tensor, so its cost does not grow with the number of groups (tests/test_signatures.py counts a decode step's launches).
 
 The steps, one function each:
 
@@ -58,8 +58,8 @@ class Items:
     """(query tile, key block) items of one kind (whole or partial), padded to whole batches, sorted by block.
 
     Rows and keys are flat indices, so one gather fetches the tiles of every KV head: query row r of KV
-    head h is `h * (R + 1) + r`, the spare row `R` of head 0 pads tiles; key slot s of head h is `h * S + s`.
-    `item(i)` reads item i back as KV heads, tokens and positions.
+    head h is `h * (R + 1) + r`, and its own spare row r = R pads its tiles (head 0's pads the dummy items);
+    key slot s of head h is `h * S + s`. `item(i)` reads item i back as KV heads, tokens and positions.
     """
 
     rows: torch.Tensor  # (I, T) flat query rows

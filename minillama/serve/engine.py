@@ -5,8 +5,8 @@ sequence (decode) with the prompt tokens of sequences that arrived since (prefil
 of them, or to the end of the rows the pass computes anyway, `Llama.rows_end`; a long prompt is fed over
 several steps), exactly as parallel mode packs a document's questions, through the same `Llama.forward`
 (step.py's host and device halves) that `generate` runs. A prompt's whole leading blocks come from the prefix
-cache (prefix.py) when an earlier prompt computed them, and the tokens that the prompts admitted together share
-past those blocks from one partial block; its other tokens go into its own segment, where its answer grows.
+cache (prefix.py) when an earlier prompt computed them, what the prompts admitted together share past them from one
+partial block, and the rest but the last token from one of its own; the last opens the segment where its answer grows.
 Tokens are chosen and recorded as in `generate` (`tokens.choose_tokens`, `Chosen.record`), each sequence with
 its own random stream `stream_key(seed, index)`, so its tokens and log-probs are those of `generate([prompt],
 params, mode="independent")` (index 0; choice i of n: index i of n copies of the prompt), whatever else runs.

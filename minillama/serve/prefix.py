@@ -41,7 +41,7 @@ class Block:
 
     @property
     def position(self) -> int:
-        """The position of its first token (its ancestors are whole blocks; it may be a partial one)."""
+        """The position of its first token: its ancestors' tokens (whole blocks, then any partial ones) before it."""
         at, b = 0, self.parent
         while b is not None:
             at, b = at + len(b.tokens), b.parent
