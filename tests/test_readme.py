@@ -4,11 +4,17 @@ the bench renders from docs/bench/results.json, never a hand copy."""
 
 from __future__ import annotations
 
+import ast
+import collections
+import functools
+import importlib
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -62,6 +68,126 @@ def test_every_relative_link_and_anchor_exists():
                 if anchor not in {slug(h) for h in headings}:
                     dead.append(f"{page.relative_to(ROOT)}: {target} (no such section)")
     assert not dead, "\n".join(dead)
+
+
+# --- docs/design.md's map of the code names only what the code has ---------------------------------------
+
+MAP_HEADING = "## 8. A map of the code"
+NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")  # module.name, Class.name, module.Class.name, ...
+
+
+@functools.cache
+def _modules(root: Path) -> dict[str, str]:
+    """Each module's dotted path below minillama ("generate", "distributed.tp"), and its last part too where
+    that is one module's alone ("tp"): what the map writes before a name."""
+    paths = [p.relative_to(root / "minillama").with_suffix("").parts for p in (root / "minillama").rglob("*.py")]
+    dotted = [d for d in (".".join(p[:-1] if p[-1] == "__init__" else p) for p in paths) if d]
+    tails = collections.Counter(d.rpartition(".")[2] for d in dotted)
+    return {**{d.rpartition(".")[2]: d for d in dotted if tails[d.rpartition(".")[2]] == 1}, **{d: d for d in dotted}}
+
+
+@functools.cache
+def _classes(root: Path) -> dict[str, str]:
+    """Class name -> the module (dotted, below minillama) that defines it, for names only one module defines."""
+    found: dict[str, list[str]] = {}
+    for name, module in _modules(root).items():
+        if name != module:
+            continue
+        path = root / "minillama" / (module.replace(".", "/") + ".py")
+        path = path if path.exists() else path.with_suffix("") / "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(module)
+    return {name: where[0] for name, where in found.items() if len(where) == 1}
+
+
+def _has(obj: object, name: str) -> bool:
+    """obj.name, counting a dataclass's fields and what a class's own methods assign to self.name."""
+    if hasattr(obj, name) or name in getattr(obj, "__dataclass_fields__", {}):
+        return True
+    if not isinstance(obj, type):
+        return False
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    return any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == name
+               and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(tree))
+
+
+def _resolves(name: str, root: Path) -> bool | None:
+    """Whether `name` (`generate._run`, `cache.KVCache.append`, `KVCache.chain`) is there; None where it does
+    not start with a minillama module or class (`torch.mm`, an instance such as `kernels.comm`)."""
+    parts = name.split(".")
+    modules, classes = _modules(root), _classes(root)
+    for i in range(len(parts), 0, -1):  # the longest module prefix (serve.engine.Engine: serve.engine)
+        if ".".join(parts[:i]) in modules:
+            obj, rest = importlib.import_module("minillama." + modules[".".join(parts[:i])]), parts[i:]
+            break
+    else:
+        if parts[0] not in classes:
+            return None
+        obj, rest = getattr(importlib.import_module("minillama." + classes[parts[0]]), parts[0]), parts[1:]
+    for part in rest:
+        if not _has(obj, part):
+            return False
+        obj = getattr(obj, part, None)
+    return True
+
+
+def dead_map_references(text: str, root: Path = ROOT) -> list[str]:
+    """What docs/design.md's map of the code names that the repository does not have, and the modules it
+    leaves out. The tree: each entry (`config.py`, `distributed/`, `notebooks/`) and each file its line names
+    (`(tp.py)`), and every module and package of minillama/ listed. The paths through it: each backticked
+    path (`tests/test_imports.py`) and each `module.name` or `Class.name` of minillama, up to a call's `(`
+    or a ` = `: `generate._run`, `serve.engine.Engine`, `KVCache.new_segment(parent)`."""
+    section = text.split(MAP_HEADING, 1)[1].split("\n## ", 1)[0]
+    tree = re.search(r"^```\n(.*?)^```$", section, re.M | re.S).group(1)
+    dead, listed, under = [], set(), root
+    files = {p.name for p in (root / "minillama").rglob("*.py")}
+    for line in tree.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        m = re.match(r" *((?:[\w.]+(?:\.py|/),? )+)", line) if indent in (0, 2) else None  # entries, then what
+        entries = [e.rstrip(",") for e in m.group(1).split()] if m else []
+        if entries:
+            under = root if indent == 0 else root / "minillama"
+            listed.update(e.rstrip("/").removesuffix(".py") for e in entries if indent == 2)
+        dead += [f"tree: {e}" for e in entries if not (under / e).exists()]
+        for file in re.findall(r"[\w/]+\.(?:py|md)", line[m.end():] if m else line):  # (tp.py), (notebooks/README.md)
+            if not ((root / file).exists() or (root / "minillama" / file).exists() or file in files):
+                dead.append(f"tree: {file}")
+    package = {p.stem for p in (root / "minillama").glob("*.py")} | {
+        p.parent.name for p in (root / "minillama").glob("*/__init__.py")}
+    dead += [f"tree: minillama/{m} is not in the map" for m in sorted(package - listed - {"__init__"})]
+    for span in re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```$", "", section, flags=re.M | re.S)):
+        head = re.split(r"[( =]", span, maxsplit=1)[0]
+        if "/" in head or head.endswith((".py", ".md")):
+            if not (root / head).exists():
+                dead.append(f"path: {span}")
+        elif NAME.fullmatch(head) and _resolves(head, root) is False:
+            dead.append(f"name: {span}")
+    return dead
+
+
+def test_the_map_of_the_code_names_what_the_code_has():
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert MAP_HEADING in text and "`generate._run`" in text  # the section is there and read
+    dead = dead_map_references(text)
+    assert not dead, "docs/design.md's map of the code:\n" + "\n".join(dead)
+
+
+def test_a_dead_reference_in_the_map_is_found():
+    """The negative control: a renamed function, a renamed method, a moved test, a tree entry and a file named
+    in the tree that do not exist, and a module left out of the tree are each reported, and nothing else."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    planted = (text.replace("`generate._run`", "`generate._run_pieces`")
+               .replace("`KVCache.chain_slots`", "`KVCache.chain_slot`")
+               .replace("`tests/test_signatures.py`", "`tests/test_signature.py`")
+               .replace("  rope.py  ", "  ropes.py ")
+               .replace("(launch.py)", "(launcher.py)"))
+    planted = re.sub(r"^  threads\.py .*\n", "", planted, flags=re.M)
+    assert sorted(dead_map_references(planted)) == sorted([
+        "name: generate._run_pieces", "name: KVCache.chain_slot", "path: tests/test_signature.py",
+        "tree: ropes.py", "tree: launcher.py", "tree: minillama/rope is not in the map",
+        "tree: minillama/threads is not in the map"])
+    assert _resolves("torch.mm", ROOT) is None and _resolves("kernels.comm", ROOT) is None  # not minillama's
 
 
 def test_the_docs_cite_nothing_outside_the_repository():
