@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
 import torch
 
 from minillama import proofs
@@ -239,6 +240,26 @@ def test_sequences_admitted_together_count_against_the_memory_budget(model):
         with engine.lock:
             engine._admit()
         assert len(engine.running) <= 1
+        engine._step()
+        peak = max(peak, engine.cache.used_bytes())
+    assert 0 < peak <= engine.budget
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_a_burst_sharing_a_document_counts_it_once_only_where_it_is_stored_once(model, echo):
+    """Without the prefix cache, or with echo (every row computed), each prompt stores its own copy of the
+    document: the budget that holds the document once and eight questions' own tokens holds fewer than eight
+    of these at a time, and the cache stays within it (before, all eight were admitted at 2.9x the budget)."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    doc = list(range(10, 130))
+    engine = Engine(model.llama, eos_of(model), prefix_cache=echo)
+    engine.budget = engine.kv_per_token * (len(doc) + 8 * (1 + 40))
+    engine.submit([Choice(doc + [3 + i], params, lambda ev: None, echo=echo) for i in range(8)])
+    peak = 0
+    while engine.waiting or engine.running:
+        with engine.lock:
+            engine._admit()
+        assert len(engine.running) < 8
         engine._step()
         peak = max(peak, engine.cache.used_bytes())
     assert 0 < peak <= engine.budget

@@ -69,8 +69,7 @@ class Choice:
     top_k: int = 0  # top log-probs wanted per token (0: none)
     echo: bool = False  # the prompt's own log-probs are wanted (no prefix reuse: every row is computed)
     prompt_top_k: int = 0  # with echo: top log-probs wanted per prompt token
-    # A request's own change to its row of logits before its token is picked (min_p, allowed_token_ids);
-    # row-wise, so a sequence's bits still do not depend on the others.
+    # The request's own change to its row of logits before its token is picked (min_p, allowed_token_ids): row-wise
     logits_filter: Callable[[torch.Tensor], torch.Tensor] | None = None
     q: Question | None = field(default=None, repr=False)  # engine state, from here on
     blocks: list[Block] = field(default_factory=list)
@@ -212,7 +211,8 @@ class Engine:
             len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in self.running))
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
-            shared = common_length(s.prompt, admitted[-1].prompt) if admitted else 0  # a document they share: once
+            shares = admitted and self.prefix is not None and not (s.echo or admitted[-1].echo)  # one copy, cached
+            shared = common_length(s.prompt, admitted[-1].prompt) if shares else 0  # a document they share: once
             need = self.kv_per_token * (len(s.prompt) - shared + s.params.max_new_tokens)
             if (self.running or admitted) and self.budget and self.cache.used_bytes() + planned + need > self.budget:
                 if self.prefix is None or not self.prefix.evict(max(self.budget - planned - need, 1)):
