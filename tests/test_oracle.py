@@ -950,6 +950,21 @@ def test_a_top_token_id_past_the_vocabulary_is_named(tiny, ref, completions_serv
     with pytest.raises(RecordError, match="top log-probs name token id 99999999, outside the vocabulary"):
         compare(ref, run_backend(ref, OpenAIBackend(url)))
 
+@pytest.mark.parametrize("value, reason", [(float("nan"), "top-5 log-probs hold NaN or +inf from step 0"),
+                                           (float("inf"), "top-5 log-probs hold NaN or +inf from step 0"),
+                                           (float("-inf"), "top-5 out of tolerance from step 0")])
+def test_top_logprobs_that_are_not_finite_fail(tiny, ref, completions_server, value, reason):
+    """A server's top-k log-probs of NaN or +/-inf (the chosen tokens' right) once passed: non-finite values
+    were left out of the comparison, and a +inf best was a near tie."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["server"] = _Garbage(tiny[1], lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[
+        None if t is None else {k: value for k in t} for t in g["choices"][0]["logprobs"]["top_logprobs"]]))
+    results = compare(ref, run_backend(ref, OpenAIBackend(url)), Tolerances(preset="fp32"))
+    assert not any(r.passed for r in results) and all(reason in r.reason for r in results), [r.reason for r in results]
+
+
 def test_openai_backend_names_a_server_that_is_not_there():
     from minillama.oracle.server import OpenAIBackend
 

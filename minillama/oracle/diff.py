@@ -164,11 +164,14 @@ def _check_top_k(res: QuestionResult, lpr: torch.Tensor, cand: QuestionRecord, t
     if (ids >= lpr.shape[1]).any():
         raise RecordError(f"question {res.index + 1}: the candidate's top log-probs name token id "
                           f"{int(ids.max())}, outside the vocabulary (0 .. {lpr.shape[1] - 1})")
+    odd = (lps.isnan() | (lps == math.inf)).any(dim=-1).nonzero()  # -inf is log 0, and pads a short top-k
+    if len(odd):
+        fail(f"the server's top-{ids.shape[1]} log-probs hold NaN or +inf from step {int(odd[0])}", int(odd[0]))
     known = ids >= 0
     if known.any():
         want = lpr[:steps].gather(1, ids.clamp(min=0))
-        err = torch.where(known & torch.isfinite(lps), (lps - want).abs(), torch.zeros(()))
-        res.logprob_max = max(res.logprob_max or 0.0, float(err.max()))
+        err = torch.where(known, (lps - want).abs(), torch.zeros(()))
+        res.logprob_max = _nan_max([res.logprob_max or 0.0, float(err.max())])
         bad = (_out_of_tol(err, want, tol.logprob_atol, tol.logprob_rtol) & known).any(dim=-1).nonzero()
         if len(bad):
             fail(f"logprobs of the server's top-{ids.shape[1]} out of tolerance from step {int(bad[0])}", int(bad[0]))
