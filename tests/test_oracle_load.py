@@ -239,10 +239,16 @@ def test_served_answers_on_a_kept_alive_connection_do_not_wait_for_delayed_acks(
     ({"choices": [{"index": -1, "text": "a"}]}, False),  # another choice's place
     ("[" * 100000 + "]" * 100000, False),
     ({"choices": [{"text": "a", "logprobs": {"tokens": [1]}}]}, True),
+    ({"choices": []}, False),  # no answer: once an empty one, alike every time (exit 0)
+    ({"usage": {"completion_tokens": 1}}, True),
+    ({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": ["-1.5"]}}]}, False),
+    ({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": {"a": -1.5}}}]}, True),
+    ({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [True]}}]}, False),
 ])
 def test_a_malformed_answer_is_a_refusal_not_a_crash(reply, stream):
     """The load check reads another server's answers: one of another shape is named (`Refused`, reported as the
-    request's failure), where it once raised KeyError, AttributeError or RecursionError."""
+    request's failure), where it once raised KeyError, AttributeError or RecursionError, or was read as an empty
+    answer (no choice), or held log-probs that crashed the comparison of two answers (a TypeError in `differ`)."""
     import httpx
 
     from minillama.serve.client import Refused, ask
@@ -251,4 +257,17 @@ def test_a_malformed_answer_is_a_refusal_not_a_crash(reply, stream):
     body = f"data: {text}\n\ndata: [DONE]\n\n" if stream else text
     client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
     with pytest.raises(Refused, match="a malformed answer"):
+        ask(client, "http://server/v1", "/completions", {"prompt": "x", "stream": stream})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_error_sent_with_http_200_is_named(stream):
+    import httpx
+
+    from minillama.serve.client import Refused, ask
+
+    text = json.dumps({"error": {"message": "model overloaded", "code": 503}})
+    body = f"data: {text}\n\ndata: [DONE]\n\n" if stream else text
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
+    with pytest.raises(Refused, match="an error in an answer of HTTP 200: .*model overloaded"):
         ask(client, "http://server/v1", "/completions", {"prompt": "x", "stream": stream})

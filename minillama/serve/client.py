@@ -49,29 +49,39 @@ def ask(client: Any, url: str, route: str, body: dict[str, Any]) -> list[dict[st
         r = client.post(url + route, json=body)
         if r.status_code != 200:
             raise Refused(f"HTTP {r.status_code}: {' '.join(r.text.split())[:300]}")
-        _fold_all(got, r.text, chat)
-        return got
-    with client.stream("POST", url + route, json=body) as r:
-        if r.status_code != 200:
-            raise Refused(f"HTTP {r.status_code}: {' '.join(r.read().decode(errors='replace').split())[:300]}")
-        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    if not lines or lines[-1] != "[DONE]":
-        raise Refused(f"the stream ended without [DONE]: {lines[-3:]}")
-    for line in lines[:-1]:
-        _fold_all(got, line, chat, stream=True)
+        seen = _fold_all(got, r.text, chat)
+    else:
+        with client.stream("POST", url + route, json=body) as r:
+            if r.status_code != 200:
+                raise Refused(f"HTTP {r.status_code}: {' '.join(r.read().decode(errors='replace').split())[:300]}")
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        if not lines or lines[-1] != "[DONE]":
+            raise Refused(f"the stream ended without [DONE]: {lines[-3:]}")
+        seen = set().union(*(_fold_all(got, line, chat, stream=True) for line in lines[:-1]))
+    missing = [i for i in range(n) if i not in seen]  # an answer of no choice is no answer, not an empty one
+    if missing:
+        raise Refused(f"a malformed answer (no choice of index {missing[0]})")
     return got
 
 
-def _fold_all(got: list[dict[str, Any]], text: str, chat: bool, stream: bool = False) -> None:
-    """Fold every choice of one answer (or streamed chunk) into `got`; an answer of another shape than the
-    API's (a server's own) raises `Refused` naming it, not an error of the reading."""
+def _fold_all(got: list[dict[str, Any]], text: str, chat: bool, stream: bool = False) -> set[int]:
+    """Fold every choice of one answer (or streamed chunk) into `got`, and return their indices; an answer of
+    another shape than the API's (a server's own) raises `Refused` naming it, not an error of the reading."""
     try:
         payload = json.loads(text)
+        if isinstance(payload, dict) and payload.get("error") is not None:  # a refusal sent with HTTP 200
+            raise Refused(f"an error in an answer of HTTP 200: {' '.join(json.dumps(payload['error']).split())[:300]}")
         choices = payload.get("choices", []) if stream else payload["choices"]
+        seen = set()
         for c in choices:
             i = c.get("index", 0)
             if not (isinstance(i, int) and 0 <= i < len(got)):
                 raise ValueError(f"choice index {i!r} of {len(got)}")
+            had = len(got[i]["lps"])
             fold(got[i], c, chat)
+            if not all(x is None or type(x) in (int, float) for x in got[i]["lps"][had:]):  # bool is no log-prob
+                raise ValueError(f"log-probs that are not numbers: {got[i]['lps'][had:][:5]}")
+            seen.add(i)
+        return seen
     except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
         raise Refused(f"a malformed answer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
