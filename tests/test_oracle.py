@@ -928,8 +928,12 @@ class _Garbage:
     (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"a": "-1"}] * 9), "top_logprobs must be a list of"),
     (lambda g: g.update(usage=[1]), "usage must be an object of integer token counts"),
     (lambda g: g["usage"].update(completion_tokens="1"), "usage must be an object of integer token counts"),
-    (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"token_id:99999999999": 0.0}] * 99),
-     "token_id:99999999999, past any vocabulary"),
+    (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"token_id:99999999999": 0.0}] * len(
+        g["choices"][0]["logprobs"]["top_logprobs"])), "token_id:99999999999, past any vocabulary"),
+    # each top-k once read at the wrong step (aligned from the end): failed as a numeric error, or passed
+    (lambda g: g["choices"][0]["logprobs"]["top_logprobs"].pop(0), "top_logprobs and token_logprobs differ in length"),
+    (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"a": -1.0}]), "differ in length (1 and "),
+    (lambda g: g.update(error={"message": "model overloaded"}), "an error in an answer of HTTP 200: model overloaded"),
 ])
 def test_a_malformed_server_answer_is_named_in_one_line(tiny, ref, completions_server, mangle, message):
     """Each once crashed the comparison (AttributeError, TypeError, ValueError, OverflowError)."""
@@ -939,6 +943,13 @@ def test_a_malformed_server_answer_is_named_in_one_line(tiny, ref, completions_s
     state["server"] = _Garbage(tiny[1], mangle)
     with pytest.raises(BackendError, match=re.escape(message)):
         run_backend(ref, OpenAIBackend(url))
+
+
+def test_a_top_token_named_by_a_digit_int_refuses_is_a_text():
+    from minillama.oracle.server import _id_of
+
+    assert _id_of("token_id:\u00b2", {"a": 3}, "http://h/v1") == -1  # "²".isdigit(): int() raised ValueError
+    assert _id_of("token_id:42", {}, "http://h/v1") == 42
 
 
 def test_a_top_token_id_past_the_vocabulary_is_named(tiny, ref, completions_server):

@@ -170,6 +170,8 @@ def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
     """A completion's first choice, its echoed log-probs, their top log-probs and its usage, each checked to be
     of the type read (a server's answer is its own: a wrong shape is named in one line, not met as a crash)."""
     choices = got.get("choices") if isinstance(got, dict) else None
+    if isinstance(got, dict) and got.get("error") is not None:  # a refusal sent with HTTP 200
+        raise BackendError(f"{where}: an error in an answer of HTTP 200: {_message(got)}")
     if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
         raise BackendError(f"{where}: no choices in the answer (a list of objects)")
     choice, usage = choices[0], got.get("usage") or {}
@@ -184,7 +186,10 @@ def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
               (isinstance(usage, dict) and all(usage.get(k) is None
                                                or (isinstance(usage[k], int) and is_number(usage[k]))
                                                for k in ("prompt_tokens", "completion_tokens")),
-               "usage must be an object of integer token counts")]
+               "usage must be an object of integer token counts"),
+              (not tops or not isinstance(token_lps, list) or len(tops) == len(token_lps),
+               f"logprobs.top_logprobs and token_logprobs differ in length ({len(tops or [])} and "
+               f"{len(token_lps or [])})")]
     bad = next((why for ok, why in checks if not ok), None)
     if bad is not None:
         raise BackendError(f"{where}: a malformed answer: {bad}")
@@ -202,7 +207,7 @@ def _message(got: Any) -> str:
 def _id_of(text: str, ids_of_text: dict[str, int], url: str) -> int:
     """A top-k key's token id: vLLM names tokens "token_id:N" when asked (return_tokens_as_token_ids);
     others by text, which only a text that belongs to one token identifies. -1: unknown."""
-    if text.startswith("token_id:") and text[9:].isdigit():
+    if text.startswith("token_id:") and text[9:].isascii() and text[9:].isdigit():  # "²" is a digit int() refuses
         if int(text[9:]) >= 2**31:
             raise BackendError(f"{url}: the server's top log-probs name {text}, past any vocabulary")
         return int(text[9:])
