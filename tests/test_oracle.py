@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -519,6 +520,9 @@ def _rewrite_manifest(src, dst, **changes) -> None:
      "--layers: the reference and the candidate hold no hidden states"),
     (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://[::1/v1"], "not a URL"),
     (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://h:8000/v 1"], "holds a space"),
+    (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://h/v1", "--timeout", "nan"],
+     "--timeout: 'nan' is not a number of seconds above 0"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--timeout", "5"], "--timeout go with --backend openai"),
     (["export", "-m", "MODEL", "--prompt-ids", "EMPTY", "-o", "x.safetensors"], "an empty prompt"),
     (["export", "-m", "MODEL", "--prompt-ids", "TWICE", "-o", "x.safetensors"], "the key 'doc' is given twice"),
     (["export", "-m", "MODEL", "--prompt-ids", "NEGDOC", "-o", "x.safetensors"], "(doc >= 0)"),
@@ -981,6 +985,24 @@ def test_openai_backend_names_a_server_that_is_not_there():
 
     with pytest.raises(BackendError, match="cannot reach the server"):
         OpenAIBackend("http://127.0.0.1:9/v1", timeout=5)
+
+
+class _Hangs:
+    def answer(self, body):
+        time.sleep(3)
+        return {}
+
+
+def test_a_server_that_does_not_answer_is_named_after_timeout(ref, completions_server):
+    """A server that hangs was waited on 120 s (no option), then called unreachable: "cannot reach the server"."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["server"] = _Hangs()
+    t0 = time.monotonic()
+    with pytest.raises(BackendError, match=re.escape(f"{url}/completions: no answer within 0.5 s (--timeout)")):
+        run_backend(ref, OpenAIBackend(url, timeout=0.5))
+    assert time.monotonic() - t0 < 3
 
 
 def test_a_golden_file_comparison_loads_no_model_and_no_model_library(ref, tmp_path):

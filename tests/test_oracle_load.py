@@ -125,6 +125,7 @@ def test_text_prompts_and_minillama_reference(exact, ckpt, capsys):
     (["--url", "http://127.0.0.1:99999/v1"], "not a URL"),
     (["--url", "http://127.0.0.1:9/v1", "--json", "/proc/r.json"], "/proc/r.json: "),  # refused before any request
     (["--url", "http://127.0.0.1:9/v1", "--reference-model", "/no/such/ckpt"], "no such file or directory"),
+    (["--url", "http://127.0.0.1:9/v1", "--timeout", "0"], "--timeout: '0' is not a number of seconds above 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, capsys):
     code = main(["load", *args])
@@ -271,3 +272,21 @@ def test_an_error_sent_with_http_200_is_named(stream):
     client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=body)))
     with pytest.raises(Refused, match="an error in an answer of HTTP 200: .*model overloaded"):
         ask(client, "http://server/v1", "/completions", {"prompt": "x", "stream": stream})
+
+
+def test_a_server_that_does_not_answer_is_named_after_timeout(capsys):
+    """Every request waited 600 s on a server that hangs (no option): its /models first, then each form of the
+    probe request; --timeout names it after that long."""
+    import socket
+
+    with socket.socket() as listener:  # accepts, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        t0 = time.monotonic()
+        assert main(["load", "--url", url, "--timeout", "0.5"]) == 2
+        assert capsys.readouterr().err == f"error: {url}/models: no answer within 0.5 s (--timeout)\n"
+        assert main(["load", "--url", url, "--model", "m", "--timeout", "0.5"]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("every form of a one-token request was refused (no answer within 0.5 s (--timeout))\n")
+        assert time.monotonic() - t0 < 10

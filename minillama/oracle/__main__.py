@@ -36,7 +36,7 @@ from .diff import Comparison, compare, diff_hidden, run_backend
 from .layers import diff_layers
 from .report import report
 from .tolerances import BACKEND_PRESETS, PRESETS, Tolerances
-from .server import OpenAIBackend, base_url
+from .server import OpenAIBackend, base_url, seconds
 from .record import Record, check_manifest_free, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(teacher-forced on minillama's answers, preset fp32) on the greedy probes' prompts")
     ld.add_argument("--device", default="cpu", help="torch device of --reference-model (default: cpu)")
     ld.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of --reference-model (default: float32)")
+    for sub_parser, wait in ((c, 120), (ld, 600)):  # a server that hangs is named after this long
+        sub_parser.add_argument("--timeout", type=seconds, default=wait, metavar="S", help="seconds to wait for a "
+                                f"server's answer to one request (--backend openai; default: {wait})")
     return p
 
 
@@ -298,7 +301,7 @@ def _openai_backend(args: argparse.Namespace, ref_path: str | None) -> OpenAIBac
         tok = load_tokenizer(Path(ref_path))  # the server's top-k come as texts: map them back to ids
         decode = tok.decode
         vocab = [tok.decode([i]) for i in range(tok.vocab_size)]
-    return OpenAIBackend(url, args.backend_model, top_k=args.top_k, decode=decode, vocab=vocab)
+    return OpenAIBackend(url, args.backend_model, args.top_k, args.timeout, decode=decode, vocab=vocab)
 
 
 def _nothing_ignored(args: argparse.Namespace) -> None:
@@ -317,8 +320,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise BadInput("give one of --backend or --candidate")
     if args.layers and args.backend and not BACKENDS[args.backend].supports_activations:
         raise BadInput(f"--layers: the {args.backend} backend gives no layer-by-layer activations")
-    if args.url and args.backend != "openai":
-        raise BadInput("--url goes with --backend openai")
+    if (args.url or args.timeout != 120) and args.backend != "openai":
+        raise BadInput("--url and --timeout go with --backend openai")
     if args.url:
         base_url(args.url)  # before any reference is made
     if args.kv_cache and args.backend != "llama-cpp":
@@ -326,11 +329,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.backend_model and not args.backend:
         raise BadInput("--backend-model goes with --backend")
     _nothing_ignored(args)
-    if args.backend:
-        default = BACKEND_PRESETS[args.backend]
-    else:
-        default = "fp32"
-    tol = _tolerances(args, default)
+    tol = _tolerances(args, BACKEND_PRESETS[args.backend] if args.backend else "fp32")
     model = None
     if args.reference:
         if args.doc or args.questions or args.prompt_ids:
@@ -401,7 +400,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     if args.reference_model and not Path(args.reference_model).exists():
         raise BadInput(f"--reference-model {args.reference_model}: no such file or directory")
     result = loadcheck.run(args.url, args.model, args.requests, args.clients, args.seed, args.max_tokens,
-                           args.prompts)
+                           args.prompts, args.timeout)
     text, passed = loadcheck.report(result), True
     if args.reference_model:
         c = _reference_of_load(args, result)

@@ -22,8 +22,10 @@ Only the standard library speaks HTTP here: the oracle needs no client package.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
+import math
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -51,6 +53,17 @@ def base_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadInput(f"--url {url}: not an http:// or https:// URL (e.g. http://127.0.0.1:8000/v1)")
     return url
+
+def seconds(text: str) -> float:
+    """--timeout: a number of seconds above 0 (argparse's type; NaN and inf are no limit a socket takes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    return value
+
 
 class OpenAIBackend(Backend):
     """An OpenAI-compatible server at `url` (ending in /v1), teacher-forced through prompt log-probs.
@@ -90,6 +103,8 @@ class OpenAIBackend(Backend):
             except ValueError:
                 return e.code, text
         except (urllib.error.URLError, OSError) as e:
+            if isinstance(getattr(e, "reason", e), TimeoutError):  # connected, or not, and no answer came
+                raise BackendError(f"{self.url}{path}: no answer within {self.timeout:g} s (--timeout)") from None
             raise BackendError(f"{self.url}: cannot reach the server ({getattr(e, 'reason', e)})") from None
         except http.client.HTTPException as e:  # not HTTP, or a body shorter than its Content-Length
             raise BackendError(f"{self.url}{path}: the server's answer is not HTTP ({type(e).__name__})") from None

@@ -81,6 +81,8 @@ def _try(client: Any, url: str, body: dict[str, Any]) -> list[dict[str, Any]] | 
         return ask(client, url, "/completions", body)
     except Refused as e:
         return str(e)
+    except httpx.TimeoutException:
+        return f"no answer within {client.timeout.read:g} s (--timeout)"
     except httpx.HTTPError as e:
         return f"{type(e).__name__}: {e}"
 
@@ -93,6 +95,8 @@ def probe_server(client: Any, url: str, model: str | None, prompts: str = "auto"
         try:
             r = client.get(url + "/models")
             model = r.json()["data"][0]["id"]
+        except httpx.TimeoutException:
+            raise BackendError(f"{url}/models: no answer within {client.timeout.read:g} s (--timeout)") from None
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise BackendError(f"{url}: cannot reach the server ({type(e).__name__}: {e})") from None
         except (ValueError, RecursionError, KeyError, IndexError, TypeError):
@@ -240,7 +244,7 @@ def summarize(runs: dict[str, list], probes: list[dict]) -> dict[str, Any]:
 
 
 def run(url: str, model: str | None = None, requests: int = 200, clients: int = 16, seed: int = 0,
-        max_tokens: int = 16, prompts: str = "auto") -> dict[str, Any]:
+        max_tokens: int = 16, prompts: str = "auto", timeout: float = 600.0) -> dict[str, Any]:
     """The whole check against the server at `url` (.../v1): the result `report` reads and `--json` writes."""
     for name, value in (("--requests", requests), ("--clients", clients), ("--max-tokens", max_tokens)):
         if value < 1:
@@ -248,7 +252,7 @@ def run(url: str, model: str | None = None, requests: int = 200, clients: int = 
     url = base_url(url)
     rng = random.Random(seed)
     t0 = time.perf_counter()
-    with _client(clients=clients) as client:
+    with _client(timeout, clients) as client:
         server = probe_server(client, url, model, prompts)
         probes, others = workload(rng, server, requests, max_tokens)
         runs = _send_alone(client, url, probes)
