@@ -54,6 +54,7 @@ def base_url(url: str) -> str:
         raise BadInput(f"--url {url}: not an http:// or https:// URL (e.g. http://127.0.0.1:8000/v1)")
     return url
 
+
 def seconds(text: str) -> float:
     """--timeout: a number of seconds above 0 (argparse's type; NaN and inf are no limit a socket takes)."""
     try:
