@@ -27,6 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .errors import first_line
+
 # Every aten op that multiplies matrices (the decomposed forms of matmul, linear and einsum end here).
 PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "matmul", "linear",
             "_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
@@ -114,7 +116,7 @@ def host_reads(run) -> list[str]:
         try:
             run()
         except (RuntimeError, NotImplementedError) as error:  # meta has no values to read
-            seen.found.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+            seen.found.append(f"{type(error).__name__}: {first_line(error)}")
     return seen.found
 
 

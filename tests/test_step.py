@@ -97,6 +97,14 @@ def test_a_chunked_prefill_reads_nothing_back_to_the_host():
     assert host_reads(lambda: meta_model.run_step(meta_cache, meta_step)) == []
 
 
+def test_a_read_that_fails_without_a_message_is_still_named():
+    """An error with no message (a bare RuntimeError()) is reported by its type, not an IndexError."""
+    def run():
+        raise RuntimeError()
+
+    assert host_reads(run) == ["RuntimeError: RuntimeError"]
+
+
 @pytest.mark.parametrize("plant", ["item", "branch", "to_host", "nonzero"])
 def test_negative_control_a_planted_read_is_caught(monkeypatch, plant):
     model = tiny_model(tiny_config())

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import Reply
-from ..errors import OneLineError, RankRefused, SaidElsewhere, one_line, report
+from ..errors import OneLineError, RankRefused, SaidElsewhere, first_line, one_line, report
 from .world import World
 
 ANSWER, DONE, ERROR = 1, 2, 3
@@ -152,7 +152,7 @@ class Channel:
                 dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=self.world.answers,
                           tag=PAYLOAD)
         except RuntimeError as e:  # rank 0 has ended (a closed pipe, a full disk): it says why, this rank stops
-            raise SaidElsewhere(f"rank 0 has stopped ({(str(e).splitlines() or [''])[0]})") from None
+            raise SaidElsewhere(f"rank 0 has stopped ({first_line(e)})") from None
 
     def _receive(self) -> None:
         """Rank 0's receiving thread: answers from every other group until each has said it is done."""
@@ -174,8 +174,7 @@ class Channel:
                 else:
                     self.fail(text, index, heard=src)
         except RuntimeError as e:  # a peer closed its end or the group's timeout passed
-            first = (str(e).splitlines() or ["no reason given"])[0]
-            self.fail(f"lost contact with another rank ({first}); the answers written so far are complete", 1)
+            self.fail(f"lost contact with another rank ({first_line(e)}); the answers written so far are complete", 1)
 
     def _write(self, index: int, reply: Reply) -> None:
         """Write an answer from this thread; when writing fails (the reader of stdout went away, a full disk)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import OneLineError, RankRefused, SaidElsewhere, memory_cause, out_of_memory
+from ..errors import OneLineError, RankRefused, SaidElsewhere, first_line, memory_cause, out_of_memory
 from ..generate import Stats
 from ..model import Llama
 from . import check_degrees, launched
@@ -61,7 +61,7 @@ class Here:
             return
         if _lost_peer(error):  # another rank has ended: it, or its launcher, says why, and the launcher ends this one
             time.sleep(PEER_GRACE_S)  # still here: a peer that hangs, or a launcher that does not end the rest
-            end(LostPeer(f"lost contact with another rank in a collective ({(str(error).splitlines() or [''])[0]}); "
+            end(LostPeer(f"lost contact with another rank in a collective ({first_line(error)}); "
                          "the answers written so far are complete"))
         if not self.world.writes and not self.world.sends:
             # A tensor-parallel peer of the rank that sends its group's answers: that rank meets the same error
@@ -125,7 +125,7 @@ def join(args: argparse.Namespace) -> Here:
         return Here(init(args.tp, torch.device(args.device), args.dist_timeout))
     except (RuntimeError, ValueError) as e:  # said by every rank that meets it: rank 0 may be the one not there
         raise RankRefused(f"rank {os.environ.get('RANK', '?')}: cannot join the process group: "
-                          f"{(str(e).splitlines() or [''])[0]}") from None
+                          f"{first_line(e)}") from None
 
 
 def load_device(args: argparse.Namespace, here: Here) -> str:
