@@ -868,9 +868,9 @@ def completions_server():
         def log_message(self, *a):
             pass
 
-        def reply(self, obj):
+        def reply(self, obj, status=200):
             data = json.dumps(obj).encode()
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -881,7 +881,8 @@ def completions_server():
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self.reply(state["server"].answer(body))
+            got = state["server"].answer(body)
+            self.reply(*got[::-1]) if isinstance(got, tuple) else self.reply(got)  # (status, body): a refusal
 
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
@@ -921,6 +922,43 @@ class _Garbage:
         got = self.true.answer(body)
         self.mangle(got)
         return got
+
+
+class _Strict(_Completions):
+    """A server that refuses fields it does not know, as some do, and names tokens by their text."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.asked = []
+
+    def answer(self, body):
+        self.asked.append("return_tokens_as_token_ids" in body)
+        if "return_tokens_as_token_ids" in body:
+            return 400, {"error": {"message": "return_tokens_as_token_ids: extra inputs are not permitted"}}
+        got = super().answer(body)
+        for top in got["choices"][0]["logprobs"]["top_logprobs"][1:]:
+            top.update({f"t{k[9:]}": v for k, v in top.items()})  # token_id:N -> tN, texts of one token each
+            [top.pop(k) for k in list(top) if k.startswith("token_id:")]
+        return got
+
+
+def test_top_tokens_are_asked_by_id_and_by_text_where_the_server_refuses_that(tiny, ref, completions_server):
+    """The backend asks for the top-k by id (return_tokens_as_token_ids); a server that refuses the field is
+    asked once, then never again, and its texts name the tokens: the same verdicts."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["server"] = _Completions(tiny[1])
+    asked = []
+    state["server"].answer = lambda body, answer=state["server"].answer: asked.append(body) or answer(body)
+    results = compare(ref, run_backend(ref, OpenAIBackend(url)), Tolerances(preset="fp32"))
+    assert all(r.passed and r.top_k_overlap == 1.0 for r in results)
+    assert asked and all(b.get("return_tokens_as_token_ids") is True for b in asked)
+    state["server"] = strict = _Strict(tiny[1])
+    vocab = [f"t{i}" for i in range(tiny[1].config.vocab_size)]
+    results = compare(ref, run_backend(ref, OpenAIBackend(url, vocab=vocab)), Tolerances(preset="fp32"))
+    assert all(r.passed and r.top_k_overlap == 1.0 for r in results), [r.reason for r in results]
+    assert strict.asked[0] and not any(strict.asked[1:]) and len(strict.asked) == len(ref.questions) + 1
 
 
 @pytest.mark.parametrize("mangle, message", [

@@ -78,7 +78,8 @@ def test_the_oracle_finds_zero_difference_through_the_server(model, ckpt, capsys
     the reference's; with the plain kernels behind the server the same check sees a difference."""
     with serving(model) as url:
         out = oracle_json(capsys, url, ckpt)
-        assert all(q["passed"] and q["logprob_max"] == 0.0 for q in out["questions"]), out["questions"]
+        assert all(q["passed"] and q["logprob_max"] == 0.0 and q["top_k_overlap"] == 1.0  # named by id
+                   for q in out["questions"]), out["questions"]
         model.llama.invariant = False
         try:
             plain = oracle_json(capsys, url, ckpt)

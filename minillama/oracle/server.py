@@ -82,6 +82,7 @@ class OpenAIBackend(Backend):
         self.top_k = top_k
         self.decode = decode
         self.text_prompts = False  # set once the server refuses token ids
+        self.names_ids = True  # top-k named "token_id:N" (return_tokens_as_token_ids) until the server refuses it
         self.model = model or self._first_model()
         self.ids_of_text = _unique_texts(vocab) if vocab is not None else {}
 
@@ -120,23 +121,34 @@ class OpenAIBackend(Backend):
             raise BackendError(f"{self.url}/models: no model listed (HTTP {status}); give the server's model "
                                "name with --backend-model") from None
 
+    def _post(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST /completions, asking for the top-k tokens by id (vLLM and minillama serve take
+        `return_tokens_as_token_ids`; a text may belong to several tokens), unless the server refused that once;
+        a server that ignores it names them by text, as it would anyway."""
+        if self.names_ids:
+            status, got = self._request("/completions", {**body, "return_tokens_as_token_ids": True})
+            if status == 200 or "return_tokens_as_token_ids" not in _message(got):
+                return status, got
+            self.names_ids = False
+        return self._request("/completions", body)
+
     def _complete(self, ids: list[int]) -> dict[str, Any]:
         body = {"model": self.model, "max_tokens": 1, "temperature": 0.0, "echo": True, "logprobs": self.top_k}
         if not self.text_prompts:
-            status, got = self._request("/completions", {**body, "prompt": ids})
+            status, got = self._post({**body, "prompt": ids})
             if status == 200:
                 return got
             if self.decode is None:
                 raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
             # Some servers refuse token ids (and some say so with HTTP 500): try the text they decode to.
             first = f"HTTP {status}: {_message(got)}"
-            status, got = self._request("/completions", {**body, "prompt": self.decode(ids)})
+            status, got = self._post({**body, "prompt": self.decode(ids)})
             if status != 200:
                 raise BackendError(f"{self.url}/completions: with token ids {first}; with text HTTP {status}: "
                                    f"{_message(got)}")
             self.text_prompts = True
             return got
-        status, got = self._request("/completions", {**body, "prompt": self.decode(ids)})
+        status, got = self._post({**body, "prompt": self.decode(ids)})
         if status != 200:
             raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
         return got
