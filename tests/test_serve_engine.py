@@ -18,7 +18,7 @@ from minillama import proofs
 from minillama.generate import SamplingParams, generate
 from minillama.serve.engine import Choice, Engine, Event
 from minillama.serve.identity import eos_of
-from minillama.serve.prefix import PrefixCache
+from minillama.serve.prefix import PrefixCache, common_length
 from _serve_harness import ckpt, model  # noqa: F401 (fixtures)
 
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -303,3 +303,38 @@ def test_a_burst_sharing_a_document_counts_the_document_once(model):
         engine._step()
         peak = max(peak, engine.cache.used_bytes())
     assert 0 < peak <= engine.budget
+
+
+def _peak_in_passes(engine: Engine) -> list[int]:
+    """The cache's largest bytes inside any pass so far (after its tokens got slots, before `_step` evicts)."""
+    peak, append = [0], engine.cache.append
+
+    def counted(segments, positions):
+        out = append(segments, positions)
+        peak[0] = max(peak[0], engine.cache.used_bytes())
+        return out
+
+    engine.cache.append = counted
+    return peak
+
+
+def test_a_request_admitted_alone_makes_room_among_idle_cached_blocks(model):
+    """With nothing running, a request is admitted whatever its size, but the blocks earlier prompts left cached
+    still count: they are evicted before its pass (before, its prompt was computed beside them, 1.8x the budget,
+    and they were evicted only after the pass)."""
+    rng = random.Random(5)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine = Engine(model.llama, eos_of(model))
+    engine.budget = engine.kv_per_token * 100
+    peak = _peak_in_passes(engine)
+    for prompt in ([rng.randrange(3, 300) for _ in range(90)] for _ in range(2)):
+        events: list[Event] = []
+        engine.submit([Choice(prompt, params, events.append)])
+        while engine.waiting or engine.running:
+            with engine.lock:
+                engine._admit()
+            engine._step()
+        solo = generate(model.llama, [prompt], params, mode="independent", eos_ids=eos_of(model))[0]
+        assert [e.token for e in events] == solo.token_ids and [e.logprob for e in events] == solo.logprobs
+    assert engine.stats()["evicted_blocks"] > 0 and 0 < peak[0] <= engine.budget
+

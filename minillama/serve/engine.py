@@ -15,8 +15,7 @@ The HTTP side (app.py) talks to the engine only through `submit` and `cancel`; t
 sequence's progress through the sequence's `emit` callback, from its own thread. What one sequence does
 after the forward pass (its filter, its sampler, its stop check, its report) can fail only that sequence
 (`_record`, `_guarded`); only a failure of the shared pass itself fails every running sequence. On a GPU the
-engine runs one pass ahead of the host (`_step`), with the same bits.
-"""
+engine runs one pass ahead of the host (`_step`), with the same bits."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ class Launched:
 
 
 class Engine:
-    """The model's one owner. `start()` runs the loop in a thread; `stop()` ends it (running sequences
-    finish with an error event)."""
+    """The model's one owner. `start()` runs the loop in a thread; `stop()` ends it (running ones end with an error)."""
 
     def __init__(self, model: Llama, eos_ids: Sequence[int], max_running: int = 64, max_queue: int = 256,
                  max_batch_tokens: int = 512, max_memory_bytes: int = 0, prefix_cache: bool = True):
@@ -202,13 +200,11 @@ class Engine:
             self.running, self.waiting = [], []
 
     def _admit(self) -> None:
-        """Move waiting sequences to running while there is room (called with the lock held): the cache's bytes,
-        all that those running will still add (prompt tokens not computed, a shared block once; answers to their
-        max_new_tokens) and all that those admitted in this call will (a burst together) stay within the budget."""
+        """Move waiting sequences to running (lock held) while the cache's bytes, all that those running may still add
+        (`_planned`) and what those admitted together will (a shared document once) fit the budget; one always runs."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
         admitted: list[Choice] = []
-        planned = self.kv_per_token * (unfilled(s.blocks for s in self.running) + sum(
-            len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in self.running))
+        planned = self._planned()
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
             shares = admitted and self.prefix is not None and not (s.echo or admitted[-1].echo)  # one copy, cached
@@ -222,6 +218,11 @@ class Engine:
             admitted.append(self.waiting.pop(0))
         self._place(admitted)
         self.running.extend(admitted)
+
+    def _planned(self) -> int:
+        """Bytes the running sequences may still add: prompt tokens not computed (a shared block once), answers."""
+        return self.kv_per_token * (unfilled(s.blocks for s in self.running) + sum(
+            len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in self.running))
 
     def _place(self, seqs: list[Choice]) -> None:
         """Give each admitted sequence its prefix blocks (those admitted together share a partial block for
@@ -241,10 +242,11 @@ class Engine:
         runs: pass t + 1 is launched, its decode rows' token ids taken on the device from pass t's choice, before
         pass t's tokens are read back and reported, so the host's work of a step runs while the device computes."""
         with self.lock:
-            for s in self.running:
-                if s.cancelled and not s.finished:
-                    self._finish(s, None)
+            for s in [s for s in self.running if s.cancelled]:
+                self._finish(s, None)  # (one finished already: nothing)
             self.running = [s for s in self.running if not s.finished]
+            if self.prefix is not None and self.budget:  # idle blocks make room for all that those running may add
+                self.prefix.evict(max(self.budget - self._planned(), 1))  # (also for one admitted alone, unchecked)
         if not self.running:
             self.pending = None  # every sequence in it has finished
             return
@@ -257,8 +259,6 @@ class Engine:
                 self._record(done)
         with self.lock:
             self.running = [s for s in self.running if not s.finished]
-            if self.prefix is not None and self.budget:
-                self.prefix.evict(self.budget)
 
     def _launch(self) -> Launched | None:
         """Pack and launch a pass: the next token of every sequence that has one (first, those whose token the
