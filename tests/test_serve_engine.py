@@ -338,3 +338,59 @@ def test_a_request_admitted_alone_makes_room_among_idle_cached_blocks(model):
         assert [e.token for e in events] == solo.token_ids and [e.logprob for e in events] == solo.logprobs
     assert engine.stats()["evicted_blocks"] > 0 and 0 < peak[0] <= engine.budget
 
+
+def _bursts() -> dict[str, tuple[list[list[int]], int, int]]:
+    """(prompts, max_new_tokens, copies of each) admitted together that share less than their common prefixes."""
+    rng = random.Random(6)
+    doc = [rng.randrange(3, 300) for _ in range(200)]
+    d = doc[:40]
+    return {"a whole block holds the other's partial tail": ([doc[:100], doc[:100] + doc[100:200]], 2, 1),
+            "a later prompt shortens the shared partial block": (
+                [d + [11, 12, 13, 14, 15, 16, 17, 18, 50], d + [11, 12, 13, 14, 15, 16, 17, 19, 51], d + [11, 99, 52]],
+                2, 1),
+            "copies of a prompt hold their last token each": ([doc[:30]], 0, 3)}
+
+
+@pytest.mark.parametrize("case", sorted(_bursts()))
+def test_a_burst_counts_only_what_the_prefix_cache_stores_once(model, case):
+    """Prompts admitted together count once only the tokens `PrefixCache.acquire_all` stores once: not a
+    partial tail that the other holds in a whole block, not what a later prompt of the group parts from, not
+    each copy's last token. With the budget the common prefixes fill (before, all were admitted at once and
+    the cache passed it: 238, 62 and 32 tokens of 204, 59 and 30), fewer run together, within it, and every
+    answer is its solo run's."""
+    prompts, max_new, copies = _bursts()[case]
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    engine = Engine(model.llama, eos_of(model))
+    together = len(prompts[0]) + sum(len(p) - common_length(p, q) for p, q in zip(prompts[1:], prompts))
+    engine.budget = engine.kv_per_token * (together + len(prompts) * max_new)
+    peak = _peak_in_passes(engine)
+    events: list[list[Event]] = [[] for _ in range(len(prompts) * copies)]
+    engine.submit([Choice(p, params, events[k * copies + i].append, index=i)
+                   for k, p in enumerate(prompts) for i in range(copies)])
+    while engine.waiting or engine.running:
+        with engine.lock:
+            engine._admit()
+        engine._step()
+    assert 0 < peak[0] <= engine.budget
+    for k, p in enumerate(prompts):
+        alone = generate(model.llama, [p] * copies, params, mode="independent", eos_ids=eos_of(model))
+        for i, solo in enumerate(alone):
+            evs = events[k * copies + i]
+            got = [(e.token, e.logprob) for e in evs if e.token is not None]
+            assert got == list(zip(solo.token_ids, solo.logprobs))
+            assert evs[-1].finish_reason == "length"
+
+
+def test_stored_counts_the_tokens_acquire_all_stores(model):
+    """`prefix.stored`, the admission's count, against the blocks `PrefixCache.acquire_all` makes: random
+    prompts over a 3-token alphabet (they share, part and repeat everywhere), at block sizes 4, 8 and 64."""
+    from minillama.serve.prefix import stored
+
+    rng = random.Random(7)
+    for _ in range(300):
+        prefix = PrefixCache(model.llama.new_cache(), block=rng.choice([4, 8, 64]))
+        doc = [rng.randrange(3, 6) for _ in range(150)]
+        prompts = [doc[:rng.randint(0, 150)] + [rng.randrange(3, 6) for _ in range(rng.randint(1, 5))]
+                   for _ in range(rng.randint(1, 6))]
+        blocks = {id(b): len(b.tokens) for chain in prefix.acquire_all(prompts) for b in chain}
+        assert stored(prompts, prefix.block) == sum(blocks.values()) + len(prompts), prompts

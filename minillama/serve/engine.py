@@ -33,7 +33,7 @@ from ..model import Llama
 from ..step import Pack
 from ..transfer import to_device
 from .logits import PromptLogprob, filtered, prompt_logprobs, top_entries
-from .prefix import Block, PrefixCache, common_length, unfilled
+from .prefix import Block, PrefixCache, stored, unfilled
 
 
 class QueueFull(Exception):
@@ -201,15 +201,15 @@ class Engine:
 
     def _admit(self) -> None:
         """Move waiting sequences to running (lock held) while the cache's bytes, all that those running may still add
-        (`_planned`) and what those admitted together will (a shared document once) fit the budget; one always runs."""
+        (`_planned`) and what those admitted together will (`prefix.stored`) fit the budget; one always runs."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
         admitted: list[Choice] = []
         planned = self._planned()
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
-            shares = admitted and self.prefix is not None and not (s.echo or admitted[-1].echo)  # one copy, cached
-            shared = common_length(s.prompt, admitted[-1].prompt) if shares else 0  # a document they share: once
-            need = self.kv_per_token * (len(s.prompt) - shared + s.params.max_new_tokens)
+            batch = [c.prompt for c in admitted if not c.echo] if self.prefix is not None and not s.echo else None
+            new = stored(batch + [s.prompt]) - stored(batch) if batch is not None else len(s.prompt)  # shared: once
+            need = self.kv_per_token * (new + s.params.max_new_tokens)
             if (self.running or admitted) and self.budget and self.cache.used_bytes() + planned + need > self.budget:
                 if self.prefix is None or not self.prefix.evict(max(self.budget - planned - need, 1)):
                     break

@@ -208,6 +208,27 @@ def common_length(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def stored(prompts: Sequence[Sequence[int]], block: int = KEY_BLOCK) -> int:
+    """Tokens `PrefixCache.acquire_all` and the prompts' own segments store for `prompts` arriving together at an
+    empty cache: each whole block once, each group's shared partial block once, each distinct partial block past
+    it once, each prompt's last token. (Only what they share as acquire_all shares it counts once: a prompt that
+    holds another's partial tail in a whole block, or parts from the group past what all of them share, does not.)"""
+    whole: dict[tuple[int, tuple[int, ...]], int] = {}  # (its parent's number, its tokens) -> its number
+    groups: dict[tuple[int, int], set[tuple[int, ...]]] = {}  # (the last whole block, the first token past) -> rests
+    for p in prompts:
+        parent = -1
+        for i in range(block, len(p), block):
+            parent = whole.setdefault((parent, tuple(p[i - block:i])), len(whole))
+        at = (len(p) - 1) // block * block
+        if at + 1 < len(p):
+            groups.setdefault((parent, p[at]), set()).add(tuple(p[at:len(p) - 1]))
+    tokens = len(whole) * block + len(prompts)
+    for rests in groups.values():
+        shared = common_length(min(rests), max(rests)) if len(rests) > 1 else 0
+        tokens += shared + sum(len(r) - shared for r in rests)
+    return tokens
+
+
 def unfilled(chains: Iterable[Sequence[Block]]) -> int:
     """Tokens of these chains' blocks not computed yet, a block held by several chains once."""
     return sum({id(b): len(b.tokens) - b.filled for chain in chains for b in chain if not b.ready}.values())
