@@ -401,9 +401,10 @@ class Steps:
 
     def forget(self) -> None:
         """Drop the spare storage and its graphs: the weights they read have moved (`Llama.column_major_`)."""
-        self.spare = None
-        for box in self._by_cache.values():
-            box.clear()
+        with self.lock:  # (a cache retired meanwhile, by a thread or a finalizer here, leaves no stale spare)
+            for box in list(self._by_cache.values()):
+                box.clear()
+            self.spare = None
 
     def take_spare(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
                    ) -> CapturedSteps | None:
@@ -428,8 +429,8 @@ class Steps:
 
     def _retire(self, box: list[CapturedSteps]) -> None:
         """A cache is gone: its storage and graphs become the spare (the previous spare's are freed)."""
-        if box:
-            with self.lock:
+        with self.lock:
+            if box:
                 self.spare = box[0]
 
     def run(self, run_step: Callable[[KVCache, Step], torch.Tensor], cache: KVCache, step: Step) -> torch.Tensor:

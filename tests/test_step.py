@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -501,6 +502,27 @@ def test_two_threads_never_take_one_spare(monkeypatch):
     for t in threads:
         t.join()
     assert len(caches) == 2 and caches[0].k.data_ptr() != caches[1].k.data_ptr()
+
+def test_a_cache_retired_while_the_weights_move_leaves_no_stale_spare(monkeypatch):
+    """`forget` (the weights moved) runs while a cache is retired: by another thread, or by a finalizer the
+    collector runs inside `forget` itself. The retired cache's graphs read the old weights; made the spare, a
+    new cache would replay them. Here the retirement lands in the middle of `forget`'s walk over the caches."""
+    model = _captured(tiny_model(tiny_config()), Rerun())
+    generate(model, PROMPTS, PARAMS)
+    steps = model.steps
+    stale = [object()]  # a retired cache's graphs (forget and retire never look inside)
+
+    class Retiring(weakref.WeakKeyDictionary):
+        def values(self):
+            steps._retire(stale)  # a cache collected during the walk
+            return super().values()
+
+    boxes = Retiring()
+    boxes.update(steps._by_cache)
+    monkeypatch.setattr(steps, "_by_cache", boxes)
+    steps.forget()
+    assert steps.spare is None
+
 
 def test_captured_steps_follow_the_kernels_and_the_weights():
     """A step replays another graph when the kernels change (32-row linear tiles: the same step tensors, other
