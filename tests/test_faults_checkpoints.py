@@ -8,10 +8,12 @@ Each class of fault is held by a parametrized test over the cases of that kind.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -242,6 +244,28 @@ def test_a_file_of_a_checkpoint_that_is_no_regular_file_is_named(ckpt, tmp_path,
     with pytest.raises(WeightsError) as e:
         load_model(d)
     assert str(e.value) == f"{f}: {says}, where a file belongs"
+
+
+def _without_root_reads() -> None:
+    """In a child before it runs: drop the capabilities by which root reads any file (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH) from its bounding set, so a file of mode 0 is unreadable to it too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_a_file_of_a_checkpoint_without_read_permission_is_named(ckpt, tmp_path, name):
+    """A file the user may not read was reported as a truncated or corrupt one (the safetensors parser's error)."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt, d)
+    (d / name).chmod(0)
+    code = ("import sys; from minillama.errors import run_command; from minillama.weights import load_model; "
+            f"sys.exit(run_command(lambda: (load_model({str(d)!r}), 0)[1]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                         preexec_fn=_without_root_reads if os.geteuid() == 0 else None)
+    assert (run.returncode, run.stderr) == (2, f"error: {d / name}: cannot be read (Permission denied)\n")
 
 
 def test_a_window_past_the_context_is_no_window(ckpt, tmp_path):

@@ -57,9 +57,9 @@ READ_SUFFIXES = (".safetensors", ".pth")
 
 
 def _check_entries(d: Path) -> None:
-    """WeightsError naming the first file of `d` minillama would read that is no regular file: a fifo would
-    block the read for ever, a device (`/dev/zero`) never end, a directory, a loop or a dangling link would be
-    reported as some other fault."""
+    """WeightsError naming the first file of `d` minillama would read that is no regular file, or one it may
+    not read: a fifo would block the read for ever, a device (`/dev/zero`) never end, a directory, a loop, a
+    dangling link or a file without read permission would be reported as some other fault."""
     try:
         names = sorted(os.listdir(d))
     except OSError:  # unreadable: the reader that fails names it
@@ -71,6 +71,10 @@ def _check_entries(d: Path) -> None:
                 raise WeightsError(f"{f}: a directory, where a file belongs")
             if not f.is_file():
                 raise WeightsError(f"{f}: {_what_is(f)}, where a file belongs")
+            try:  # unreadable (permissions): said so, not read by a parser as a corrupt file
+                open(f, "rb").close()
+            except OSError as e:
+                raise WeightsError(f"{f}: cannot be read ({e.strerror or e})") from None
 
 
 def _not_a_file(p: Path) -> str:
