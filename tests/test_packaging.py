@@ -9,6 +9,7 @@ nothing is downloaded, and never an unpinned torch.
 
 from __future__ import annotations
 
+import ast
 import email
 import os
 import re
@@ -70,6 +71,37 @@ def test_wheel_declares_dependencies_and_the_command(wheel):
     assert {"test", "hf", "plots"} <= extras
     assert any(r.startswith("transformers") and 'extra == "hf"' in r for r in requires)
     assert re.search(r"^minillama\s*=\s*minillama\.__main__:main$", entry, re.M), entry
+
+
+DISTRIBUTIONS = {"llama_cpp": "llama-cpp-python", "jinja2": "jinja2"}  # an import's name -> its distribution's
+
+
+def _third_party_imports(where: Path) -> dict[str, str]:
+    """Each distribution the modules under `where` import (at the top or inside a function), with one module
+    that imports it."""
+    found: dict[str, str] = {}
+    for f in sorted(where.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"minillama"}:
+                found.setdefault(DISTRIBUTIONS.get(top, top), f.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_each_extra_declares_what_its_part_imports(wheel):
+    """`pip install '.[serve]'` gives the server, its bench and its load generator all they import (the peer
+    they are measured against aside: llama.cpp, its own extra); every import of minillama is declared
+    somewhere, as runtime or an extra."""
+    requires = _metadata(wheel)[1].get_all("Requires-Dist") or []
+    declared: dict[str | None, set[str]] = {}
+    for r in requires:
+        extra = re.search(r'extra == "([^"]+)"', r)
+        declared.setdefault(extra and extra.group(1), set()).add(re.split(r"[<>=;\[ ]", r)[0].lower())
+    everything = set().union(*declared.values())
+    assert {d: f for d, f in _third_party_imports(ROOT / "minillama").items() if d not in everything} == {}
+    serve = declared[None] | declared["serve"] | declared["llamacpp"]
+    assert {d: f for d, f in _third_party_imports(ROOT / "minillama" / "serve").items() if d not in serve} == {}
 
 
 @pytest.mark.slow
