@@ -27,6 +27,8 @@ from ..cli import DEFAULT_MAX_MEMORY_MB, add_model_options, load_checkpoint
 from ..errors import BadInput, OneLineParser, check_cpu_env, check_device, run_command
 
 if TYPE_CHECKING:
+    import torch
+
     from .engine import Engine
 
 API_KEY_ENV = "MINILLAMA_API_KEY"
@@ -44,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", metavar="KEY", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, if set)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: the "
                    "checkpoint's file or directory name)")
-    p.add_argument("--max-memory", type=float, default=DEFAULT_MAX_MEMORY_MB, metavar="MB",
+    p.add_argument("--max-memory", type=float, metavar="MB",
                    help="KV cache budget in MiB: requests wait past it, cached prefixes are evicted "
-                        "least-recently-used (default: %(default)g; 0: no bound)")
+                        f"least-recently-used (default: {DEFAULT_MAX_MEMORY_MB} on a CPU; on a GPU half the memory "
+                        "free on it once the model is loaded; 0: no bound)")
     p.add_argument("--max-running", type=int, default=64, metavar="N", help="most sequences decoded together (default: 64)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="most sequences waiting; past it requests get HTTP 429 (default: 256)")
@@ -72,7 +75,7 @@ def _check(args: argparse.Namespace) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         raise BadInput(f"--port must be in 0 .. 65535, got {args.port}")
-    if not (args.max_memory >= 0) or math.isinf(args.max_memory):
+    if args.max_memory is not None and (not (args.max_memory >= 0) or math.isinf(args.max_memory)):
         raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
     if not (args.drain >= 0) or math.isinf(args.drain):
         raise BadInput(f"--drain must be a number of seconds >= 0, got {args.drain}")
@@ -82,6 +85,19 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput("--served-model-name must not be empty")
     check_device(args.device)
     check_cpu_env()
+
+
+def kv_budget(max_memory_mb: float | None, device: torch.device) -> int:
+    """The KV cache's budget in bytes (0: no bound): `--max-memory`, or unset, DEFAULT_MAX_MEMORY_MB on a CPU
+    and on a GPU half the memory free on it once the model is loaded (the rest for a pass's activations and
+    logits, the allocator's blocks and whatever else runs there)."""
+    if max_memory_mb is not None:
+        return math.ceil(max_memory_mb * 2**20)
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0] // 2
+    return DEFAULT_MAX_MEMORY_MB * 2**20
 
 
 def check_api_key(key: str | None, source: str) -> None:
@@ -137,8 +153,9 @@ def _main(argv: Sequence[str] | None) -> int:
                             cuda_graphs=args.cuda_graphs, compiled=args.compile)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
+    budget = kv_budget(args.max_memory, model.llama.device)
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
-                    max_batch_tokens=args.max_batch_tokens, max_memory_bytes=math.ceil(args.max_memory * 2**20),
+                    max_batch_tokens=args.max_batch_tokens, max_memory_bytes=budget,
                     prefix_cache=not args.no_prefix_cache)
     app = build_app(model, engine, name, max_tokens=args.max_tokens, api_key=api_key, max_body_bytes=args.max_body,
                     start_engine=False)
@@ -147,9 +164,9 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"warning: --host {args.host} without --api-key (or ${API_KEY_ENV}): anyone who can reach this "
               "machine can use the server", file=sys.stderr)
     kernels = " (plain kernels: an answer may depend on the batch)" if args.plain_kernels else ""
-    print(f"minillama serve: model {name!r} on http://{host}:{port}/v1{kernels}", file=sys.stderr, flush=True)
+    cache = f"KV cache up to {budget / 2**20:.4g} MiB" if budget else "KV cache unbounded"
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
-    run(config, sock, engine)
+    run(config, sock, engine, f"minillama serve: model {name!r} ({cache}) on http://{host}:{port}/v1{kernels}")
     print("minillama serve: stopped", file=sys.stderr)
     return 0
 
@@ -179,11 +196,12 @@ def serve_in_thread(app, start_s: float = 60.0) -> Iterator[str]:
             raise RuntimeError("the in-process server did not stop")
 
 
-def run(config, sock: socket.socket, engine: Engine) -> None:
+def run(config, sock: socket.socket, engine: Engine, ready: str | None = None) -> None:
     """uvicorn's server on `sock` in a thread, and the engine's loop in this one (the thread that loaded the
     model, whose OpenMP team then runs every pass: `Engine.run`). Ctrl-C/SIGTERM is a normal end: once the
     requests in flight are drained the app's lifespan stops the engine and this returns (exit 0) rather than
-    raising the signal again, as uvicorn does. A second Ctrl-C stops at once."""
+    raising the signal again, as uvicorn does. A second Ctrl-C stops at once. `ready` is printed to stderr
+    once the signals are taken (a SIGTERM sent on reading it is a normal end too)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -200,6 +218,8 @@ def run(config, sock: socket.socket, engine: Engine) -> None:
             engine.stop(timeout=0)  # a server that failed to start or has stopped ends the loop too
 
     old = {s: signal.signal(s, server.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+    if ready:
+        print(ready, file=sys.stderr, flush=True)
     thread = threading.Thread(target=serve, name="minillama-http", daemon=True)
     try:
         thread.start()
