@@ -853,7 +853,7 @@ class _Completions:
         tops = [None if r is None else {f"token_id:{int(i)}": float(r[i]) for i in r.topk(k).indices} for r in rows]
         logprobs = None if self.no_logprobs else {"token_logprobs": token_lps, "top_logprobs": tops,
                                                   "tokens": [str(t) for t in toks]}
-        return {"choices": [{"text": "", "logprobs": logprobs, "finish_reason": "length"}],
+        return {"choices": [{"index": 0, "text": "", "logprobs": logprobs, "finish_reason": "length"}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}}
 
 
@@ -877,7 +877,7 @@ def completions_server():
             self.wfile.write(data)
 
         def do_GET(self):
-            self.reply({"data": [{"id": "tiny"}]})
+            self.reply(state.get("models", {"data": [{"id": "tiny"}]}))
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -936,9 +936,9 @@ class _Strict(_Completions):
         if "return_tokens_as_token_ids" in body:
             return 400, {"error": {"message": "return_tokens_as_token_ids: extra inputs are not permitted"}}
         got = super().answer(body)
-        for top in got["choices"][0]["logprobs"]["top_logprobs"][1:]:
-            top.update({f"t{k[9:]}": v for k, v in top.items()})  # token_id:N -> tN, texts of one token each
-            [top.pop(k) for k in list(top) if k.startswith("token_id:")]
+        lp = got["choices"][0]["logprobs"]
+        lp["top_logprobs"] = [top and {f"t{k[9:]}": v for k, v in top.items()}  # token_id:N -> tN, one token's text
+                              for top in lp["top_logprobs"]]
         return got
 
 
@@ -976,6 +976,19 @@ def test_top_tokens_are_asked_by_id_and_by_text_where_the_server_refuses_that(ti
     (lambda g: g["choices"][0]["logprobs"]["top_logprobs"].pop(0), "top_logprobs and token_logprobs differ in length"),
     (lambda g: g["choices"][0]["logprobs"].update(top_logprobs=[{"a": -1.0}]), "differ in length (1 and "),
     (lambda g: g.update(error={"message": "model overloaded"}), "an error in an answer of HTTP 200: model overloaded"),
+    # choices that cannot say which is the one asked for (index 0) were read by their place: choices[0]
+    (lambda g: g["choices"][0].pop("index"), "choices must each have their own integer index, one of them 0 "
+                                             "(got indexes [null])"),
+    (lambda g: g["choices"][0].update(index=1), "(got indexes [1])"),
+    (lambda g: g["choices"][0].update(index=True), "(got indexes [true])"),
+    (lambda g: g["choices"][0].update(index="0"), '(got indexes ["0"])'),
+    (lambda g: g.update(choices=g["choices"] * 2), "(got indexes [0, 0])"),
+    # one echoed entry more or less than the tokens sent was read aligned from the end, each log-prob beside
+    # the next token or the one before
+    (lambda g: [g["choices"][0]["logprobs"][k].insert(0, None) for k in ("token_logprobs", "top_logprobs")],
+     "echoed log-probs (1 generated) for a prompt and answer of"),
+    (lambda g: [g["choices"][0]["logprobs"][k].pop(0) for k in ("token_logprobs", "top_logprobs")],
+     "echoed log-probs (1 generated) for a prompt and answer of"),
 ])
 def test_a_malformed_server_answer_is_named_in_one_line(tiny, ref, completions_server, mangle, message):
     """Each once crashed the comparison (AttributeError, TypeError, ValueError, OverflowError)."""
@@ -985,6 +998,120 @@ def test_a_malformed_server_answer_is_named_in_one_line(tiny, ref, completions_s
     state["server"] = _Garbage(tiny[1], mangle)
     with pytest.raises(BackendError, match=re.escape(message)):
         run_backend(ref, OpenAIBackend(url))
+
+
+def test_the_choice_of_index_0_is_read_wherever_it_stands(tiny, ref, completions_server):
+    """The backend read choices[0]: a server that lists another choice first was judged by that choice."""
+    from minillama.oracle.server import OpenAIBackend
+
+    def other_first(got):
+        right = got["choices"][0]
+        lp = right["logprobs"]
+        late = {k: [None] + lp[k][:-1] for k in ("token_logprobs", "top_logprobs")}  # each a position late
+        got["choices"] = [{**right, "index": 1, "logprobs": {**lp, **late}}, right]
+
+    state, url = completions_server
+    state["server"] = _Garbage(tiny[1], other_first)
+    results = compare(ref, run_backend(ref, OpenAIBackend(url)), Tolerances(preset="fp32"))
+    assert all(r.passed and r.logprob_max < 1e-5 for r in results), [r.reason for r in results]
+
+
+@pytest.mark.parametrize("listed, shown", [(None, "null"), (7, "7"), ("", '""'), (["m"], '["m"]')])
+def test_a_model_id_that_is_no_name_is_refused(completions_server, listed, shown):
+    """A null or a number as /models' first id was sent on as the model's name (null: as no model)."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    state["models"] = {"data": [{"id": listed}]}
+    with pytest.raises(BackendError, match=re.escape(f"{url}/models: a malformed answer: data[0].id is {shown}, "
+                                                     "not a model's name; give the server's model name with "
+                                                     "--backend-model")):
+        OpenAIBackend(url)
+    state["models"] = {"data": [{"id": "tiny"}]}
+    assert OpenAIBackend(url).model == "tiny"
+
+
+def test_a_malformed_model_id_is_one_line_and_exit_2(ref, tmp_path, completions_server, capsys):
+    state, url = completions_server
+    state["models"] = {"data": [{"id": None}]}
+    no_tokenizer = {**ref.manifest, "model": {**ref.manifest["model"], "path": None}}  # the tiny model has none
+    save(Record(ref.questions, no_tokenizer), tmp_path / "ref.safetensors")
+    assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--backend", "openai",
+                 "--url", url]) == 2
+    assert capsys.readouterr().err == (f"error: {url}/models: a malformed answer: data[0].id is null, not a model's "
+                                       "name; give the server's model name with --backend-model\n")
+
+
+class _TextOnly(_Completions):
+    """A server that takes text prompts only, as llama-cpp-python's does: its tokenizer reads the numbers the
+    backend's `decode` below writes, `extra` added in front; `usage` sent or not, and, with `no_bos`, the
+    echo of a prompt that starts with `no_bos` without that first entry."""
+
+    def __init__(self, model, usage=True, extra=(), no_bos=None):
+        super().__init__(model)
+        self.usage, self.extra, self.no_bos = usage, list(extra), no_bos
+
+    def answer(self, body):
+        if not isinstance(body["prompt"], str):
+            return 400, {"error": {"message": "prompt: a string is required"}}
+        ids = self.extra + [int(t) for t in body["prompt"].split()]
+        got = super().answer({**body, "prompt": ids})
+        if not self.usage:
+            del got["usage"]
+        if ids[0] == self.no_bos:
+            for key in ("token_logprobs", "top_logprobs", "tokens"):
+                del got["choices"][0]["logprobs"][key][0]
+        return got
+
+
+def _text_backend(url, bos=None):
+    from minillama.oracle.server import OpenAIBackend
+
+    return OpenAIBackend(url, decode=lambda ids: " ".join(map(str, ids)), **({} if bos is None else {"bos": bos}))
+
+
+def test_a_prompt_sent_as_text_is_checked_without_usage(tiny, ref, completions_server):
+    """With text prompts and no usage, the server's token count went unchecked: a tokenizer that made one
+    token more passed, every log-prob read beside another token. The echo's length now counts them."""
+    state, url = completions_server
+    fp32, n = Tolerances(preset="fp32"), len(ref.questions[0].prompt_ids) + len(ref.questions[0].token_ids)
+    for server in (_TextOnly(tiny[1]), _TextOnly(tiny[1], usage=False)):
+        state["server"] = server
+        results = compare(ref, run_backend(ref, _text_backend(url)), fp32)
+        assert all(r.passed and not r.notes for r in results), [(r.reason, r.notes) for r in results]
+    state["server"] = _TextOnly(tiny[1], extra=[1])
+    with pytest.raises(BackendError, match=f"its tokenizer made {n + 1} tokens of the prompt's text where the "
+                                           f"reference has {n}: it would compare other tokens"):
+        run_backend(ref, _text_backend(url))
+    state["server"] = _TextOnly(tiny[1], usage=False, extra=[1])
+    with pytest.raises(BackendError, match=re.escape(f"{n + 2} echoed log-probs (1 generated) for a prompt and answer "
+                                                     f"of {n} tokens, the prompt sent as text: its tokenizer made "
+                                                     "other tokens")):
+        run_backend(ref, _text_backend(url))
+
+
+def test_an_echo_without_its_leading_bos_is_read(tiny, ref, completions_server):
+    """A server may leave a leading BOS out of its echo: read where the prompt starts with the model's BOS,
+    refused otherwise. Without usage, a tokenizer that made one token fewer reads alike: the report says so."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    fp32, bos = Tolerances(preset="fp32"), ref.questions[0].prompt_ids[0]  # questions 1 and 2 start with it
+    state["server"] = _TextOnly(tiny[1], no_bos=bos)
+    results = compare(ref, run_backend(ref, _text_backend(url, bos)), fp32)
+    assert all(r.passed and not r.notes for r in results), [(r.reason, r.notes) for r in results]
+    state["server"] = _Garbage(tiny[1], lambda g: [g["choices"][0]["logprobs"][k].pop(0)
+                                                   for k in ("token_logprobs", "top_logprobs")])
+    for other in (None, bos + 1):
+        with pytest.raises(BackendError, match=re.escape("echoed log-probs (1 generated) for a prompt and answer")):
+            run_backend(ref, OpenAIBackend(url, bos=other))
+    state["server"] = _TextOnly(tiny[1], usage=False, no_bos=bos)
+    results = compare(ref, run_backend(ref, _text_backend(url, bos)), fp32)
+    assert all(r.passed for r in results), [r.reason for r in results]
+    unchecked = ("the server sent no usage.prompt_tokens and echoed the prompt's text without its BOS: that its "
+                 "tokenizer made the reference's {} tokens of it could not be checked")
+    assert [r.notes for r in results] == [[unchecked.format(len(q.prompt_ids) + len(q.token_ids))]
+                                          for q in ref.questions[:2]] + [[]]
 
 
 def test_a_top_token_named_by_a_digit_int_refuses_is_a_text():

@@ -274,6 +274,22 @@ def test_an_error_sent_with_http_200_is_named(stream):
         ask(client, "http://server/v1", "/completions", {"prompt": "x", "stream": stream})
 
 
+@pytest.mark.parametrize("listed, shown", [(None, "null"), (7, "7"), ("", '""')])
+def test_a_model_id_that_is_no_name_is_refused(listed, shown):
+    """A null or a number as /models' first id was sent on as the model's name, in every probe request."""
+    import httpx
+
+    from minillama.oracle.backends import BackendError
+    from minillama.oracle.under_load import probe_server
+
+    models = {"data": [{"id": listed}]}
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, json=models)))
+    with pytest.raises(BackendError, match=re.escape(f"http://server/v1/models: a malformed answer: data[0].id is "
+                                                     f"{shown}, not a model's name; give the server's model name "
+                                                     "with --model")):
+        probe_server(client, "http://server/v1", None)
+
+
 def test_a_server_that_does_not_answer_is_named_after_timeout(capsys):
     """Every request waited 600 s on a server that hangs (no option): its /models first, then each form of the
     probe request; --timeout names it after that long."""

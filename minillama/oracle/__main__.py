@@ -37,7 +37,7 @@ from .layers import diff_layers
 from .report import report
 from .tolerances import BACKEND_PRESETS, PRESETS, Tolerances
 from .server import OpenAIBackend, base_url, seconds
-from .record import Record, check_manifest_free, export, load, save
+from .record import Record, bos_id, check_manifest_free, export, load, save
 
 EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
                "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
@@ -293,7 +293,8 @@ def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
     return Tolerances(**values, top_k=args.top_k, preset=name)
 
 
-def _openai_backend(args: argparse.Namespace, ref_path: str | None) -> OpenAIBackend:
+def _openai_backend(args: argparse.Namespace, ref_path: str | None, ref: Record) -> OpenAIBackend:
+    """The server's backend; the reference's config names the BOS a server may leave out of its echo."""
     if not args.url:
         raise BadInput("--backend openai needs --url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
     url, decode, vocab = base_url(args.url), None, None
@@ -301,7 +302,8 @@ def _openai_backend(args: argparse.Namespace, ref_path: str | None) -> OpenAIBac
         tok = load_tokenizer(Path(ref_path))  # the server's top-k come as texts: map them back to ids
         decode = tok.decode
         vocab = [tok.decode([i]) for i in range(tok.vocab_size)]
-    return OpenAIBackend(url, args.backend_model, args.top_k, args.timeout, decode=decode, vocab=vocab)
+    return OpenAIBackend(url, args.backend_model, args.top_k, args.timeout, decode=decode, vocab=vocab,
+                         bos=bos_id(ref))
 
 
 def _nothing_ignored(args: argparse.Namespace) -> None:
@@ -339,7 +341,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ref, model = _make_reference(args)
     ref_path = args.model or (ref.manifest.get("model") or {}).get("path")
     if args.backend == "openai":
-        backend = _openai_backend(args, ref_path)
+        backend = _openai_backend(args, ref_path, ref)
         cand = run_backend(ref, backend)
     elif args.backend:
         backend_path = args.backend_model or ref_path
@@ -425,7 +427,7 @@ def _reference_of_load(args: argparse.Namespace, result: dict[str, Any]) -> Comp
     ref = export(model, prompts, max_new_tokens=args.max_tokens, mode="independent", eos_ids=eos,
                  model_path=str(path))
     args.backend_model, args.top_k = result["server"]["model"], 5
-    cand = run_backend(ref, _openai_backend(args, str(path)))
+    cand = run_backend(ref, _openai_backend(args, str(path), ref))
     tol = PRESETS[BACKEND_PRESETS["openai"]]
     return Comparison({"describe": _describe_reference(ref)}, {"describe": cand.manifest.get("describe", "")}, tol,
                       compare(ref, cand, tol))

@@ -80,7 +80,7 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
     n = min(len(R), len(C))
     div = _first_difference(R, C)
     compared = n if teacher_forced or div is None else div + 1
-    res = QuestionResult(i, len(R), len(C), compared, div)
+    res = QuestionResult(i, len(R), len(C), compared, div, notes=list(cand.notes))
     lr = ref.logits[:compared]
     lpr = torch.log_softmax(lr, dim=-1)
 

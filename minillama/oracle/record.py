@@ -268,6 +268,13 @@ def _manifest_parts(manifest: dict, p: Path) -> list[dict]:
     return described
 
 
+def bos_id(rec: Record) -> int | None:
+    """The BOS id of the model that made `rec`, as its manifest's config names it; None where it names none."""
+    config = (rec.manifest.get("model") or {}).get("config")
+    bos = config.get("bos_token_id") if isinstance(config, dict) else None
+    return bos if type(bos) is int else None
+
+
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 

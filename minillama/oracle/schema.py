@@ -40,6 +40,7 @@ class QuestionRecord:
     top_logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_texts: list[list[str]] | None = None
+    notes: list[str] = field(default_factory=list)  # what a backend could not check, said in the report
 
 
 @dataclass

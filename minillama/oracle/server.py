@@ -10,12 +10,16 @@ With `echo`, the answer lists every prompt token with its log-probability given 
 one request per question teacher-forces minillama's answer: the prompt is the question's prompt followed
 by the reference's answer, and the last `steps` echoed entries (before the `usage.completion_tokens`
 generated ones) are the server's log-probabilities of the reference's answer tokens, each on the
-reference's context.
+reference's context. The echo must hold one entry per token sent, or the answer is refused: one entry more
+or less would set each log-prob beside another token. The one exception is a leading BOS left out of the
+echo, as some servers do (nothing before it gives it a log-prob). The answer read is the choice of index 0.
 
 Servers that take no token ids (llama-cpp-python's server accepts strings only) get the prompt as text,
-decoded with the reference's tokenizer; the server's token count (`usage.prompt_tokens`) must then equal
-the reference's, or the comparison is refused: it would compare other tokens. A server that returns no
-prompt log-probabilities cannot be compared, and the error says so.
+decoded with the reference's tokenizer; the server's token count (`usage.prompt_tokens`, and the echo's
+length) must then equal the reference's, or the comparison is refused: it would compare other tokens. Where
+the server gives no `usage.prompt_tokens` and its echo lacks the BOS, nothing tells a dropped BOS from a
+tokenizer that made one token fewer: the report says the count could not be checked. A server that returns
+no prompt log-probabilities cannot be compared, and the error says so.
 
 Only the standard library speaks HTTP here: the oracle needs no client package.
 """
@@ -66,18 +70,36 @@ def seconds(text: str) -> float:
     return value
 
 
+def first_model(got: Any, url: str, status: str, option: str) -> str:
+    """The name of the first model a server's `/models` answer lists (`data[0].id`): a name is a string, not
+    empty; a null or a number there is the server's malformed answer, named in one line, not sent on as a
+    model's name. `option` is the command line's way to name the model instead."""
+    try:
+        name = got["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        raise BackendError(f"{url}/models: no model listed ({status}); give the server's model name with "
+                           f"{option}") from None
+    if not (isinstance(name, str) and name):
+        raise BackendError(f"{url}/models: a malformed answer: data[0].id is {json.dumps(name)[:50]}, not a "
+                           f"model's name; give the server's model name with {option}")
+    return name
+
+
 class OpenAIBackend(Backend):
     """An OpenAI-compatible server at `url` (ending in /v1), teacher-forced through prompt log-probs.
 
     `decode` (token ids -> text) and `vocab` (token id -> its text alone) come from the reference's tokenizer:
     the first for servers that take text prompts only, the second to name the server's top-k tokens by id.
+    `bos` (the model's BOS id) is the one token a server may leave out of its echo, where a prompt starts with it.
     """
 
     name = "openai"
 
     def __init__(self, url: str, model: str | None = None, top_k: int = 5, timeout: float = 120.0,
-                 decode: Callable[[Sequence[int]], str] | None = None, vocab: Sequence[str] | None = None):
+                 decode: Callable[[Sequence[int]], str] | None = None, vocab: Sequence[str] | None = None,
+                 bos: int | None = None):
         self.url = url.rstrip("/")
+        self.bos = bos
         self.timeout = timeout
         self.top_k = top_k
         self.decode = decode
@@ -115,11 +137,7 @@ class OpenAIBackend(Backend):
 
     def _first_model(self) -> str:
         status, got = self._request("/models")
-        try:
-            return got["data"][0]["id"]
-        except (KeyError, IndexError, TypeError):
-            raise BackendError(f"{self.url}/models: no model listed (HTTP {status}); give the server's model "
-                               "name with --backend-model") from None
+        return first_model(got, self.url, f"HTTP {status}", "--backend-model")
 
     def _post(self, body: dict[str, Any]) -> tuple[int, Any]:
         """POST /completions, asking for the top-k tokens by id (vLLM and minillama serve take
@@ -163,17 +181,26 @@ class OpenAIBackend(Backend):
         if not token_lps:
             raise BackendError(f"{self.url}: the server returned no prompt log-probs (echo + logprobs): a "
                                "teacher-forced comparison needs them")
-        if self.text_prompts and usage.get("prompt_tokens") not in (None, len(ids)):
+        counted = usage.get("prompt_tokens")
+        if self.text_prompts and counted not in (None, len(ids)):
             raise BackendError(f"{self.url}: the server takes no token ids, and its tokenizer made "
-                               f"{usage['prompt_tokens']} tokens of the prompt's text where the reference has "
+                               f"{counted} tokens of the prompt's text where the reference has "
                                f"{len(ids)}: it would compare other tokens")
         generated = usage.get("completion_tokens")
         if generated is None:
             generated = 0 if choice.get("finish_reason") == "stop" else 1
-        end = len(token_lps) - generated
-        if end - steps < 0 or generated < 0:
-            raise BackendError(f"{self.url}: {len(token_lps)} echoed log-probs for a prompt and answer of "
-                               f"{len(ids)} tokens")
+        end = len(token_lps) - generated  # the echoed prompt's entries, before the generated ones
+        # A server may leave a leading BOS out of its echo (nothing before it gives it a log-prob): exactly
+        # that is read. Any other count, one entry more or less, would set each log-prob beside another token.
+        no_bos = end == len(ids) - 1 and self.bos is not None and ids[0] == self.bos
+        if not (end == len(ids) or no_bos) or generated < 0:
+            other = ", the prompt sent as text: its tokenizer made other tokens" if self.text_prompts else ""
+            raise BackendError(f"{self.url}: {len(token_lps)} echoed log-probs ({generated} generated) for a "
+                               f"prompt and answer of {len(ids)} tokens{other}")
+        notes = []
+        if self.text_prompts and counted is None and no_bos:  # a tokenizer that made one token fewer reads alike
+            notes.append(f"the server sent no usage.prompt_tokens and echoed the prompt's text without its BOS: "
+                         f"that its tokenizer made the reference's {len(ids)} tokens of it could not be checked")
         chosen = token_lps[end - steps:end]  # log p(answer token s | prompt, answer[:s])
         if any(x is None for x in chosen):
             raise BackendError(f"{self.url}: the server gave no log-prob for some answer tokens")
@@ -185,7 +212,8 @@ class OpenAIBackend(Backend):
             top_texts.append([t for t, _ in best])
             for j, (text, value) in enumerate(best):
                 top_lps[s, j], top_ids[s, j] = value, _id_of(text, self.ids_of_text, self.url)
-        q = QuestionRecord(list(prompt), list(answer), logprobs=torch.tensor(chosen, dtype=torch.float32))
+        q = QuestionRecord(list(prompt), list(answer), logprobs=torch.tensor(chosen, dtype=torch.float32),
+                           notes=notes)
         if tops:
             q.top_ids, q.top_logprobs, q.top_texts = top_ids, top_lps, top_texts
         return q
@@ -195,14 +223,21 @@ class OpenAIBackend(Backend):
 
 
 def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
-    """A completion's first choice, its echoed log-probs, their top log-probs and its usage, each checked to be
-    of the type read (a server's answer is its own: a wrong shape is named in one line, not met as a crash)."""
+    """A completion's choice of index 0 (the one asked for), its echoed log-probs, their top log-probs and its
+    usage, each checked to be of the type read (a server's answer is its own: a wrong shape is named in one
+    line, not met as a crash)."""
     choices = got.get("choices") if isinstance(got, dict) else None
     if isinstance(got, dict) and got.get("error") is not None:  # a refusal sent with HTTP 200
         raise BackendError(f"{where}: an error in an answer of HTTP 200: {_message(got)}")
-    if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
+    if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
         raise BackendError(f"{where}: no choices in the answer (a list of objects)")
-    choice, usage = choices[0], got.get("usage") or {}
+    # The API numbers each choice; its place in the list is no promise. Choices without their number, or
+    # two of one number, cannot say which is the answer asked for.
+    indexes = [c.get("index") for c in choices]
+    if not (all(type(i) is int for i in indexes) and len(set(indexes)) == len(indexes) and 0 in indexes):
+        raise BackendError(f"{where}: a malformed answer: choices must each have their own integer index, one "
+                           f"of them 0 (got indexes {json.dumps(indexes)[:80]})")
+    choice, usage = choices[indexes.index(0)], got.get("usage") or {}
     lp = choice.get("logprobs") or {}
     token_lps, tops = (lp.get("token_logprobs"), lp.get("top_logprobs")) if isinstance(lp, dict) else (None, None)
     checks = [(isinstance(lp, dict), "choices[0].logprobs must be an object"),

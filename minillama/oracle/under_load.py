@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import BadInput
 from ..serve.client import Refused, ask
 from .backends import BackendError
-from .server import base_url
+from .server import base_url, first_model
 
 ID_LOW, ID_HIGH = 32, 256
 WORDS = ("the river bridge opened engineer steel road tracks long metres north city works year built design "
@@ -94,13 +94,14 @@ def probe_server(client: Any, url: str, model: str | None, prompts: str = "auto"
     if model is None:
         try:
             r = client.get(url + "/models")
-            model = r.json()["data"][0]["id"]
+            got = r.json()
         except httpx.TimeoutException:
             raise BackendError(f"{url}/models: no answer within {client.timeout.read:g} s (--timeout)") from None
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise BackendError(f"{url}: cannot reach the server ({type(e).__name__}: {e})") from None
-        except (ValueError, RecursionError, KeyError, IndexError, TypeError):
-            raise BackendError(f"{url}/models: no model listed; give the served model's name with --model") from None
+        except (ValueError, RecursionError):  # not JSON
+            got = None
+        model = first_model(got, url, f"HTTP {r.status_code}", "--model")
     rng = random.Random(12345)
     ids = [rng.randrange(ID_LOW, ID_HIGH) for _ in range(12)]
     kinds = {"auto": [True, False], "ids": [True], "text": [False]}[prompts]
