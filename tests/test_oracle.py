@@ -1114,6 +1114,24 @@ def test_an_echo_without_its_leading_bos_is_read(tiny, ref, completions_server):
                                           for q in ref.questions[:2]] + [[]]
 
 
+def test_both_clients_say_an_error_sent_with_http_200_alike(tiny, ref, completions_server):
+    """The oracle's client (urllib) and serve's checks' (httpx) each found such an error, and worded it apart:
+    the error's message, and the error's JSON. One rule and one wording now (minillama/refusal.py)."""
+    import httpx
+
+    from minillama.oracle.server import OpenAIBackend
+    from minillama.serve.client import Refused, ask
+
+    state, url = completions_server
+    state["server"] = _Garbage(tiny[1], lambda g: g.update(error={"message": "model\n overloaded", "code": 503}))
+    said = "an error in an answer of HTTP 200: model overloaded"
+    with pytest.raises(BackendError) as oracle:
+        run_backend(ref, OpenAIBackend(url))
+    with httpx.Client() as client, pytest.raises(Refused) as serve:
+        ask(client, url, "/completions", {"prompt": [5, 6, 7], "logprobs": 1, "max_tokens": 1})
+    assert (str(oracle.value), str(serve.value)) == (f"{url}/completions: {said}", said)
+
+
 def test_a_top_token_named_by_a_digit_int_refuses_is_a_text():
     from minillama.oracle.server import _id_of
 

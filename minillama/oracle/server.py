@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import BadInput
+from ..refusal import error_in_answer, said
 from .backends import BACKENDS, Backend, BackendError
 from .schema import is_number
 
@@ -145,7 +146,7 @@ class OpenAIBackend(Backend):
         a server that ignores it names them by text, as it would anyway."""
         if self.names_ids:
             status, got = self._request("/completions", {**body, "return_tokens_as_token_ids": True})
-            if status == 200 or "return_tokens_as_token_ids" not in _message(got):
+            if status == 200 or "return_tokens_as_token_ids" not in said(got):
                 return status, got
             self.names_ids = False
         return self._request("/completions", body)
@@ -157,18 +158,18 @@ class OpenAIBackend(Backend):
             if status == 200:
                 return got
             if self.decode is None:
-                raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
+                raise BackendError(f"{self.url}/completions: HTTP {status}: {said(got)}")
             # Some servers refuse token ids (and some say so with HTTP 500): try the text they decode to.
-            first = f"HTTP {status}: {_message(got)}"
+            first = f"HTTP {status}: {said(got)}"
             status, got = self._post({**body, "prompt": self.decode(ids)})
             if status != 200:
                 raise BackendError(f"{self.url}/completions: with token ids {first}; with text HTTP {status}: "
-                                   f"{_message(got)}")
+                                   f"{said(got)}")
             self.text_prompts = True
             return got
         status, got = self._post({**body, "prompt": self.decode(ids)})
         if status != 200:
-            raise BackendError(f"{self.url}/completions: HTTP {status}: {_message(got)}")
+            raise BackendError(f"{self.url}/completions: HTTP {status}: {said(got)}")
         return got
 
     # -- the oracle's question ---------------------------------------------------------------------------
@@ -227,8 +228,9 @@ def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
     usage, each checked to be of the type read (a server's answer is its own: a wrong shape is named in one
     line, not met as a crash)."""
     choices = got.get("choices") if isinstance(got, dict) else None
-    if isinstance(got, dict) and got.get("error") is not None:  # a refusal sent with HTTP 200
-        raise BackendError(f"{where}: an error in an answer of HTTP 200: {_message(got)}")
+    refused = error_in_answer(got)
+    if refused is not None:
+        raise BackendError(f"{where}: {refused}")
     if not (isinstance(choices, list) and choices and all(isinstance(c, dict) for c in choices)):
         raise BackendError(f"{where}: no choices in the answer (a list of objects)")
     # The API numbers each choice; its place in the list is no promise. Choices without their number, or
@@ -257,14 +259,6 @@ def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
     if bad is not None:
         raise BackendError(f"{where}: a malformed answer: {bad}")
     return choice, token_lps, tops, usage
-
-
-def _message(got: Any) -> str:
-    if isinstance(got, dict):
-        err = got.get("error", got)
-        msg = err.get("message", err) if isinstance(err, dict) else err
-        return " ".join(str(msg).split())[:300]
-    return " ".join(str(got).split())[:300]
 
 
 def _id_of(text: str, ids_of_text: dict[str, int], url: str) -> int:

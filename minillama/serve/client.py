@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..refusal import error_in_answer
+
 
 class Refused(Exception):
     """The server answered with an HTTP error, or a stream ended without its `[DONE]`."""
@@ -69,8 +71,9 @@ def _fold_all(got: list[dict[str, Any]], text: str, chat: bool, stream: bool = F
     another shape than the API's (a server's own) raises `Refused` naming it, not an error of the reading."""
     try:
         payload = json.loads(text)
-        if isinstance(payload, dict) and payload.get("error") is not None:  # a refusal sent with HTTP 200
-            raise Refused(f"an error in an answer of HTTP 200: {' '.join(json.dumps(payload['error']).split())[:300]}")
+        refused = error_in_answer(payload)
+        if refused is not None:
+            raise Refused(refused)
         choices = payload.get("choices", []) if stream else payload["choices"]
         seen = set()
         for c in choices:
