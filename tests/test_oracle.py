@@ -1114,6 +1114,46 @@ def test_an_echo_without_its_leading_bos_is_read(tiny, ref, completions_server):
                                           for q in ref.questions[:2]] + [[]]
 
 
+class _SkipsSome(_Completions):
+    """A server whose echo leaves out some prompt entries (`skip`: positions in the prompt), as llama-cpp-python's
+    leaves out special tokens while its usage counts them, naming each echoed token by its text (`<N>`)."""
+
+    def __init__(self, model, skip, names=lambda t: f"<{t}>"):
+        super().__init__(model)
+        self.skip, self.names = skip, names
+
+    def answer(self, body):
+        got = super().answer(body)
+        lp = got["choices"][0]["logprobs"]
+        lp["tokens"] = [self.names(int(t)) for t in lp["tokens"]]
+        for key in ("token_logprobs", "top_logprobs", "tokens"):
+            lp[key] = [x for i, x in enumerate(lp[key]) if i not in self.skip]
+        return got
+
+
+def test_an_echo_that_leaves_tokens_out_is_read_by_the_answers_texts(tiny, ref, completions_server):
+    """llama-cpp-python's server echoed 87 entries for 90 tokens sent, usage saying 90: read from the end, its
+    answer's log-probs were right, but a count alone cannot tell that echo from one of other tokens. Where the
+    server names its echoed tokens, the answer's texts at the echo's end place it (a note says so); where they
+    differ, or nothing names them, it is refused."""
+    from minillama.oracle.server import OpenAIBackend
+
+    state, url = completions_server
+    vocab = [f"<{i}>" for i in range(tiny[1].config.vocab_size)]
+    state["server"] = _SkipsSome(tiny[1], skip={1, 3})
+    results = compare(ref, run_backend(ref, OpenAIBackend(url, vocab=vocab)), Tolerances(preset="fp32"))
+    assert all(r.passed and r.top_k_overlap == 1.0 for r in results), [r.reason for r in results]
+    n = [len(q.prompt_ids) + len(q.token_ids) for q in ref.questions]
+    assert [r.notes for r in results] == [[f"the server echoed {k - 2} entries for the {k} tokens sent (its echo "
+                                           f"leaves some out); the answer's {len(q.token_ids)} were found at the "
+                                           "echo's end by their texts"] for k, q in zip(n, ref.questions)]
+    for server, names in ((_SkipsSome(tiny[1], skip={1, 3}, names=lambda t: f"<{t + 1}>"), vocab),  # other tokens
+                          (_SkipsSome(tiny[1], skip={1, 3}), None)):  # nothing to read the names by
+        state["server"] = server
+        with pytest.raises(BackendError, match=re.escape("echoed log-probs (1 generated) for a prompt and answer")):
+            run_backend(ref, OpenAIBackend(url, vocab=names))
+
+
 def test_both_clients_say_an_error_sent_with_http_200_alike(tiny, ref, completions_server):
     """The oracle's client (urllib) and serve's checks' (httpx) each found such an error, and worded it apart:
     the error's message, and the error's JSON. One rule and one wording now (minillama/refusal.py)."""

@@ -11,8 +11,10 @@ one request per question teacher-forces minillama's answer: the prompt is the qu
 by the reference's answer, and the last `steps` echoed entries (before the `usage.completion_tokens`
 generated ones) are the server's log-probabilities of the reference's answer tokens, each on the
 reference's context. The echo must hold one entry per token sent, or the answer is refused: one entry more
-or less would set each log-prob beside another token. The one exception is a leading BOS left out of the
-echo, as some servers do (nothing before it gives it a log-prob). The answer read is the choice of index 0.
+or less would set each log-prob beside another token. Two exceptions: a leading BOS left out of the echo, as
+some servers do (nothing before it gives it a log-prob), and an echo that leaves out other tokens (special
+ones) whose last entries before the generated ones are named by the texts of the reference's answer tokens
+(`_answer_ends_echo`): read from the end, with a note. The answer read is the choice of index 0.
 
 Servers that take no token ids (llama-cpp-python's server accepts strings only) get the prompt as text,
 decoded with the reference's tokenizer; the server's token count (`usage.prompt_tokens`, and the echo's
@@ -107,6 +109,7 @@ class OpenAIBackend(Backend):
         self.text_prompts = False  # set once the server refuses token ids
         self.names_ids = True  # top-k named "token_id:N" (return_tokens_as_token_ids) until the server refuses it
         self.model = model or self._first_model()
+        self.vocab = vocab
         self.ids_of_text = _unique_texts(vocab) if vocab is not None else {}
 
     def describe(self) -> str:
@@ -194,11 +197,14 @@ class OpenAIBackend(Backend):
         # A server may leave a leading BOS out of its echo (nothing before it gives it a log-prob): exactly
         # that is read. Any other count, one entry more or less, would set each log-prob beside another token.
         no_bos = end == len(ids) - 1 and self.bos is not None and ids[0] == self.bos
-        if not (end == len(ids) or no_bos) or generated < 0:
-            other = ", the prompt sent as text: its tokenizer made other tokens" if self.text_prompts else ""
-            raise BackendError(f"{self.url}: {len(token_lps)} echoed log-probs ({generated} generated) for a "
-                               f"prompt and answer of {len(ids)} tokens{other}")
         notes = []
+        if not (end == len(ids) or no_bos) or generated < 0:
+            if generated < 0 or not self._answer_ends_echo(choice, end, answer):
+                other = ", the prompt sent as text: its tokenizer made other tokens" if self.text_prompts else ""
+                raise BackendError(f"{self.url}: {len(token_lps)} echoed log-probs ({generated} generated) for a "
+                                   f"prompt and answer of {len(ids)} tokens{other}")
+            notes.append(f"the server echoed {end} entries for the {len(ids)} tokens sent (its echo leaves some "
+                         f"out); the answer's {steps} were found at the echo's end by their texts")
         if self.text_prompts and counted is None and no_bos:  # a tokenizer that made one token fewer reads alike
             notes.append(f"the server sent no usage.prompt_tokens and echoed the prompt's text without its BOS: "
                          f"that its tokenizer made the reference's {len(ids)} tokens of it could not be checked")
@@ -221,6 +227,17 @@ class OpenAIBackend(Backend):
 
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         raise BackendError(f"{self.name}: a server gives log-probs, not logits rows")
+
+
+    def _answer_ends_echo(self, choice: dict, end: int, answer: Sequence[int]) -> bool:
+        """Whether the echo's entries just before the generated ones are the answer's tokens, by the texts the
+        server names them with (`logprobs.tokens`) and the reference's: how an echo that leaves tokens out (a
+        server whose echo skips special tokens) is still read, where the count alone cannot place it."""
+        texts = (choice.get("logprobs") or {}).get("tokens")
+        if self.vocab is None or not isinstance(texts, list) or not len(answer) <= end <= len(texts):
+            return False
+        return all(isinstance(t, str) and t in (self.vocab[i], f"token_id:{i}") if 0 <= i < len(self.vocab) else False
+                   for t, i in zip(texts[end - len(answer):end], answer))
 
 
 def _fields(got: Any, where: str) -> tuple[dict, list, list | None, dict]:
