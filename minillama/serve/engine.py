@@ -33,7 +33,8 @@ from ..model import Llama
 from ..step import Pack
 from ..transfer import to_device
 from .logits import PromptLogprob, filtered, prompt_logprobs, top_entries
-from .prefix import Block, PrefixCache, stored, unfilled
+from .budget import Reservation, planned
+from .prefix import Block, PrefixCache
 
 
 class QueueFull(Exception):
@@ -200,29 +201,22 @@ class Engine:
             self.running, self.waiting = [], []
 
     def _admit(self) -> None:
-        """Move waiting sequences to running (lock held) while the cache's bytes, all that those running may still add
-        (`_planned`) and what those admitted together will (`prefix.stored`) fit the budget; one always runs."""
+        """Move waiting sequences to running (lock held) while the cache's bytes and all that those running and
+        those admitted may still store (`budget.Reservation`) fit the budget; one always runs."""
         self.waiting = [s for s in self.waiting if not s.cancelled]
         admitted: list[Choice] = []
-        planned = self._planned()
+        held = Reservation(self.running, self.prefix, self.kv_per_token)
         while self.waiting and len(self.running) + len(admitted) < self.max_running:
             s = self.waiting[0]
-            batch = [c.prompt for c in admitted if not c.echo] if self.prefix is not None and not s.echo else None
-            new = stored(batch + [s.prompt]) - stored(batch) if batch is not None else len(s.prompt)  # shared: once
-            need = self.kv_per_token * (new + s.params.max_new_tokens)
-            if (self.running or admitted) and self.budget and self.cache.used_bytes() + planned + need > self.budget:
-                if self.prefix is None or not self.prefix.evict(max(self.budget - planned - need, 1)):
+            need = held.need(s)
+            if (self.running or admitted) and self.budget and self.cache.used_bytes() + held.bytes + need > self.budget:
+                if self.prefix is None or not self.prefix.evict(max(self.budget - held.bytes - need, 1)):
                     break
                 continue
-            planned += need
+            held.add(s, need)
             admitted.append(self.waiting.pop(0))
         self._place(admitted)
         self.running.extend(admitted)
-
-    def _planned(self) -> int:
-        """Bytes the running sequences may still add: prompt tokens not computed (a shared block once), answers."""
-        return self.kv_per_token * (unfilled(s.blocks for s in self.running) + sum(
-            len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in self.running))
 
     def _place(self, seqs: list[Choice]) -> None:
         """Give each admitted sequence its prefix blocks (those admitted together share a partial block for
@@ -246,7 +240,8 @@ class Engine:
                 self._finish(s, None)  # (one finished already: nothing)
             self.running = [s for s in self.running if not s.finished]
             if self.prefix is not None and self.budget:  # idle blocks make room for all that those running may add
-                self.prefix.evict(max(self.budget - self._planned(), 1))  # (also for one admitted alone, unchecked)
+                room = self.budget - planned(self.running, self.kv_per_token)  # (for one admitted alone too)
+                self.prefix.evict(max(room, 1))
         if not self.running:
             self.pending = None  # every sequence in it has finished
             return

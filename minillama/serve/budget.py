@@ -1,0 +1,59 @@
+"""The KV cache's memory budget (`--max-memory`): what the sequences admitted may still store, in bytes.
+
+The budget is a hard bound, kept by reservation: the engine admits a waiting sequence only while the cache's
+bytes, all that the running sequences may still store (`planned`) and all that the sequences admitted in
+the same call will store (`Reservation`) fit it, so no answer is ever cut short or recomputed for want of
+room. A sequence stores its prompt's tokens (those the prefix cache stores once for the prompts admitted
+together, once: `prefix.stored`) and its answer's."""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+from ..generate import SamplingParams
+from ..tokens import Question
+from .prefix import Block, PrefixCache, stored, unfilled
+
+
+class Choice(Protocol):
+    """What the budget reads of one of the engine's sequences (engine.Choice)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    echo: bool  # every prompt row computed: no prefix reuse
+    q: Question | None
+    blocks: list[Block]  # its prefix blocks, once running
+    tail: list[int]  # prompt tokens in its own segment
+    fed: int  # of them, computed (or scheduled)
+
+
+def planned(running: Iterable[Choice], kv_per_token: int) -> int:
+    """Bytes the running sequences may still store: prompt tokens not computed (a shared block once), answers."""
+    running = list(running)
+    return kv_per_token * (unfilled(s.blocks for s in running) + sum(
+        len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in running))
+
+
+class Reservation:
+    """The bytes reserved in one admission: those the running sequences may still store, and those of each
+    sequence admitted so far in it. Prompts admitted together that share the prefix cache (not echo) count
+    the tokens it stores once for them once."""
+
+    def __init__(self, running: Iterable[Choice], prefix: PrefixCache | None, kv_per_token: int):
+        self.prefix, self.kv_per_token = prefix, kv_per_token
+        self.bytes = planned(running, kv_per_token)
+        self.burst: list[list[int]] = []  # the prompts admitted so far that share the prefix cache
+
+    def need(self, s: Choice) -> int:
+        """Bytes `s` would store beside the sequences admitted so far."""
+        if self.prefix is None or s.echo:
+            new = len(s.prompt)
+        else:
+            new = stored(self.burst + [s.prompt]) - stored(self.burst)  # shared: once
+        return self.kv_per_token * (new + s.params.max_new_tokens)
+
+    def add(self, s: Choice, need: int) -> None:
+        """`s` is admitted: its `need` is reserved."""
+        self.bytes += need
+        if self.prefix is not None and not s.echo:
+            self.burst.append(s.prompt)
