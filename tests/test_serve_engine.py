@@ -394,3 +394,24 @@ def test_stored_counts_the_tokens_acquire_all_stores(model):
                    for _ in range(rng.randint(1, 6))]
         blocks = {id(b): len(b.tokens) for chain in prefix.acquire_all(prompts) for b in chain}
         assert stored(prompts, prefix.block) == sum(blocks.values()) + len(prompts), prompts
+
+
+def test_an_admission_counts_the_burst_once_per_request(model, monkeypatch):
+    """Each request admitted costs one `prefix.stored` over the burst: the figure without it is the one the
+    request before it was admitted with, carried over (before, two: with it and without it)."""
+    from minillama.serve import budget
+
+    calls, counted = [0], budget.stored
+
+    def stored(prompts):
+        calls[0] += 1
+        return counted(prompts)
+
+    monkeypatch.setattr(budget, "stored", stored)
+    doc = list(range(10, 100))
+    engine = Engine(model.llama, eos_of(model))
+    engine.budget = engine.kv_per_token * 10_000
+    engine.submit([Choice(doc + [3 + i], PARAMS, lambda ev: None) for i in range(8)])
+    with engine.lock:
+        engine._admit()
+    assert len(engine.running) == 8 and calls[0] == 8

@@ -43,17 +43,21 @@ class Reservation:
         self.prefix, self.kv_per_token = prefix, kv_per_token
         self.bytes = planned(running, kv_per_token)
         self.burst: list[list[int]] = []  # the prompts admitted so far that share the prefix cache
+        self.stored = 0  # the tokens the prefix cache and their own segments store for them
+        self.asked = 0  # the same with the prompt `need` was asked about last
 
     def need(self, s: Choice) -> int:
         """Bytes `s` would store beside the sequences admitted so far."""
         if self.prefix is None or s.echo:
             new = len(s.prompt)
         else:
-            new = stored(self.burst + [s.prompt]) - stored(self.burst)  # shared: once
+            self.asked = stored(self.burst + [s.prompt])
+            new = self.asked - self.stored  # shared: once
         return self.kv_per_token * (new + s.params.max_new_tokens)
 
     def add(self, s: Choice, need: int) -> None:
-        """`s` is admitted: its `need` is reserved."""
+        """`s`, whose `need` was asked last, is admitted: its need is reserved (the burst's count carried over)."""
         self.bytes += need
         if self.prefix is not None and not s.echo:
             self.burst.append(s.prompt)
+            self.stored = self.asked
