@@ -415,3 +415,31 @@ def test_an_admission_counts_the_burst_once_per_request(model, monkeypatch):
     with engine.lock:
         engine._admit()
     assert len(engine.running) == 8 and calls[0] == 8
+
+
+@pytest.mark.parametrize("when", ["together", "mid-prefill"])
+def test_an_answer_reserves_each_token_but_the_last(model, when):
+    """An answer of max_tokens stores every token but its last, which is never fed back: with a budget of exactly
+    what two sequences store (prompt, and answer but one), the second is admitted beside the first, submitted
+    together (computed in one pass, in step: the cache reaches the budget) or while the first's prompt is still
+    computed, and the cache never passes it (before, each answer counted a token more and the second waited)."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [[3] + list(range(10, 210)), [4] + list(range(10, 210))]
+    engine = Engine(model.llama, eos_of(model), max_batch_tokens=64 if when == "mid-prefill" else 512,
+                    prefix_cache=False)
+    engine.budget = engine.kv_per_token * 2 * (len(prompts[0]) + params.max_new_tokens - 1)
+    peak = _peak_in_passes(engine)
+    first = Choice(prompts[0], params, lambda ev: None)
+    engine.submit([first] if when == "mid-prefill" else [first, Choice(prompts[1], params, lambda ev: None)])
+    if when == "mid-prefill":
+        with engine.lock:
+            engine._admit()
+        engine._step()
+        assert 0 < first.fed < len(first.tail) and not first.q.answer.token_ids
+        engine.submit([Choice(prompts[1], params, lambda ev: None)])
+    with engine.lock:
+        engine._admit()
+    assert len(engine.running) == 2 and not engine.waiting
+    while engine.running:
+        engine._step()
+    assert peak[0] == engine.budget if when == "together" else 0 < peak[0] <= engine.budget

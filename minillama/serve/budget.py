@@ -4,7 +4,7 @@ The budget is a hard bound, kept by reservation: the engine admits a waiting seq
 bytes, all that the running sequences may still store (`planned`) and all that the sequences admitted in
 the same call will store (`Reservation`) fit it, so no answer is ever cut short or recomputed for want of
 room. A sequence stores its prompt's tokens (those the prefix cache stores once for the prompts admitted
-together, once: `prefix.stored`) and its answer's."""
+together, once: `prefix.stored`) and its answer's but the last (`answer_tokens`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,15 @@ def planned(running: Iterable[Choice], kv_per_token: int) -> int:
     """Bytes the running sequences may still store: prompt tokens not computed (a shared block once), answers."""
     running = list(running)
     return kv_per_token * (unfilled(s.blocks for s in running) + sum(
-        len(s.tail) - s.fed + s.params.max_new_tokens - len(s.q.answer.token_ids) for s in running))
+        len(s.tail) - s.fed + answer_tokens(s.params.max_new_tokens, max(s.q.next_pos - len(s.prompt), 0))
+        for s in running))
+
+
+def answer_tokens(max_new_tokens: int, fed: int = 0) -> int:
+    """Answer tokens a sequence will still store, `fed` of them fed back already: every one but the last, which
+    ends the answer and is never fed back (a pass fed token i + 1 after token i; a pass launched ahead of the host
+    feeds no token that ends the answer by its length: `Engine._launch`)."""
+    return max(max_new_tokens - 1 - fed, 0)
 
 
 class Reservation:
@@ -53,7 +61,7 @@ class Reservation:
         else:
             self.asked = stored(self.burst + [s.prompt])
             new = self.asked - self.stored  # shared: once
-        return self.kv_per_token * (new + s.params.max_new_tokens)
+        return self.kv_per_token * (new + answer_tokens(s.params.max_new_tokens))
 
     def add(self, s: Choice, need: int) -> None:
         """`s`, whose `need` was asked last, is admitted: its need is reserved (the burst's count carried over)."""
