@@ -443,3 +443,106 @@ def test_an_answer_reserves_each_token_but_the_last(model, when):
     while engine.running:
         engine._step()
     assert peak[0] == engine.budget if when == "together" else 0 < peak[0] <= engine.budget
+
+
+def test_a_mostly_cached_prompt_counts_only_what_it_adds(model):
+    """A prompt whose whole blocks the cache holds (here a running request's document) reserves only what it adds:
+    its own tokens and answer. With a budget of exactly that beside the running one, it is admitted at once and
+    the cache stays within the budget (before, its document counted again and it waited for the first to end)."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    doc = list(range(10, 138))  # two whole blocks
+    first, later = doc + [3, 5, 6, 7, 8], doc + [4, 5, 6, 7, 8]
+    engine = Engine(model.llama, eos_of(model))
+    engine.budget = engine.kv_per_token * (len(first) + len(later) - len(doc) + 2 * (params.max_new_tokens - 1))
+    peak = _peak_in_passes(engine)
+    events: list[list[Event]] = [[], []]
+    engine.submit([Choice(first, params, events[0].append)])
+    with engine.lock:
+        engine._admit()
+    engine._step()
+    engine.submit([Choice(later, params, events[1].append)])
+    with engine.lock:
+        engine._admit()
+    assert len(engine.running) == 2 and not engine.waiting
+    while engine.running:
+        engine._step()
+    assert 0 < peak[0] <= engine.budget and engine.stats()["prefix_hit_tokens"] == len(doc)
+    for p, evs in zip((first, later), events):
+        solo = generate(model.llama, [p], params, mode="independent", eos_ids=eos_of(model))[0]
+        assert [e.token for e in evs] == solo.token_ids and [e.logprob for e in evs] == solo.logprobs
+
+
+def test_a_burst_counts_at_least_what_it_adds_to_a_cache_that_holds_blocks(model):
+    """`Reservation`'s count for prompts admitted together (`prefix.stored` less the whole blocks found,
+    `PrefixCache.found`) is never less than what `acquire_all` then adds: tokens of new blocks, of idle blocks
+    not computed yet, each prompt's last (a block some running request holds is in its own reservation). Random
+    trees over a 3-token alphabet: bursts before, their blocks computed wholly, partly or not at all, then
+    finished or still running."""
+    from minillama.serve.prefix import stored
+
+    rng = random.Random(8)
+    credited = 0
+    for _ in range(300):
+        prefix = PrefixCache(model.llama.new_cache(), block=rng.choice([4, 8, 64]))
+        doc = [rng.randrange(3, 6) for _ in range(150)]
+
+        def burst() -> list[list[int]]:
+            return [doc[:rng.randint(0, 150)] + [rng.randrange(3, 6) for _ in range(rng.randint(1, 5))]
+                    for _ in range(rng.randint(1, 6))]
+
+        for _ in range(rng.randint(0, 3)):
+            for chain in prefix.acquire_all(burst()):
+                computed = rng.randint(0, sum(len(b.tokens) for b in chain))  # in chain order, as the engine fills
+                for b in chain:
+                    n = max(0, min(len(b.tokens) - b.filled, computed - b.filled))
+                    at = b.position + b.filled
+                    prefix.cache.append(torch.full((n,), b.segment), torch.arange(at, at + n))
+                    b.filled, computed = b.filled + n, computed - len(b.tokens)
+                if rng.random() < 0.6:
+                    prefix.release(chain)
+            prefix.evict(max(1, int(prefix.cache.used_bytes() * rng.random())))
+        prompts = burst()
+        before = {id(b): b.refs for b in prefix.blocks.values()}
+        counted = stored(prompts, prefix.block) - prefix.found(prompts)
+        credited += counted < stored(prompts, prefix.block)
+        chains = prefix.acquire_all(prompts)
+        added = {id(b): 0 if before.get(id(b)) else len(b.tokens) - b.filled for chain in chains for b in chain}
+        assert sum(added.values()) + len(prompts) <= counted, prompts
+    assert credited > 100
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_budget_holds_where_cached_blocks_are_counted_as_found(model, seed):
+    """Random requests over two documents (whole blocks found cached, held, or evicted to make room while a burst
+    is admitted), some cancelled with their prompt partly computed (idle blocks left partly computed), arriving
+    while others run, with a budget that fits the largest alone: after each admission that checked the budget,
+    the cache and all that the running sequences may still store (`budget.planned`, exact for answers without
+    EOS) fit it, and in every pass the cache holds at most the budget."""
+    from minillama.serve.budget import planned
+
+    rng = random.Random(seed)
+    docs = [[rng.randrange(3, 300) for _ in range(150)] for _ in range(2)]
+    engine = Engine(model.llama, eos_of(model), max_batch_tokens=16)
+    prompts = [rng.choice(docs)[:rng.choice([64, 100, 130, 150])] + [rng.randrange(3, 300) for _ in range(3)]
+               for _ in range(24)]
+    params = [SamplingParams(max_new_tokens=rng.randint(0, 4), ignore_eos=True) for _ in prompts]
+    largest = max(len(p) + max(sp.max_new_tokens - 1, 0) for p, sp in zip(prompts, params))
+    engine.budget = engine.kv_per_token * rng.randint(largest, largest * 3 // 2)
+    peak = _peak_in_passes(engine)
+    waiting = [Choice(p, sp, lambda ev: None) for p, sp in zip(prompts, params)]
+    checked = 0
+    while waiting or engine.waiting or engine.running:
+        if waiting and rng.random() < 0.5:
+            engine.submit([waiting.pop() for _ in range(min(len(waiting), rng.randint(1, 4)))])
+        for s in engine.running:
+            if 0 < s.fed < len(s.tail) and rng.random() < 0.3:
+                engine.cancel([s])
+        before = len(engine.running)
+        with engine.lock:
+            engine._admit()
+        if before or len(engine.running) > 1:
+            checked += len(engine.running) > before
+            assert engine.cache.used_bytes() + planned(engine.running, engine.kv_per_token) <= engine.budget
+        engine._step()
+        assert peak[0] <= engine.budget
+    assert checked and engine.stats()["prefix_hit_tokens"] > 0 and engine.stats()["evicted_blocks"] > 0

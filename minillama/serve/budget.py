@@ -51,7 +51,7 @@ class Reservation:
         self.prefix, self.kv_per_token = prefix, kv_per_token
         self.bytes = planned(running, kv_per_token)
         self.burst: list[list[int]] = []  # the prompts admitted so far that share the prefix cache
-        self.stored = 0  # the tokens the prefix cache and their own segments store for them
+        self.stored = 0  # the tokens the prefix cache and their own segments newly store for them
         self.asked = 0  # the same with the prompt `need` was asked about last
 
     def need(self, s: Choice) -> int:
@@ -59,7 +59,7 @@ class Reservation:
         if self.prefix is None or s.echo:
             new = len(s.prompt)
         else:
-            self.asked = stored(self.burst + [s.prompt])
+            self.asked = self._stored(self.burst + [s.prompt])
             new = self.asked - self.stored  # shared: once
         return self.kv_per_token * (new + answer_tokens(s.params.max_new_tokens))
 
@@ -69,3 +69,16 @@ class Reservation:
         if self.prefix is not None and not s.echo:
             self.burst.append(s.prompt)
             self.stored = self.asked
+
+    def recount(self) -> None:
+        """Count the burst again after an eviction: a block it found cached may be gone, to be computed again."""
+        fresh = self._stored(self.burst)
+        self.bytes += self.kv_per_token * (fresh - self.stored)
+        self.stored = fresh
+
+    def _stored(self, prompts: list[list[int]]) -> int:
+        """Tokens the prefix cache and their own segments newly store for `prompts` admitted together: `stored`, less
+        their whole blocks that the cache holds or a running sequence's reservation covers (`PrefixCache.found`).
+        Partial blocks found cached are counted as new: which of them a burst takes, or splits, and how that
+        regroups what its prompts share, is `acquire_all`'s to decide (a bound, not the exact figure)."""
+        return stored(prompts) - self.prefix.found(prompts)

@@ -212,6 +212,7 @@ class Engine:
             if (self.running or admitted) and self.budget and self.cache.used_bytes() + held.bytes + need > self.budget:
                 if self.prefix is None or not self.prefix.evict(max(self.budget - held.bytes - need, 1)):
                     break
+                held.recount()  # (what it evicted may be blocks the burst found cached)
                 continue
             held.add(s, need)
             admitted.append(self.waiting.pop(0))

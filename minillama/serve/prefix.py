@@ -159,6 +159,22 @@ class PrefixCache:
         level[head] = b
         return b
 
+    def found(self, prompts: Sequence[Sequence[int]]) -> int:
+        """Tokens of these prompts' whole blocks (those `acquire` takes first, from the roots) that the tree holds
+        already, each block once: all of a block some running request holds (its computed tokens are in the
+        cache, the rest in what that request still adds: `unfilled`), of an idle one the tokens computed. What
+        `stored` counts for the prompts but need not be stored again."""
+        found: dict[int, int] = {}
+        for p in prompts:
+            level = self.roots
+            for i in range(self.block, len(p), self.block):
+                b = level.get(tuple(p[i - self.block:i]))
+                if b is None:
+                    break
+                found[id(b)] = len(b.tokens) if b.refs else b.filled
+                level = b.children
+        return sum(found.values())
+
     def release(self, chain: Sequence[Block]) -> None:
         self.tick += 1
         for b in chain:
