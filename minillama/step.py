@@ -344,12 +344,12 @@ class Steps:
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
         self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
         self.overlap: bool | None = OVERLAP  # decoding one step ahead of the host (`overlapping`); None: by device
-        self.calls = 0  # generate calls under way on the model, in every thread (`answering`)
+        self.calls = 0  # generate calls and serving engines under way on the model, in every thread (`answering`)
 
     @contextlib.contextmanager
     def answering(self) -> Iterator[None]:
-        """A generate call under way: until it ends, the switches that choose the kernels (`Llama.invariant`,
-        `Llama.units`) refuse to change (`unchanged`), from any thread, so that no answer mixes two kinds."""
+        """A generate call or a serving engine's loop under way: until it ends, the switches that choose the
+        kernels (`Llama.invariant`, `.units`) refuse to change (`unchanged`), from any thread: no answer mixes two."""
         with self.lock:
             self.calls += 1
         try:
@@ -359,10 +359,10 @@ class Steps:
                 self.calls -= 1
 
     def unchanged(self, name: str) -> None:
-        """Refuse (RuntimeError) to change `name` while a generate call is under way; called with the lock held."""
+        """Refuse (RuntimeError) to change `name` while `answering`; called with the lock held."""
         if self.calls:
-            raise RuntimeError(f"model.{name} cannot change while generate() is answering on this model (in another "
-                               "thread, or from its callback): its answers would mix two kinds of kernels")
+            raise RuntimeError(f"model.{name} cannot change while generate() or a serving engine is answering on this "
+                               "model (in another thread, or from a callback): answers would mix two kinds of kernels")
 
     def capturing(self, device: torch.device) -> bool:
         """Whether the model's steps on `device` are captured (in buckets) now."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -546,3 +548,28 @@ def test_the_budget_holds_where_cached_blocks_are_counted_as_found(model, seed):
         engine._step()
         assert peak[0] <= engine.budget
     assert checked and engine.stats()["prefix_hit_tokens"] > 0 and engine.stats()["evicted_blocks"] > 0
+
+
+def test_the_kernels_cannot_change_while_the_engine_serves(model):
+    """While the engine's loop runs, `model.invariant` and `.units` refuse to change (RuntimeError), as under a
+    generate call, so no answer or cached block mixes two kinds of kernels; the answer being served keeps its solo
+    bits, and once the loop has stopped the switches are free (before, the flip went through mid-answer)."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = list(range(10, 80))
+    events: list[Event] = []
+    engine = Engine(model.llama, eos_of(model)).start()
+    try:
+        first = threading.Event()
+        engine.submit([Choice(prompt, params, lambda ev: (events.append(ev), first.set()))])
+        assert first.wait(60)
+        with pytest.raises(RuntimeError, match="model.invariant cannot change while generate"):
+            model.llama.invariant = False
+        with pytest.raises(RuntimeError, match="model.units cannot change"):
+            model.llama.units = model.llama.units
+        while not (events and events[-1].finish_reason) and engine.alive:
+            time.sleep(0.01)
+    finally:
+        engine.stop(60)
+        model.llama.invariant = True  # stopped: free again (and the model as it was, whatever happened above)
+    solo = generate(model.llama, [prompt], params, mode="independent", eos_ids=eos_of(model))[0]
+    assert [e.token for e in events] == solo.token_ids and [e.logprob for e in events] == solo.logprobs

@@ -141,13 +141,16 @@ class Engine:
     def run(self) -> None:
         """Run the loop in the calling thread until `stop()`. `minillama serve` runs it on the model loader's
         thread: OpenMP keeps a team of worker threads per calling thread, and a second team beside the loader's
-        made every pass 1.7x slower on a 2-core machine (docs/serve.md, "One thread computes")."""
+        made every pass 1.7x slower on a 2-core machine (docs/serve.md, "One thread computes"). While it runs,
+        `model.invariant` and `.units` refuse to change (`Steps.answering`): a cached block and each answer are
+        computed by the kernels the whole run has."""
         with self.lock:
             if self.owner is not None:
                 raise RuntimeError("the engine's loop runs once")
             self.owner = threading.current_thread()
         try:
-            self._loop()
+            with self.model.steps.answering():
+                self._loop()
         finally:
             self.ended.set()
 
