@@ -20,7 +20,6 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
@@ -37,9 +36,9 @@ from .files import json_text
 from .generate import SamplingParams, Stats, StreamTooLong
 from .inputs import model_context, read_jobs
 from .options import parse_or_keep
+from .waves import DEFAULT_MAX_MEMORY_MB, WavePlan, check_max_memory, memory_budget, wave_plan
 
 DTYPES = tuple(precision.DTYPES)
-DEFAULT_MAX_MEMORY_MB = 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
             groups[row.group].add_argument(*filter(None, (row.flag, row.short)), dest=name, default=default,
                                            help=row.help, **how)
     groups["generation"].add_argument(
-        "--max-memory", type=float, default=DEFAULT_MAX_MEMORY_MB, metavar="MB",
+        "--max-memory", type=float, metavar="MB",
         help="memory budget in MiB for the KV cache and per-question activations of parallel mode; the questions "
-             "run in waves that fit (default: %(default)g; 0: no bound)")
+             f"run in waves that fit (default: {DEFAULT_MAX_MEMORY_MB} on a CPU; on a GPU half its memory less the "
+             "model's weights; 0: no bound)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true",
                    help="JSON Lines on stdout, one object per question; the last stderr line is a JSON summary")
@@ -188,7 +188,8 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
                "mode": args.mode, "device": args.device, "dtype": args.dtype,
                "products": precision.describe(args.device, getattr(torch, args.dtype)),
                "parallel_size": min(plan.parallel_size or n_most, n_most),  # a wave holds what there is
-               "batch_docs": min(plan.batch_docs or len(jobs), len(jobs)), "max_memory_mb": args.max_memory,
+               "batch_docs": min(plan.batch_docs or len(jobs), len(jobs)),
+               "max_memory_mb": round(memory_budget(args.max_memory, model.llama) / 2**20, 2),
                "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
     print(json_text(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
@@ -228,8 +229,7 @@ def check_options(args: argparse.Namespace) -> None:
         raise BadInput("give --doc DOC and --questions QUESTIONS, or --input FILE.jsonl")
     if args.doc == "-" and args.questions == "-":
         raise BadInput("--doc and --questions cannot both read standard input")
-    if not (args.max_memory >= 0) or math.isinf(args.max_memory):
-        raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
+    check_max_memory(args.max_memory)
     # the API's own checks, from the option table, naming the options as the command line spells them
     check_api_options(spell=flag, **{name: getattr(args, name) for name, row in OPTIONS.items() if row.flag})
     check_device(args.device)
@@ -338,41 +338,6 @@ class AnswerWriter:
 # --- memory: parallel mode in waves -----------------------------------------------------------------
 
 
-@dataclass
-class WavePlan:
-    parallel_size: int | None  # questions of one document decoded together (None: all)
-    batch_docs: int | None  # documents per forward pass (None: all)
-    bytes: int  # the estimated peak of one pass over those questions and documents
-
-
-def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question_tokens: Sequence[Sequence[int]],
-              max_new_tokens: int, budget_bytes: int, parallel_size: int | None = None,
-              batch_docs: int | None = None, attention_bytes: int = 0) -> WavePlan:
-    """The largest waves whose estimated memory fits `budget_bytes` (0: no bound), for the options the
-    user left open. What a pass holds: each document's KV once, and per question its own tokens' KV
-    (prompt suffix and answer) and a few rows of activations (its logits row over the vocabulary, the
-    MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice. `attention_bytes`:
-    what attention may hold in a pass whatever the waves (a compiled model's `AttentionTiles.at_once`),
-    set aside from the budget first."""
-    max_new_tokens = min(max_new_tokens, config.max_position_embeddings)  # no answer runs past the context
-    kv_per_token = config.kv_bytes_per_token(dtype_bytes)
-    per_row = 4 * (2 * config.vocab_size + 3 * config.intermediate_size + 4 * config.hidden_size)
-    per_question = [2 * kv_per_token * (max(q, default=0) + max_new_tokens) + per_row for q in question_tokens]
-    per_doc = [2 * kv_per_token * d for d in doc_tokens]
-    counts = [len(q) for q in question_tokens]
-    if budget_bytes and parallel_size is None:
-        room = budget_bytes - attention_bytes - max(per_doc)
-        p = max(1, room // max(per_question)) if room > 0 else 1
-        parallel_size = p if p < max(counts) else None
-    p_eff = parallel_size or max(counts)
-    one_doc = [d + min(n, p_eff) * q for d, n, q in zip(per_doc, counts, per_question)]
-    if budget_bytes and batch_docs is None:
-        b = max(1, (budget_bytes - attention_bytes) // max(one_doc))
-        batch_docs = b if b < len(one_doc) else None
-    b_eff = batch_docs or len(one_doc)
-    return WavePlan(parallel_size, batch_docs, attention_bytes + sum(sorted(one_doc, reverse=True)[:b_eff]))
-
-
 def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], args: argparse.Namespace) -> WavePlan:
     """`wave_plan` for parallel mode, from token counts: each document and question tokenized alone, plus
     the template's text around them (the same for every prompt). Other modes hold one question at a time."""
@@ -388,7 +353,7 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     llama = model.llama  # a compiled pass holds its attention items at once, up to the tiles' bound (model.py)
     held = llama.tiles.attention.at_once if llama.steps.compiled else 0
     return wave_plan(config, dtype_bytes, doc_tokens, question_tokens, args.max_new_tokens,
-                     math.ceil(args.max_memory * 2**20), args.parallel_size, args.batch_docs, held)
+                     memory_budget(args.max_memory, llama), args.parallel_size, args.batch_docs, held)
 
 
 def summary_line(s: dict[str, Any]) -> str:

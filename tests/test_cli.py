@@ -415,6 +415,35 @@ def test_default_budget_bounds_thousands_of_questions():
     assert endless.parallel_size > 1
 
 
+def test_the_budget_unset_is_half_a_gpus_memory_less_the_models_weights(monkeypatch):
+    """`--max-memory` unset (generate's waves, serve's KV cache): 1024 MiB on a CPU; on a GPU, where 1 GiB holds
+    8,192 tokens of an 8B model's keys and values, half the device's memory less the whole model's weights
+    (SmolLM2-135M: 134,515,008 parameters), the same on every rank of a tensor-parallel run, whatever its own
+    part. The device stood in for: this machine has none."""
+    from types import SimpleNamespace
+
+    from minillama.config import LlamaConfig
+    from minillama.waves import memory_budget
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: asked.append(device) or SimpleNamespace(total_memory=141 * 2**30))
+
+    def llama(device: str, part: int, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:  # a rank's part
+        return SimpleNamespace(device=torch.device(device), config=smollm2,
+                               parameters=lambda: iter([torch.zeros(part, dtype=dtype)]))
+
+    assert memory_budget(None, llama("cuda:1", 5)) == (141 * 2**30 - 2 * 134_515_008) // 2
+    assert asked == [torch.device("cuda:1")]
+    assert memory_budget(None, llama("cuda:0", 7)) == memory_budget(None, llama("cuda:0", 9))  # ranks alike
+    assert memory_budget(None, llama("cuda:0", 1, torch.float32)) == (141 * 2**30 - 4 * 134_515_008) // 2
+    assert [memory_budget(None, llama("cpu", 1)), memory_budget(0, llama("cuda", 1)),
+            memory_budget(2.5, llama("cuda", 1))] == [2**30, 0, 5 * 2**19]
+    assert len(asked) == 4  # given, --max-memory is the budget on every device
+
+
 def test_a_compiled_models_waves_leave_room_for_the_attention_it_holds_at_once(ckpt):
     """A compiled pass holds its attention items at once, up to `AttentionTiles.at_once` bytes: the plan sets
     that aside from --max-memory and counts it, so a compiled run plans smaller waves within the same budget."""

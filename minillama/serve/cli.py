@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-from ..cli import DEFAULT_MAX_MEMORY_MB, add_model_options, load_checkpoint
+from ..cli import add_model_options, load_checkpoint
 from ..errors import BadInput, OneLineParser, check_cpu_env, check_device, run_command
+from ..waves import DEFAULT_MAX_MEMORY_MB, check_max_memory, memory_budget
 
 if TYPE_CHECKING:
-    import torch
-
     from .engine import Engine
 
 API_KEY_ENV = "MINILLAMA_API_KEY"
@@ -48,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint's file or directory name)")
     p.add_argument("--max-memory", type=float, metavar="MB",
                    help="KV cache budget in MiB: requests wait past it, cached prefixes are evicted "
-                        f"least-recently-used (default: {DEFAULT_MAX_MEMORY_MB} on a CPU; on a GPU half the memory "
-                        "free on it once the model is loaded; 0: no bound)")
+                        f"least-recently-used (default: {DEFAULT_MAX_MEMORY_MB} on a CPU; on a GPU half its memory "
+                        "less the model's weights; 0: no bound)")
     p.add_argument("--max-running", type=int, default=64, metavar="N", help="most sequences decoded together (default: 64)")
     p.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="most sequences waiting; past it requests get HTTP 429 (default: 256)")
@@ -75,8 +74,7 @@ def _check(args: argparse.Namespace) -> None:
             raise BadInput(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         raise BadInput(f"--port must be in 0 .. 65535, got {args.port}")
-    if args.max_memory is not None and (not (args.max_memory >= 0) or math.isinf(args.max_memory)):
-        raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {args.max_memory}")
+    check_max_memory(args.max_memory)
     if not (args.drain >= 0) or math.isinf(args.drain):
         raise BadInput(f"--drain must be a number of seconds >= 0, got {args.drain}")
     check_api_key(args.api_key, "--api-key")
@@ -85,19 +83,6 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput("--served-model-name must not be empty")
     check_device(args.device)
     check_cpu_env()
-
-
-def kv_budget(max_memory_mb: float | None, device: torch.device) -> int:
-    """The KV cache's budget in bytes (0: no bound): `--max-memory`, or unset, DEFAULT_MAX_MEMORY_MB on a CPU
-    and on a GPU half the memory free on it once the model is loaded (the rest for a pass's activations and
-    logits, the allocator's blocks and whatever else runs there)."""
-    if max_memory_mb is not None:
-        return math.ceil(max_memory_mb * 2**20)
-    if device.type == "cuda":
-        import torch
-
-        return torch.cuda.mem_get_info(device)[0] // 2
-    return DEFAULT_MAX_MEMORY_MB * 2**20
 
 
 def check_api_key(key: str | None, source: str) -> None:
@@ -153,7 +138,7 @@ def _main(argv: Sequence[str] | None) -> int:
                             cuda_graphs=args.cuda_graphs, compiled=args.compile)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
-    budget = kv_budget(args.max_memory, model.llama.device)
+    budget = memory_budget(args.max_memory, model.llama)
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
                     max_batch_tokens=args.max_batch_tokens, max_memory_bytes=budget,
                     prefix_cache=not args.no_prefix_cache)
