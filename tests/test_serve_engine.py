@@ -550,6 +550,77 @@ def test_the_budget_holds_where_cached_blocks_are_counted_as_found(model, seed):
     assert checked and engine.stats()["prefix_hit_tokens"] > 0 and engine.stats()["evicted_blocks"] > 0
 
 
+def _burst_at_the_budget(engine: Engine, model, burst: list[list[int]], admitted: int,
+                         echo_last: bool = False) -> dict[str, int]:
+    """Submit `burst` (answers of 2 tokens: each stores one; `echo_last`: the last with echo) in one admission: the
+    first `admitted` of them run, the rest wait; stepped to the end, the cache reaches the budget in a pass and never
+    passes it, and the first prompt's answer is its solo run's. Returns the engine's stats right after that
+    admission."""
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    peak = _peak_in_passes(engine)
+    events: list[list[Event]] = [[] for _ in burst]
+    engine.submit([Choice(p, params, events[i].append, echo=echo_last and i == len(burst) - 1)
+                   for i, p in enumerate(burst)])
+    with engine.lock:
+        engine._admit()
+    assert [s.prompt for s in engine.running] == burst[:admitted], "over the budget, a later prompt was admitted"
+    stats = engine.stats()
+    while engine.waiting or engine.running:
+        engine._step()
+        with engine.lock:
+            engine._admit()
+    assert peak[0] == engine.budget, (peak[0] // engine.kv_per_token, engine.budget // engine.kv_per_token)  # tokens
+    solo = generate(model.llama, burst[:1], params, mode="independent", eos_ids=eos_of(model))[0]
+    assert [e.token for e in events[0]] == solo.token_ids and [e.logprob for e in events[0]] == solo.logprobs
+    return stats
+
+
+def test_an_idle_block_partly_computed_is_found_for_the_tokens_it_holds(model):
+    """A prompt cancelled partway leaves its first block idle with 16 of its 64 tokens computed; a burst's first
+    prompt continues past it and computes the other 48. `PrefixCache.found` credits the 16 the cache holds, not
+    the block: with a budget of the cache's 16 tokens and exactly what the first two prompts add (the block's other
+    48 among them), those two run together and the cache reaches the budget, and the third, of 20 tokens, waits. Negative control:
+    crediting the idle block's 64 tokens admits the third beside them, and the cache passes the budget by its 21."""
+    rng = random.Random(9)
+    doc = [rng.randrange(3, 300) for _ in range(64)]
+    engine = Engine(model.llama, eos_of(model), max_batch_tokens=16)
+    cancelled = Choice(doc + [1, 2], PARAMS, lambda ev: None)
+    engine.submit([cancelled])
+    with engine.lock:
+        engine._admit()
+    engine._step()  # 16 of the block's tokens
+    block = cancelled.blocks[0]
+    engine.cancel([cancelled])
+    engine._step()
+    assert block.refs == 0 and block.filled == 16 and engine.cache.used_bytes() == engine.kv_per_token * 16
+    engine.max_batch_tokens = 512  # the burst's prompts in one pass, its answers in the next: all stored at once
+    first, second = doc + [5, 6], list(range(200, 210))
+    # the cache's 16 tokens, the block's other 48, the first's tail and last token, the second's 10, an answer each
+    engine.budget = engine.kv_per_token * (16 + 48 + 2 + 10 + 2)
+    _burst_at_the_budget(engine, model, [first, second, list(range(220, 240))], admitted=2)
+
+
+def test_a_burst_counts_again_a_found_block_evicted_to_admit_an_echo_request(model):
+    """A document's block left idle and computed by a finished prompt; the burst's first prompt finds it (counts
+    only its tail, last token and answer). Admitting the third, an echo request (its own prompt, no prefix cache),
+    the engine evicts the idle blocks, the found one with them: the burst is counted again (`Reservation.recount`)
+    with the block to compute, and with a budget of exactly what the first two store, those two run together, the
+    cache reaches the budget, and the third waits. (A request that shares the prefix cache counts the burst again in
+    its own `need`; an echo request's counts its prompt alone, so only the recount sees the block gone.) Negative
+    control: without the recount the eviction seems to free the block's 64 tokens, the echo request is admitted,
+    and the cache passes the budget by its 6."""
+    rng = random.Random(10)
+    doc = [rng.randrange(3, 300) for _ in range(64)]
+    engine = Engine(model.llama, eos_of(model))
+    _run(engine, [doc + [1, 2]])  # the block, then a partial block of 1, idle
+    assert engine.cache.used_bytes() == engine.kv_per_token * 65
+    first, second = doc + [5, 6], list(range(200, 210))
+    # the block, the first's tail and last token, the second's 10, an answer token each
+    engine.budget = engine.kv_per_token * (64 + 2 + 10 + 2)
+    admitted = _burst_at_the_budget(engine, model, [first, second, list(range(220, 225))], admitted=2, echo_last=True)
+    assert admitted["evicted_blocks"] == 2 and engine.stats()["prefix_hit_tokens"] == 0  # the found block went
+
+
 def test_the_kernels_cannot_change_while_the_engine_serves(model):
     """While the engine's loop runs, `model.invariant` and `.units` refuse to change (RuntimeError), as under a
     generate call, so no answer or cached block mixes two kinds of kernels; the answer being served keeps its solo
