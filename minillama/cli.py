@@ -154,7 +154,8 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     load_s = time.perf_counter() - t0
     n_questions = sum(len(q) for _, q in jobs)
     share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens, args.mode)
-    plan = plan_waves(model, [piece_job(jobs, p) for p in share], args) if share else WavePlan(None, None, 0)
+    budget = memory_budget(args.max_memory, model.llama)
+    plan = plan_waves(model, [piece_job(jobs, p) for p in share], args, budget) if share else WavePlan(None, None, 0)
 
     out = sys.stdout
     if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
@@ -189,7 +190,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
                "products": precision.describe(args.device, getattr(torch, args.dtype)),
                "parallel_size": min(plan.parallel_size or n_most, n_most),  # a wave holds what there is
                "batch_docs": min(plan.batch_docs or len(jobs), len(jobs)),
-               "max_memory_mb": round(memory_budget(args.max_memory, model.llama) / 2**20, 2),
+               "max_memory_mb": round(budget / 2**20, 2),
                "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
     print(json_text(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
@@ -338,7 +339,8 @@ class AnswerWriter:
 # --- memory: parallel mode in waves -----------------------------------------------------------------
 
 
-def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], args: argparse.Namespace) -> WavePlan:
+def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], args: argparse.Namespace,
+               budget_bytes: int) -> WavePlan:
     """`wave_plan` for parallel mode, from token counts: each document and question tokenized alone, plus
     the template's text around them (the same for every prompt). Other modes hold one question at a time."""
     if args.mode != "parallel":
@@ -353,7 +355,7 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     llama = model.llama  # a compiled pass holds its attention items at once, up to the tiles' bound (model.py)
     held = llama.tiles.attention.at_once if llama.steps.compiled else 0
     return wave_plan(config, dtype_bytes, doc_tokens, question_tokens, args.max_new_tokens,
-                     memory_budget(args.max_memory, llama), args.parallel_size, args.batch_docs, held)
+                     budget_bytes, args.parallel_size, args.batch_docs, held)
 
 
 def summary_line(s: dict[str, Any]) -> str:

@@ -452,8 +452,8 @@ def test_a_compiled_models_waves_leave_room_for_the_attention_it_holds_at_once(c
     bound = model.llama.tiles.attention.at_once
 
     def plan(budget_bytes: int) -> cli.WavePlan:
-        return cli.plan_waves(model, jobs, cli.build_parser().parse_args(
-            ["--doc", "d", "--questions", "q", "--max-memory", str(budget_bytes / 2**20)]))
+        return cli.plan_waves(model, jobs, cli.build_parser().parse_args(["--doc", "d", "--questions", "q"]),
+                              budget_bytes)
 
     small = 1 << 20
     eager = plan(small)

@@ -228,7 +228,6 @@ class OpenAIBackend(Backend):
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         raise BackendError(f"{self.name}: a server gives log-probs, not logits rows")
 
-
     def _answer_ends_echo(self, choice: dict, end: int, answer: Sequence[int]) -> bool:
         """Whether the echo's entries just before the generated ones are the answer's tokens, by the texts the
         server names them with (`logprobs.tokens`) and the reference's: how an echo that leaves tokens out (a
@@ -236,7 +235,7 @@ class OpenAIBackend(Backend):
         texts = (choice.get("logprobs") or {}).get("tokens")
         if self.vocab is None or not isinstance(texts, list) or not len(answer) <= end <= len(texts):
             return False
-        return all(isinstance(t, str) and t in (self.vocab[i], f"token_id:{i}") if 0 <= i < len(self.vocab) else False
+        return all(0 <= i < len(self.vocab) and t in (self.vocab[i], f"token_id:{i}")
                    for t, i in zip(texts[end - len(answer):end], answer))
 
 
