@@ -503,6 +503,7 @@ def test_two_threads_never_take_one_spare(monkeypatch):
         t.join()
     assert len(caches) == 2 and caches[0].k.data_ptr() != caches[1].k.data_ptr()
 
+
 def test_a_cache_retired_while_the_weights_move_leaves_no_stale_spare(monkeypatch):
     """`forget` (the weights moved) runs while a cache is retired: by another thread, or by a finalizer the
     collector runs inside `forget` itself. The retired cache's graphs read the old weights; made the spare, a
