@@ -48,6 +48,43 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor, width: int) -> torch.Tenso
     return (_shift(z, 11).double() + 0.5) * 2.0**-53
 
 
+def _mix_into(z: torch.Tensor, scratch: torch.Tensor) -> None:
+    """`_mix` in place on z, scratch a buffer of z's shape: the same integer operations, the same words."""
+    for k, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, k, out=scratch)
+        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - k)) - 1))
+        if multiplier is not None:
+            z.mul_(multiplier)
+
+
+def gumbel(keys: torch.Tensor, steps: torch.Tensor, width: int, rows: int | None = None) -> torch.Tensor:
+    """(rows, width) float64 -log(-log(u)) of `uniforms(keys, steps, width)` to the bit, in its first Q rows and
+    0 in the others (rows: Q unless given); width a multiple of 64.
+
+    A GPU takes the whole rows at once (fewer launches). A CPU takes them a few thousand columns at a time,
+    in place: each chunk's words stay in cache through the two dozen element-wise passes rather than each pass
+    writing 8 bytes a token of a new tensor (64 rows of a 49,152-token vocabulary: 25 MB each). The same
+    operations on every element and chunks of whole 64-column vectors (no element falls to a kernel's scalar
+    tail), so the same bits as the formula at once (tests/test_generate.py holds it to them)."""
+    q = keys.shape[0]
+    rows = q if rows is None else rows
+    if keys.device.type != "cpu":
+        return F.pad(-torch.log(-torch.log(uniforms(keys, steps, width))), (0, 0, 0, rows - q))
+    row = _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]  # (Q, 1), as in uniforms
+    cols = min(width, max(64, (1 << 17) // max(q, 1) // 64 * 64))  # 128K words a chunk: 1 MB
+    out = torch.empty((rows, width), dtype=torch.float64)
+    out[q:] = 0.0
+    z, scratch = torch.empty((q, cols), dtype=torch.int64), torch.empty((q, cols), dtype=torch.int64)
+    for lo in range(0, width, cols):
+        hi = min(lo + cols, width)
+        words, spare, chunk = z[:, :hi - lo], scratch[:, :hi - lo], out[:q, lo:hi]
+        torch.add(row, torch.arange(lo + 1, hi + 1, dtype=torch.int64) * _GOLDEN, out=words)
+        _mix_into(words, spare)
+        chunk.copy_(torch.bitwise_right_shift(words, 11, out=spare).bitwise_and_((1 << 53) - 1))
+        chunk.add_(0.5).mul_(2.0**-53).log_().neg_().log_().neg_()
+    return out
+
+
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 keys: torch.Tensor, steps: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """The sampled token of every row of raw logits (Q, vocab), on the logits' device: (Q,) int64.
@@ -68,10 +105,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     x[q:] = 0.0  # padding rows: finite, discarded
     pad = rows - q
     t = F.pad(temperature.double(), (0, pad), value=1.0)[:, None]
-    y = (x - x.amax(dim=-1, keepdim=True)) / t  # (rows, width)
-    g = -torch.log(-torch.log(uniforms(F.pad(keys, (0, pad)), F.pad(steps, (0, pad)), width)))
+    y = x.sub_(x.amax(dim=-1, keepdim=True)).div_(t)  # (rows, width), in place: the same bits, no copy
+    g = gumbel(keys, steps, width, rows)  # the padding rows' noise 0: they are discarded
     if not filtered:
-        return torch.argmax(y + g, dim=-1)[:q]
+        return torch.argmax(y.add_(g), dim=-1)[:q]
     sorted_y, order = torch.sort(y, dim=-1, descending=True, stable=True)
     k = F.pad(top_k, (0, pad))[:, None]
     kth = sorted_y.gather(1, (k.clamp(1, vocab) - 1))
@@ -81,4 +118,4 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     p_max = F.pad(top_p.double(), (0, pad), value=1.0)[:, None]
     cut |= (p_max < 1) & (cum - p >= p_max)  # the smallest set reaching top_p (1: off, whatever cum rounds to)
     hidden = torch.zeros_like(cut).scatter_(1, order, cut)
-    return torch.argmax(y.masked_fill(hidden, float("-inf")) + g, dim=-1)[:q]
+    return torch.argmax(y.masked_fill_(hidden, float("-inf")).add_(g), dim=-1)[:q]

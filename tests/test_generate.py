@@ -9,7 +9,7 @@ import torch
 from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
 import minillama.tokens as tokens_module
 import minillama.transfer as transfer
-from minillama.sampling import sample_rows, uniforms
+from minillama.sampling import gumbel, sample_rows, uniforms
 from test_parity import assert_same_answers
 from tiny import tiny_config, tiny_model
 
@@ -183,6 +183,26 @@ def test_a_rows_draw_does_not_depend_on_the_rows_beside_it(vocab):
     assert bool(((noise > 0) & (noise < 1)).all())
     # negative control: the draws are what decides, so another draw number picks other tokens somewhere
     assert not torch.equal(together, sample_rows(logits, *params[:4], params[4] + 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_noise_in_chunks_is_the_formulas_to_the_bit(threads):
+    """A CPU computes the Gumbel noise a chunk of columns at a time, in place (sampling.gumbel): every row's
+    noise is -log(-log(uniforms)) taken at once, to the bit, whether the vocabulary fits in one chunk or
+    spans many (a chunk holds 128K words: 2,048 columns of 64 rows), for any number of rows, and 0 in the
+    padding rows."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        for q, width in [(0, 64), (1, 64), (3, 1024), (8, 49152), (37, 8192), (64, 49152), (200, 1920)]:
+            keys = torch.randint(-2**63, 2**63 - 1, (q,), generator=g, dtype=torch.int64)
+            steps = torch.randint(0, 2**40, (q,), generator=g)
+            noise = gumbel(keys, steps, width, q + 5)
+            assert noise.shape == (q + 5, width) and not noise[q:].any()
+            assert torch.equal(noise[:q], -torch.log(-torch.log(uniforms(keys, steps, width))))
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_sampling_ships_tokens_not_vocabulary_rows(model, monkeypatch):
