@@ -91,16 +91,18 @@ def sorted_rows(y: torch.Tensor, real: int | None = None) -> tuple[torch.Tensor,
 
     A stable sort's order is unique, so any way to it gives the same bits. A CPU sorts each row's float64
     values as 64-bit integer keys that order alike (-0.0 taken as 0.0, which it equals), which torch sorts by
-    radix where it can: 64 rows of a 49,152-token vocabulary 1.9x faster than the sort of the floats."""
+    radix where it can: 64 rows of a 49,152-token vocabulary in runs here 1.2x to 2.5x faster than the sort of
+    the floats at 2 threads, 3x at 1."""
     if y.device.type != "cpu":
         return torch.sort(y, dim=-1, descending=True, stable=True)
     bits = (y + 0.0).view(torch.int64)  # -0.0 + 0.0 is 0.0
     # Ascending keys: a non-negative float's bits; a negative one's, its magnitude's bits flipped. ~key: descending.
     keys = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits).bitwise_not_()
-    order = torch.arange(y.shape[-1]).expand(y.shape).clone()
+    ordered, order = keys.clone(), torch.arange(y.shape[-1]).expand(y.shape).clone()
     for i in range(len(y) if real is None else real):
-        order[i] = torch.sort(keys[i], stable=True).indices
-    return y.gather(-1, order), order
+        torch.sort(keys[i], stable=True, out=(ordered[i], order[i]))
+    ordered.bitwise_not_()  # back to the floats' bits, a -0.0 as 0.0 (the same in every use: they compare equal)
+    return torch.where(ordered < 0, ordered ^ ((1 << 63) - 1), ordered).view(torch.float64), order
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
