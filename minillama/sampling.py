@@ -9,6 +9,8 @@ leave the device: only the chosen tokens do.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -85,9 +87,10 @@ def gumbel(keys: torch.Tensor, steps: torch.Tensor, width: int, rows: int | None
     return out
 
 
-def sorted_rows(y: torch.Tensor, real: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_rows(y: torch.Tensor, rows: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.sort(y, dim=-1, descending=True, stable=True) of float64 rows without NaN: the values and order;
-    rows from `real` on (padding) hold one value throughout, so their order is the columns' own.
+    a CPU sorts only `rows` (default: all) and leaves the others as they are, in the columns' order (padding
+    rows, which hold one value throughout, and rows whose order nothing reads).
 
     A stable sort's order is unique, so any way to it gives the same bits. A CPU sorts each row's float64
     values as 64-bit integer keys that order alike (-0.0 taken as 0.0, which it equals), which torch sorts by
@@ -99,14 +102,14 @@ def sorted_rows(y: torch.Tensor, real: int | None = None) -> tuple[torch.Tensor,
     # Ascending keys: a non-negative float's bits; a negative one's, its magnitude's bits flipped. ~key: descending.
     keys = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits).bitwise_not_()
     ordered, order = keys.clone(), torch.arange(y.shape[-1]).expand(y.shape).clone()
-    for i in range(len(y) if real is None else real):
+    for i in range(len(y)) if rows is None else rows:
         torch.sort(keys[i], stable=True, out=(ordered[i], order[i]))
     ordered.bitwise_not_()  # back to the floats' bits, a -0.0 as 0.0 (the same in every use: they compare equal)
     return torch.where(ordered < 0, ordered ^ ((1 << 63) - 1), ordered).view(torch.float64), order
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                keys: torch.Tensor, steps: torch.Tensor, filtered: bool = True) -> torch.Tensor:
+                keys: torch.Tensor, steps: torch.Tensor, filtered: bool | Sequence[bool] = True) -> torch.Tensor:
     """The sampled token of every row of raw logits (Q, vocab), on the logits' device: (Q,) int64.
 
     Per row: y = (x - max x) / temperature in float64 (a tiny temperature cannot overflow it); top-k keeps the
@@ -116,7 +119,9 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     of 8 and columns to a multiple of 64 (-inf, never picked): an element-wise kernel then finishes no row
     with scalar code, and top-p's cumulative sum is issued on fixed (8, width) shapes, so a row's bits do not
     depend on how many rows are sampled together. `filtered=False` (no row asks for top-k or top-p) skips the
-    sort, which hides nothing then: the same tokens.
+    sort, which hides nothing then: the same tokens. `filtered` may instead say which rows ask (or whose token
+    is wanted at all): a CPU then sorts those alone, the same tokens in them and in every row that filters
+    nothing (tests/test_generate.py).
     """
     q, vocab = logits.shape
     rows, width = -(-max(q, 1) // 8) * 8, -(-vocab // 64) * 64
@@ -127,9 +132,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     t = F.pad(temperature.double(), (0, pad), value=1.0)[:, None]
     y = x.sub_(x.amax(dim=-1, keepdim=True)).div_(t)  # (rows, width), in place: the same bits, no copy
     g = gumbel(keys, steps, width, rows)  # the padding rows' noise 0: they are discarded
-    if not filtered:
+    which = None if isinstance(filtered, bool) else [i for i, f in enumerate(filtered) if f]
+    if not (filtered if which is None else which):
         return torch.argmax(y.add_(g), dim=-1)[:q]
-    sorted_y, order = sorted_rows(y, q)  # the padding rows are 0 throughout
+    sorted_y, order = sorted_rows(y, range(q) if filtered is True else which)  # padding rows: 0 throughout
     k = F.pad(top_k, (0, pad))[:, None]
     kth = sorted_y.gather(1, (k.clamp(1, vocab) - 1))
     cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th

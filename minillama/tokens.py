@@ -110,8 +110,9 @@ def choose_tokens(questions: list[Question], logits: torch.Tensor, draws: list[i
                             column([q.params.top_k for q in questions], torch.int64),
                             column([q.params.top_p for q in questions], torch.float64),
                             column([q.key for q in questions], torch.int64),
-                            column(draws, torch.int64),
-                            filtered=any(q.params.top_k or q.params.top_p < 1 for q in questions))
+                            column(draws, torch.int64),  # the rows to sort: sampled ones that filter
+                            filtered=[s and bool(q.params.top_k or q.params.top_p < 1)
+                                      for q, s in zip(questions, sampled)])
         toks = torch.where(column(sampled, torch.bool), drawn, toks)
     nan = torch.isnan(logits).any(dim=-1)  # a sampled row of NaN has nothing to sample from
     # Token ids, their log-probs and the NaN flags in one float64 tensor (all exact there): one copy to the host.

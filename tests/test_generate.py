@@ -209,16 +209,16 @@ def test_the_noise_in_chunks_is_the_formulas_to_the_bit(threads):
 def test_rows_sorted_by_their_integer_keys_are_torchs_stable_sort(width):
     """A CPU sorts top-k and top-p's rows as integer keys (sampling.sorted_rows), by radix where torch can: the
     values and order of torch's stable descending sort of the floats, ties (0.0 and -0.0 among them) in column
-    order, -inf (the padding columns) last; rows past `real` are the padding rows, 0 throughout."""
+    order, -inf (the padding columns) last; rows left unsorted (here the padding rows, 0 throughout) stay put."""
     g = torch.Generator().manual_seed(width)
     y = torch.randn(9, width, generator=g, dtype=torch.float64).round(decimals=1)  # many ties
     y[:, -5:] = float("-inf")
     y[0, :6] = torch.tensor([-0.0, 0.0, -0.0, 0.0, 4.9e-324, -4.9e-324], dtype=torch.float64)
     y[1] = -y[1].abs()
     want = torch.sort(y, dim=-1, descending=True, stable=True)
-    for got in (sorted_rows(y), sorted_rows(torch.cat([y[:6], y.new_zeros(3, width)]), 6)):
+    for got in (sorted_rows(y), sorted_rows(torch.cat([y[:6], y.new_zeros(3, width)]), range(6))):
         assert torch.equal(got[1][:6], want.indices[:6]) and torch.equal(got[0][:6], want.values[:6])
-    padded = sorted_rows(torch.cat([y[:6], y.new_zeros(3, width)]), 6)
+    padded = sorted_rows(torch.cat([y[:6], y.new_zeros(3, width)]), range(6))
     assert torch.equal(padded[1][6:], torch.arange(width).expand(3, width)) and not padded[0][6:].any()
 
 
@@ -248,6 +248,24 @@ def test_a_row_that_filters_nothing_draws_alike_beside_rows_that_do():
     off_k, off_p = torch.zeros_like(k), torch.ones_like(p)
     assert torch.equal(sample_rows(logits, t, off_k, off_p, keys, steps, filtered=True),
                        sample_rows(logits, t, off_k, off_p, keys, steps, filtered=False))
+
+
+def test_a_cpu_sorts_only_the_rows_that_filter():
+    """Told which rows filter (`filtered` as a list: `tokens.choose_tokens` names the sampled rows that ask
+    for top-k or top-p), a CPU sorts those alone: every row that filters draws what it draws with all rows
+    sorted, and so does every row that filters nothing."""
+    logits, (t, k, p, keys, steps) = _rows(24, 1000, 2)
+    filters = [bool(i % 3) for i in range(24)]
+    k, p = k * torch.tensor(filters), torch.where(torch.tensor(filters), p, torch.ones_like(p))
+    for step in range(6):
+        assert torch.equal(sample_rows(logits, t, k, p, keys, steps + step, filtered=filters),
+                           sample_rows(logits, t, k, p, keys, steps + step, filtered=True))
+    assert torch.equal(sample_rows(logits, t, k, p, keys, steps, filtered=[False] * 24),
+                       sample_rows(logits, t, k, p, keys, steps, filtered=False))
+    # negative control: a row that filters but is left unsorted draws from its whole row, other tokens
+    unsorted = [f and i != 1 for i, f in enumerate(filters)]
+    assert any(not torch.equal(sample_rows(logits, t, k, p, keys, steps + s, filtered=unsorted)[1],
+                               sample_rows(logits, t, k, p, keys, steps + s, filtered=True)[1]) for s in range(20))
 
 
 def _rows_per_pass(model, monkeypatch) -> list[int]:
