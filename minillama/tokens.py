@@ -110,8 +110,8 @@ def choose_tokens(questions: list[Question], logits: torch.Tensor, draws: list[i
                             column([q.params.top_k for q in questions], torch.int64),
                             column([q.params.top_p for q in questions], torch.float64),
                             column([q.key for q in questions], torch.int64),
-                            column(draws, torch.int64),  # the rows to sort: sampled ones that filter
-                            filtered=[s and bool(q.params.top_k or q.params.top_p < 1)
+                            column(draws, torch.int64),
+                            filtered=[s and bool(q.params.top_k or q.params.top_p < 1)  # the rows to sort
                                       for q, s in zip(questions, sampled)])
         toks = torch.where(column(sampled, torch.bool), drawn, toks)
     nan = torch.isnan(logits).any(dim=-1)  # a sampled row of NaN has nothing to sample from
