@@ -33,11 +33,25 @@ def _shift(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
+def _mix_into(z: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser, in place on z (int64, wrapping), scratch a buffer of z's shape: every bit of z
+    spread over every bit of the result."""
+    for k, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, k, out=scratch)
+        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - k)) - 1))  # z ^= z >>> k
+        if multiplier is not None:
+            z.mul_(multiplier)
+    return z
+
+
 def _mix(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser: every bit of z spread over every bit of the result (int64, wrapping)."""
-    z = (z ^ _shift(z, 30)) * _MIX1
-    z = (z ^ _shift(z, 27)) * _MIX2
-    return z ^ _shift(z, 31)
+    """SplitMix64's finaliser of z, a new tensor."""
+    return _mix_into(z.clone(), torch.empty_like(z))
+
+
+def _row_words(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """(Q, 1) each row's word for draw `steps[q]` of stream `keys[q]`, which its uniforms start from."""
+    return _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]
 
 
 def uniforms(keys: torch.Tensor, steps: torch.Tensor, width: int) -> torch.Tensor:
@@ -45,18 +59,8 @@ def uniforms(keys: torch.Tensor, steps: torch.Tensor, width: int) -> torch.Tenso
 
     Counter-based: no generator state to carry, the same numbers on every device and in every batch (integer
     arithmetic, element by element), so a question's draws never depend on what else is sampled beside it."""
-    row = _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]  # (Q, 1)
-    z = _mix(row + (torch.arange(width, device=keys.device, dtype=torch.int64) + 1) * _GOLDEN)  # (Q, width)
+    z = _mix(_row_words(keys, steps) + (torch.arange(width, device=keys.device, dtype=torch.int64) + 1) * _GOLDEN)
     return (_shift(z, 11).double() + 0.5) * 2.0**-53
-
-
-def _mix_into(z: torch.Tensor, scratch: torch.Tensor) -> None:
-    """`_mix` in place on z, scratch a buffer of z's shape: the same integer operations, the same words."""
-    for k, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
-        torch.bitwise_right_shift(z, k, out=scratch)
-        z.bitwise_xor_(scratch.bitwise_and_((1 << (64 - k)) - 1))
-        if multiplier is not None:
-            z.mul_(multiplier)
 
 
 def gumbel(keys: torch.Tensor, steps: torch.Tensor, width: int, rows: int | None = None) -> torch.Tensor:
@@ -72,7 +76,7 @@ def gumbel(keys: torch.Tensor, steps: torch.Tensor, width: int, rows: int | None
     rows = q if rows is None else rows
     if keys.device.type != "cpu":
         return F.pad(-torch.log(-torch.log(uniforms(keys, steps, width))), (0, 0, 0, rows - q))
-    row = _mix(_mix(keys * _GOLDEN + 1) ^ steps)[:, None]  # (Q, 1), as in uniforms
+    row = _row_words(keys, steps)
     cols = min(width, max(64, (1 << 17) // max(q, 1) // 64 * 64))  # 128K words a chunk: 1 MB
     out = torch.empty((rows, width), dtype=torch.float64)
     out[q:] = 0.0
@@ -98,14 +102,18 @@ def sorted_rows(y: torch.Tensor, rows: Sequence[int] | None = None) -> tuple[tor
     the floats at 2 threads, 3x at 1."""
     if y.device.type != "cpu":
         return torch.sort(y, dim=-1, descending=True, stable=True)
-    bits = (y + 0.0).view(torch.int64)  # -0.0 + 0.0 is 0.0
-    # Ascending keys: a non-negative float's bits; a negative one's, its magnitude's bits flipped. ~key: descending.
-    keys = torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits).bitwise_not_()
+    keys = _float_order((y + 0.0).view(torch.int64)).bitwise_not_()  # -0.0 + 0.0 is 0.0; ~key: descending
     ordered, order = keys.clone(), torch.arange(y.shape[-1]).expand(y.shape).clone()
     for i in range(len(y)) if rows is None else rows:
         torch.sort(keys[i], stable=True, out=(ordered[i], order[i]))
-    ordered.bitwise_not_()  # back to the floats' bits, a -0.0 as 0.0 (the same in every use: they compare equal)
-    return torch.where(ordered < 0, ordered ^ ((1 << 63) - 1), ordered).view(torch.float64), order
+    # back to the floats' bits, a -0.0 as 0.0 (the same in every use: they compare equal)
+    return _float_order(ordered.bitwise_not_()).view(torch.float64), order
+
+
+def _float_order(bits: torch.Tensor) -> torch.Tensor:
+    """float64 bits (as int64) to integers that order as the floats do, and back (it is its own inverse): a
+    non-negative float's bits as they are, a negative one's with its magnitude's bits flipped."""
+    return torch.where(bits < 0, bits ^ ((1 << 63) - 1), bits)
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -132,10 +140,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     t = F.pad(temperature.double(), (0, pad), value=1.0)[:, None]
     y = x.sub_(x.amax(dim=-1, keepdim=True)).div_(t)  # (rows, width), in place: the same bits, no copy
     g = gumbel(keys, steps, width, rows)  # the padding rows' noise 0: they are discarded
-    which = None if isinstance(filtered, bool) else [i for i, f in enumerate(filtered) if f]
-    if not (filtered if which is None else which):
+    which = [i for i, f in enumerate([filtered] * q if isinstance(filtered, bool) else filtered) if f]
+    if not which:
         return torch.argmax(y.add_(g), dim=-1)[:q]
-    sorted_y, order = sorted_rows(y, range(q) if filtered is True else which)  # padding rows: 0 throughout
+    sorted_y, order = sorted_rows(y, which)  # the padding rows, 0 throughout, left as they are
     k = F.pad(top_k, (0, pad))[:, None]
     kth = sorted_y.gather(1, (k.clamp(1, vocab) - 1))
     cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th
