@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -750,3 +751,34 @@ def test_an_mlp_of_fewer_features_than_units_gives_one_process_bytes_at_every_de
     assert alone.returncode == 0 and alone.stdout.count("\n") == N_QUESTIONS, alone.stderr
     ranks = generate(*common(ckpt, jobs, "--tp", "4", "--dist-timeout", "60"), procs=4)
     assert (ranks.returncode, ranks.stdout) == (0, alone.stdout), ranks.stderr[-2000:]
+
+
+def test_sigterm_while_the_ranks_start_ends_them_too():
+    """The launcher took SIGTERM only once every rank had started: one sent while they started killed the launcher
+    alone (exit -15, CI saw it once). It is now taken from before the first starts and acted on once all have."""
+    script = textwrap.dedent("""
+        import os, signal, types
+        import torch.multiprocessing as mp
+        from minillama.distributed import launch
+
+        ended = []
+
+        class Rank:
+            def is_alive(self):
+                return True
+
+            def terminate(self):
+                ended.append(1)
+
+        def start(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # as if sent between the first rank's start and the last's
+            return types.SimpleNamespace(processes=[Rank(), Rank()], join=lambda: True)
+
+        mp.start_processes = start
+        args = types.SimpleNamespace(procs=2)
+        print(launch.run(args, [], None), len(ended))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (proc.returncode, proc.stdout.split()) == (0, ["143", "2"]), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "terminated"

@@ -81,13 +81,24 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
     threads = max(1, usable_cpus() // args.procs)
     env = {"WORLD_SIZE": str(args.procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
-    ctx = mp.start_processes(_rank, args=(entry, args, jobs, env), nprocs=args.procs, join=False,
-                             start_method="spawn")
-    try:  # SIGTERM (`timeout`, a job scheduler) ends the ranks as Ctrl-C does, rather than orphan them
-        previous = signal.signal(signal.SIGTERM, _terminated)
+    ctx, early = None, []
+
+    def terminated(signum: int, frame: Any) -> None:
+        if ctx is None:  # the ranks are starting: they are ended once all have started, none orphaned
+            early.append(signum)
+        else:
+            raise Terminated
+
+    try:  # SIGTERM (`timeout`, a job scheduler) ends the ranks as Ctrl-C does, rather than orphan them; taken
+        # from before the first rank starts (taken after, a SIGTERM while they started killed the launcher alone)
+        previous = signal.signal(signal.SIGTERM, terminated)
     except ValueError:  # not the main thread: signals are the main thread's to take
         previous = None
     try:
+        ctx = mp.start_processes(_rank, args=(entry, args, jobs, env), nprocs=args.procs, join=False,
+                                 start_method="spawn")
+        if early:
+            raise Terminated
         while not ctx.join():
             pass
     except mp.ProcessExitedException as e:
@@ -100,7 +111,7 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
         print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as e:
-        for p in ctx.processes:
+        for p in ctx.processes if ctx is not None else []:
             if p.is_alive():
                 p.terminate()
         print("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", file=sys.stderr)
@@ -114,9 +125,6 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
 class Terminated(Exception):
     """The launcher was sent SIGTERM."""
 
-
-def _terminated(signum: int, frame: Any) -> None:
-    raise Terminated
 
 
 def _rank(local_rank: int, entry, args: argparse.Namespace, jobs: Sequence[Any], env: dict[str, str]) -> None:
