@@ -753,14 +753,21 @@ def test_an_mlp_of_fewer_features_than_units_gives_one_process_bytes_at_every_de
     assert (ranks.returncode, ranks.stdout) == (0, alone.stdout), ranks.stderr[-2000:]
 
 
-def test_sigterm_while_the_ranks_start_ends_them_too():
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGINT", "SIGINT ignored"])
+def test_a_signal_while_the_ranks_start_ends_them_too(sent):
     """The launcher took SIGTERM only once every rank had started: one sent while they started killed the launcher
-    alone (exit -15, CI saw it once). It is now taken from before the first starts and acted on once all have."""
-    script = textwrap.dedent("""
+    alone (exit -15, CI saw it once), and a SIGINT (Ctrl-C, or `kill -INT` to the launcher alone) then raised
+    before any started rank was ended. Both are now taken from before the first starts and acted on once all have:
+    the ranks ended, exit 143 or 130 and one line. A SIGINT the launcher was started ignoring (`&` in a script)
+    stays ignored: the ranks run on."""
+    signum, ignored = sent.split()[0], sent.endswith("ignored")
+    handler = "SIG_IGN" if ignored else "default_int_handler"
+    script = textwrap.dedent(f"""
         import os, signal, types
         import torch.multiprocessing as mp
         from minillama.distributed import launch
 
+        signal.signal(signal.SIGINT, signal.{handler})  # as whoever started this left it
         ended = []
 
         class Rank:
@@ -771,14 +778,18 @@ def test_sigterm_while_the_ranks_start_ends_them_too():
                 ended.append(1)
 
         def start(*args, **kwargs):
-            os.kill(os.getpid(), signal.SIGTERM)  # as if sent between the first rank's start and the last's
+            os.kill(os.getpid(), signal.{signum})  # as if sent between the first rank's start and the last's
             return types.SimpleNamespace(processes=[Rank(), Rank()], join=lambda: True)
 
         mp.start_processes = start
         args = types.SimpleNamespace(procs=2)
-        print(launch.run(args, [], None), len(ended))
+        print(launch.run(args, [], None), len(ended), signal.getsignal(signal.SIGINT) == signal.{handler})
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert (proc.returncode, proc.stdout.split()) == (0, ["143", "2"]), proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == "terminated"
+    if ignored:
+        assert (proc.returncode, proc.stdout.split(), proc.stderr) == (0, ["0", "0", "True"], ""), proc.stderr[-2000:]
+        return
+    status = 130 if signum == "SIGINT" else 143
+    assert (proc.returncode, proc.stdout.split()) == (0, [str(status), "2", "True"]), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("interrupted" if signum == "SIGINT" else "terminated")

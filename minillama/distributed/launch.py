@@ -83,22 +83,29 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     ctx, early = None, []
 
-    def terminated(signum: int, frame: Any) -> None:
+    def signalled(signum: int, frame: Any) -> None:
         if ctx is None:  # the ranks are starting: they are ended once all have started, none orphaned
             early.append(signum)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
         else:
             raise Terminated
 
-    try:  # SIGTERM (`timeout`, a job scheduler) ends the ranks as Ctrl-C does, rather than orphan them; taken
-        # from before the first rank starts (taken after, a SIGTERM while they started killed the launcher alone)
-        previous = signal.signal(signal.SIGTERM, terminated)
-    except ValueError:  # not the main thread: signals are the main thread's to take
-        previous = None
+    # SIGTERM (`timeout`, a job scheduler) ends the ranks as Ctrl-C does, rather than orphan them. Both are taken
+    # from before the first rank starts: taken after, one sent while they started ended the launcher alone
+    # (SIGTERM: exit -15; SIGINT: a KeyboardInterrupt before any rank was known to be ended).
+    # A SIGINT that was ignored (a job started with `&` by a script) stays ignored.
+    previous, ignored = {}, signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    for signum in [signal.SIGTERM] + ([] if ignored else [signal.SIGINT]):
+        try:
+            previous[signum] = signal.signal(signum, signalled)
+        except ValueError:  # not the main thread: signals are the main thread's to take
+            break
     try:
         ctx = mp.start_processes(_rank, args=(entry, args, jobs, env), nprocs=args.procs, join=False,
                                  start_method="spawn")
         if early:
-            raise Terminated
+            raise KeyboardInterrupt if early[0] == signal.SIGINT else Terminated
         while not ctx.join():
             pass
     except mp.ProcessExitedException as e:
@@ -117,8 +124,8 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
         print("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
