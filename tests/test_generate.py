@@ -250,6 +250,44 @@ def test_a_row_that_filters_nothing_draws_alike_beside_rows_that_do():
                        sample_rows(logits, t, off_k, off_p, keys, steps, filtered=False))
 
 
+def _whole_rows(logits, t, k, p, keys, steps):
+    """sample_rows' tokens as a GPU draws them: every row (whole tiles of 8) through one chain, all sorted."""
+    q, vocab = logits.shape
+    rows, width = -(-q // 8) * 8, -(-vocab // 64) * 64
+    x = torch.full((rows, width), float("-inf"), dtype=torch.float64)
+    x[:q, :vocab], x[q:] = logits, 0.0
+    y = (x - x.amax(dim=-1, keepdim=True)) / torch.nn.functional.pad(t.double(), (0, rows - q), value=1.0)[:, None]
+    g = -torch.log(-torch.log(uniforms(keys, steps, width)))
+    g = torch.cat([g, g.new_zeros(rows - q, width)])
+    top_k = torch.nn.functional.pad(k, (0, rows - q))[:, None]
+    top_p = torch.nn.functional.pad(p.double(), (0, rows - q), value=1.0)[:, None]
+    s, order = torch.sort(y, dim=-1, descending=True, stable=True)
+    cut = (top_k > 0) & (s < s.gather(1, top_k.clamp(1, vocab) - 1))
+    probs = torch.softmax(s.masked_fill(cut, float("-inf")), dim=-1)
+    cum = torch.cat([torch.cumsum(probs[i:i + 8], dim=-1) for i in range(0, rows, 8)])
+    cut |= (top_p < 1) & (cum - probs >= top_p)
+    hidden = torch.zeros_like(cut).scatter_(1, order, cut)
+    return torch.argmax(y.masked_fill(hidden, float("-inf")) + g, dim=-1)[:q]
+
+
+@pytest.mark.parametrize("q", [1, 8, 13, 64])
+def test_a_cpus_tiles_of_eight_rows_draw_what_whole_rows_do(q):
+    """A CPU takes top-k and top-p a tile of 8 rows at a time, sorting only the rows that filter (a tile where
+    none does takes its argmax at once): every row draws the token of the whole-row formula, a GPU's way, for
+    rows that filter by top-k, top-p, both or neither, in any mix across tiles, with ties among the logits."""
+    logits, (t, k, p, keys, steps) = _rows(q, 1000, q)
+    logits[::3] = logits[::3].round()  # ties: the sort's order among equal values decides
+    g = torch.Generator().manual_seed(q + 1)
+    k = k * (torch.rand(q, generator=g) < 0.5)
+    p = torch.where(torch.rand(q, generator=g) < 0.5, p, torch.ones_like(p))
+    if q >= 13:
+        k[:8], p[:8] = 0, 1.0  # a whole tile that filters nothing
+    filters = [bool(a > 0 or b < 1) for a, b in zip(k.tolist(), p.tolist())]
+    want = _whole_rows(logits, t, k, p, keys, steps)
+    for filtered in (True, filters):
+        assert torch.equal(sample_rows(logits, t, k, p, keys, steps, filtered=filtered), want)
+
+
 def test_a_cpu_sorts_only_the_rows_that_filter():
     """Told which rows filter (`filtered` as a list: `tokens.choose_tokens` names the sampled rows that ask
     for top-k or top-p), a CPU sorts those alone: every row that filters draws what it draws with all rows
