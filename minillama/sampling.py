@@ -143,6 +143,23 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     is wanted at all): a CPU then sorts those alone, the same tokens in them and in every row that filters
     nothing (tests/test_generate.py).
     """
+    q = logits.shape[0]
+    which = [i for i, f in enumerate([filtered] * q if isinstance(filtered, bool) else filtered) if f]
+    if logits.device.type != "cpu":
+        return _draw(logits, temperature, top_k, top_p, keys, steps, None if which else [])
+    # A CPU draws a tile of 8 rows at a time: each tile's (8, width) tensors stay in cache through the two dozen
+    # passes below rather than each pass reading and writing all rows' (25 MB each at 64 rows of a 49,152-token
+    # vocabulary). The same operations on every row, so the same bits (tests/test_generate.py).
+    tiles = [_draw(*(a[lo:lo + 8] for a in (logits, temperature, top_k, top_p, keys, steps)),
+                   [i - lo for i in which if lo <= i < lo + 8]) for lo in range(0, q, 8)]
+    return torch.cat(tiles) if tiles else torch.empty(0, dtype=torch.int64)
+
+
+def _draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+          keys: torch.Tensor, steps: torch.Tensor, listed: list[int] | None) -> torch.Tensor:
+    """`sample_rows`' tokens of these rows, padded here to whole tiles of 8 rows: every row sorted for top-k and
+    top-p (listed None), none ([]: no row filters), or on a CPU only the listed ones, which filter (any other
+    row cuts nothing, in any order)."""
     q, vocab = logits.shape
     rows, width = -(-max(q, 1) // 8) * 8, -(-vocab // 64) * 64
     x = torch.full((rows, width), float("-inf"), dtype=torch.float64, device=logits.device)
@@ -152,29 +169,10 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     t = F.pad(temperature.double(), (0, pad), value=1.0)[:, None]
     y = x.sub_(x.amax(dim=-1, keepdim=True)).div_(t)  # (rows, width), in place: the same bits, no copy
     g = gumbel(keys, steps, width, rows)  # the padding rows' noise 0: they are discarded
-    which = [i for i, f in enumerate([filtered] * q if isinstance(filtered, bool) else filtered) if f]
-    if not which:
+    if listed == []:
         return torch.argmax(y.add_(g), dim=-1)[:q]
     k = F.pad(top_k, (0, pad))[:, None]
     p_max = F.pad(top_p.double(), (0, pad), value=1.0)[:, None]
-    if y.device.type != "cpu":
-        return _draw(y, g, k, p_max, vocab, None)[:q]
-    # A CPU draws a tile of 8 rows at a time, each tile's (8, width) tensors in cache through the passes below,
-    # and sorts only the rows that filter; a tile where none does takes its argmax at once.
-    tokens = torch.empty(rows, dtype=torch.int64)
-    for lo in range(0, rows, 8):
-        tile = slice(lo, lo + 8)
-        listed = [i - lo for i in which if lo <= i < lo + 8]
-        tokens[tile] = (_draw(y[tile], g[tile], k[tile], p_max[tile], vocab, listed) if listed
-                        else torch.argmax(y[tile].add_(g[tile]), dim=-1))
-    return tokens[:q]
-
-
-def _draw(y: torch.Tensor, g: torch.Tensor, k: torch.Tensor, p_max: torch.Tensor, vocab: int,
-          listed: list[int] | None) -> torch.Tensor:
-    """`sample_rows`' tokens of rows y (whole tiles of 8; y is overwritten) with their noise g, top-k k and top-p
-    p_max (rows, 1) each: every row sorted (listed None), or on a CPU only the listed ones, which filter (any
-    other row cuts nothing, in any order)."""
     if listed is None:
         sorted_y, order = sorted_rows(y)
     else:
@@ -185,11 +183,11 @@ def _draw(y: torch.Tensor, g: torch.Tensor, k: torch.Tensor, p_max: torch.Tensor
     cut = (k > 0) & (sorted_y < kth)  # (rows, width) in sorted order: past the K-th
     p = torch.softmax(sorted_y.masked_fill_(cut, float("-inf")), dim=-1)  # sorted_y is read no more
     cum = torch.empty_like(p)
-    for i in range(0, len(p), 8):  # fixed (8, width) scans
+    for i in range(0, rows, 8):  # fixed (8, width) scans
         torch.cumsum(p[i:i + 8], dim=-1, out=cum[i:i + 8])
     cut |= (p_max < 1) & (cum.sub_(p) >= p_max)  # the smallest set reaching top_p (1: off, whatever cum rounds to)
     if listed is None:
         hidden = torch.zeros_like(cut).scatter_(1, order, cut)
     else:
         hidden = torch.zeros_like(cut).index_copy_(0, at, torch.zeros_like(cut[at]).scatter_(1, order, cut[at]))
-    return torch.argmax(y.masked_fill_(hidden, float("-inf")).add_(g), dim=-1)
+    return torch.argmax(y.masked_fill_(hidden, float("-inf")).add_(g), dim=-1)[:q]
