@@ -115,7 +115,9 @@ class AttentionTiles:
 # stay chunk-sized, and a prefill of 256 questions runs 1.08x faster than with every chunk computed twice.
 # Where 16 or more tiles in a row meet one key block (a document's block in a big pass: 48 tiles a KV head in a
 # 512-token pass), they go as one run: one oneDNN product of their rows against the block, keys and values read
-# once, where proven to give each item its batch's bits (a 256-question prefill 1.11x).
+# once, where proven to give each item its batch's bits (a 256-question prefill 1.11x). Not in a decode step: 64
+# questions bring 6 tiles to each block, and runs of 4 there (one product pair per block and head) gave the same
+# tokens but took 1.4x the step's time at a 512-token document (more, smaller calls than the batched bmm).
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.
