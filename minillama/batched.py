@@ -8,6 +8,7 @@ short batch only where this process has shown that it gives every item the whole
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -225,3 +226,20 @@ def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.devic
             _PROVEN[key] = tuple(t for t in kind.short_rows if t < kind.rows
                                  and all(same(t, r) for r in range(0, kind.rows - t + 1, t)))
     return _PROVEN[key]
+
+
+def long_tile(kind: ItemTiles, d: int, group_rows: list[int], dtype: torch.dtype, device: torch.device) -> ItemTiles:
+    """The kind a pass whose groups hold `group_rows` rows lays its items out in: where no group is long enough
+    for a run (`kind.runs` tiles), in the largest of `kind.long_rows` that pads the groups at most 1/8 past
+    tiles of `kind.rows` and whose every slice of `kind.rows` rows gives each row exactly the bits of a tile of
+    its own (`proven_rows` of the bigger tile); else as it is."""
+    def padded(t: int) -> int:
+        return sum(-(-n // t) * t for n in group_rows)
+
+    if kind.runs and max(group_rows) >= kind.runs * kind.rows:
+        return kind
+    for t in sorted(kind.long_rows, reverse=True):
+        long = replace(kind, rows=t, short_rows=(kind.rows,), long_rows=())
+        if padded(t) * 8 <= padded(kind.rows) * 9 and kind.rows in proven_rows(long, d, dtype, device):
+            return replace(long, short_rows=())
+    return kind

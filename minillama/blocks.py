@@ -63,6 +63,12 @@ class ItemTiles:
     # every item the bits of its batch's `bmm` calls (`batched.proven_run`). 0: never. A run's keys and values
     # are read once, not gathered per item, and a product of many rows runs nearer the GEMM's pace.
     runs: int = 0
+    # Bigger tiles, multiples of `rows`, that a pass whose groups are big but too few rows for a run may take
+    # (a decode step of 64 questions brings 192 rows to each document block: 3 tiles of 64, not 6 of 32, so
+    # each block's keys and values are gathered half as often), used only where they pad the groups at most
+    # 1/8 past tiles of `rows` and the process has shown that every row of such a tile gets the bits of its
+    # own `rows`-row tile (`batched.long_tile`). The answers are the `rows`-row tiles' either way.
+    long_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.chunk % self.batch:
@@ -117,12 +123,15 @@ class AttentionTiles:
 # 512-token pass), they go as one run: one oneDNN product of their rows against the block, keys and values read
 # once, where proven to give each item its batch's bits (a 256-question prefill 1.11x). Not in a decode step: 64
 # questions bring 6 tiles to each block, and runs of 4 there (one product pair per block and head) gave the same
-# tokens but took 1.4x the step's time at a 512-token document (more, smaller calls than the batched bmm).
+# tokens but took 1.4x the step's time at a 512-token document (more, smaller calls than the batched bmm). Tiles
+# of 64 rows there instead (`long_rows`, where proven: 3 a block, keys and values gathered half as often) took
+# 0.89x the step's time at 1,024- and 2,048-token documents (medians of 4 alternating runs), the same tokens;
+# tiles of 128 (192 rows padded to 256) took 1.09x at 512.
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.
 CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16),
-                                                runs=16),
+                                                runs=16, long_rows=(64,)),
                                partial=ItemTiles(rows=16, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4, 8)),
                                keep=640, hold=16384, at_once=256 << 20)
 # A GPU (an H200, Llama-3-8B's shape, the paper's configuration): whole-block tiles of 128 rows in batches of

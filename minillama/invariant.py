@@ -78,10 +78,11 @@ class Tiles:
     long: tuple[int, ...] = ()  # rows (whole tiles) of the products that may stand in for a run of whole tiles
 
     def whole_only(self) -> "Tiles":
-        """These sizes with no short or long tile, short batch or short item tile: every product and call
+        """These sizes with no short or long tile, short batch, short or long item tile: every product and call
         whole, the bits a short or long one must give."""
         a = self.attention
-        return replace(self, short=(), long=(), attention=replace(a, whole=replace(a.whole, short=(), short_rows=()),
+        return replace(self, short=(), long=(), attention=replace(a, whole=replace(a.whole, short=(), short_rows=(),
+                                                                                long_rows=()),
                                                         partial=replace(a.partial, short=(), short_rows=())))
 
     def unit(self, widths: tuple[int, ...]) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
-from .batched import proven_batches, proven_rows, proven_run, proven_scan
+from .batched import long_tile, proven_batches, proven_rows, proven_run, proven_scan
 from .cache import PAD_SLOT, KVCache
 from .invariant import last_tile
 from .transfer import to_device
@@ -110,8 +110,7 @@ class AttentionPlan:
     order: torch.Tensor | None = None
     # Dense masked path (negative control): visible cache slots of each token.
     visible: torch.Tensor | None = None  # (N, S) bool
-    # Where `order` is: whether its J additions go as one proven scan (batched.proven_scan; a GPU's).
-    scan: bool = False
+    scan: bool = False  # where `order` is: its J additions as one proven scan (batched.proven_scan; a GPU's)
     # The token rows attention runs, R / G: the pass's real tokens, bucketed (step.lay_out). The model's
     # other padding rows skip attention (their output is zero, as a row that sees nothing gets). None: all.
     rows: int | None = None
@@ -187,16 +186,18 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     """Steps 2 to 4 for one kind of item, on the host; then one transfer per tensor. Also returns the
     items' flat rows (I, T) on the host, for `row_order`. The items are padded to whole batches, the last
     one short where `short` and a short batch is proven (batched.proven_batches); where `short`, a pass whose
-    every group fits a proven smaller tile takes the smallest that holds the largest (batched.proven_rows).
-    In `buckets` too: the proven sizes are fixed per process, so a bucket's shapes stay few (a tile of 4
-    rows, a short batch of 64 items, are buckets of their own), and a pass of fewer items than a batch
-    takes the smallest proven short batch that holds them, else a whole batch."""
+    every group fits a proven smaller tile takes the smallest that holds the largest (batched.proven_rows), one
+    of big groups outside `buckets` a proven bigger one (batched.long_tile). In `buckets` the sizes are fixed per
+    process (a tile of 4 rows, a short batch of 64 items: buckets of their own); a pass of fewer items than a
+    batch takes the smallest proven short batch that holds them, else a whole batch."""
     order = sorted(groups, key=lambda key: key[1])  # by block; stable: a block's groups keep their order
     if short and order:
         most = layout.group_size * max(len(tokens) for tokens in groups.values())  # rows of the largest group
         if most < kind.rows:
             kind = replace(kind, rows=last_tile(most, kind.rows, _proven(proven_rows, kind, layout.cache)),
                            short_rows=())
+        elif kind.long_rows and not buckets:  # big groups: a proven bigger tile, where no group makes a run
+            kind = _proven(long_tile, kind, layout.cache, [layout.group_size * len(t) for t in groups.values()])
     tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, kind.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
@@ -274,8 +275,7 @@ def _split_small(layout: _Pass, groups: Groups, kind: ItemTiles) -> tuple[Groups
 
 
 def _proven(proof, kind: ItemTiles, cache: KVCache, *args):
-    """What `proof` (batched.proven_batches, proven_rows or proven_run) shows for this kind in the attention
-    arithmetic of the cache's model (at least float32, attention.py)."""
+    """What `proof` (of batched.py) shows for this kind in the attention arithmetic of the cache's model."""
     return proof(kind, cache.k.shape[-1], *args, torch.promote_types(cache.k.dtype, torch.float32), cache.k.device)
 
 

@@ -183,7 +183,8 @@ def test_a_pass_within_keep_holds_its_scores_in_one_chunk_and_past_it_holds_chun
     chunks' scores from pass 1 to pass 2 (fewer products, the same bits)."""
     config = tiny_config(heads=6, kv_heads=2, head_dim=16)
     cache, segs, poss = layout(config, 300, [20, 45, 7], [90])
-    small = dataclasses.replace(CHUNKED, whole=dataclasses.replace(CHUNKED.whole, runs=0))  # every item in `bmm` calls
+    # every item in `bmm` calls of 32-row tiles
+    small = dataclasses.replace(CHUNKED, whole=dataclasses.replace(CHUNKED.whole, runs=0, long_rows=()))
     rows = -(-len(segs) // 64) * 64
     plan = plan_attention(cache, segs, poss, 3, n_rows=rows, tiles=small)
     q = fill(cache, rows, 3, 0)
@@ -214,10 +215,15 @@ def test_decode_reads_each_document_block_once_per_tile_of_questions():
     plan = plan_attention(cache, segs, poss, 3, n_rows=64, tiles=tiles)
     doc_slots = cache.segments[0].slots
     whole = plan.whole
-    # 40 questions x 3 heads = 120 rows: the fewest tiles that hold them against each of the 5 blocks,
-    # padded to a batch, short where proven (the padding joins the last block).
-    n = -(-120 // tiles.whole.rows)
-    short = proven_batches(tiles.whole, 8, torch.float32, cache.k.device)
+    # 40 questions x 3 heads = 120 rows: the fewest tiles that hold them against each of the 5 blocks (two of
+    # 64 rows where proven, ItemTiles.long_rows, else four of 32), padded to a batch, short where proven (the
+    # padding joins the last block).
+    tile = whole.rows.shape[1]
+    assert tile in (tiles.whole.rows, *tiles.whole.long_rows)
+    kind = tiles.whole if tile == tiles.whole.rows else dataclasses.replace(tiles.whole, rows=tile, short_rows=(),
+                                                                              long_rows=())
+    n = -(-120 // tile)
+    short = proven_batches(kind, 8, torch.float32, cache.k.device)
     assert n < 40 and 5 * n < tiles.whole.batch and whole.count == last_tile(5 * n, tiles.whole.batch, short)
     assert whole.bounds == [0, n, 2 * n, 3 * n, 4 * n, whole.count]
     for b in range(5):
@@ -483,6 +489,42 @@ def test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them(monkeypa
     plan, short, whole = _short_and_whole(config, 100, [40] + [3] * 6, True)
     assert (plan.whole.rows.shape[1], plan.small.rows.shape[1], plan.partial.rows.shape[1]) == (32, 4, 4)
     assert plan.small.blocks == [1] and torch.equal(short, whole)
+
+
+# (document, questions, the whole items' tile): decode steps whose groups are big but make no run: the document's
+# blocks meet 21 x 3 rows (one tile of 64, not two of 32); 30 x 3 (3 tiles of 32, 2 of 64: padded 1/3 more, no long
+# tile); 21 x 3 beside a question's own block (3 rows, apart in a short tile)
+LONG_GROUPS = [(200, [1] * 21, 64), (300, [1] * 30, 32), (130, [70] + [1] * 20, 64)]
+
+
+def test_a_pass_of_big_groups_takes_long_item_tiles_with_the_whole_tiles_bits(threads):
+    """Where a pass's whole-block groups are big but too few rows for a run, it takes the proven bigger tile
+    (ItemTiles.long_rows: 63 rows a block, 21 questions, go as one 64-row tile rather than two of 32; 90 rows
+    stay in 32-row tiles, which 64 would pad by 1/3): each pass equals the same pass in whole 32-row tiles, bit for
+    bit. The test that a long tile of other bits is refused fails if taken unproven."""
+    assert CPU_ATTENTION.whole.long_rows == (64,)
+    config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    long_kind = dataclasses.replace(CPU_ATTENTION.whole, rows=64, short_rows=(32,), long_rows=())
+    long_proven = 32 in proven_rows(long_kind, 64, torch.float32, DEVICE)
+    for doc, qs, tile in LONG_GROUPS:
+        plan, long, whole = _short_and_whole(config, doc, qs, True)
+        assert plan.whole.rows.shape[1] == (tile if long_proven else 32), (doc, qs)
+        assert torch.equal(long, whole), (doc, qs)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="expects this CPU's proof of 64-row item tiles")
+def test_a_long_item_tile_of_other_bits_is_refused(monkeypatch):
+    """Negative control: a library whose products of 64-row tiles add in another order (here: `torch.bmm`
+    nudging the last bit) proves no 64-row tile, so a decode step of 21 questions keeps 32-row tiles, with the
+    whole tiles' bits; taken unproven, the 64-row tiles would have changed them."""
+    _nudge_bmm(monkeypatch, lambda a: a.shape[1] == 64)
+    config = tiny_config(heads=9, kv_heads=3, head_dim=64)
+    plan, long, whole = _short_and_whole(config, 200, [1] * 21, True)
+    assert plan.whole.rows.shape[1] == 32 and torch.equal(long, whole)
+    monkeypatch.setattr(plan_module, "long_tile", lambda kind, d, rows, dtype, device:
+                        dataclasses.replace(kind, rows=64, short_rows=(), long_rows=()))  # unproven
+    plan, long, whole = _short_and_whole(config, 200, [1] * 21, True)
+    assert plan.whole.rows.shape[1] == 64 and not torch.equal(long, whole)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="expects this CPU's proof of 8-row item tiles")

@@ -64,7 +64,7 @@ def expected_signatures(model: Llama, tiles: Tiles) -> set[tuple]:
             k = mod.weight.shape[0]
             out.add(("aten.mean.out", (((t, k), (k, 1), acc, 0), ((t, 1), (1, 1), acc, 0)), ("-1", "True")))
     for kind in (tiles.attention.whole, tiles.attention.partial):  # a call per item tile and batch count
-        for rows in (kind.rows, *kind.short_rows):
+        for rows in (kind.rows, *kind.short_rows, *kind.long_rows):
             for batch in (kind.batch, *kind.short):
                 out |= attention_signatures(rows, batch, d, acc, tiles.attention.fused)
     return out
@@ -209,7 +209,7 @@ def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
     other (a pass's last tile may be short, invariant.Tiles.short, and its whole tiles may run as long ones,
     Tiles.long: which ones follow the pass's row count); and for
     each attention call of a whole or short batch of whole or short item tiles, the calls of every other
-    (blocks.ItemTiles.short, short_rows)."""
+    (blocks.ItemTiles.short, short_rows, long_rows)."""
     out = set(signatures)
     sizes = (tiles.rows, *tiles.short, *tiles.long)
     for op, args, *rest in signatures:
@@ -218,7 +218,8 @@ def with_short_tiles(signatures: set[tuple], tiles: Tiles) -> set[tuple]:
                 out.add((op, tuple(((s, *a[0][1:]), *a[1:]) if i in (0, 2) else a for i, a in enumerate(args)),
                          *rest))
         for kind in (tiles.attention.whole, tiles.attention.partial):
-            shapes = [(r, n) for r in (kind.rows, *kind.short_rows) for n in (kind.batch, *kind.short)]
+            rows = (kind.rows, *kind.short_rows, *kind.long_rows)
+            shapes = [(r, n) for r in rows for n in (kind.batch, *kind.short)]
             if op == "aten.bmm.out" and (args[0][0][1], args[0][0][0]) in shapes:  # (items, rows, ...) x ...
                 d = args[1][0][2] if args[1][0][1] == 64 else args[0][0][2]  # values' (n, B, D) or scores' q
                 for r, n in shapes:
