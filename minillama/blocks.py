@@ -125,8 +125,8 @@ class AttentionTiles:
 # questions bring 6 tiles to each block, and runs of 4 there (one product pair per block and head) gave the same
 # tokens but took 1.4x the step's time at a 512-token document (more, smaller calls than the batched bmm). Tiles
 # of 64 rows there instead (`long_rows`, where proven: 3 a block, keys and values gathered half as often) took
-# 0.89x the step's time at 1,024- and 2,048-token documents (medians of 4 alternating runs), the same tokens;
-# tiles of 128 (192 rows padded to 256) took 1.09x at 512.
+# 0.89x the step's time at 1,024- and 2,048-token documents (medians of 4 alternating runs), 0.77x at 4,096, every
+# logit the same; tiles of 128 (192 rows padded to 256) took 1.09x at 512.
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.
