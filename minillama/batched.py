@@ -228,18 +228,35 @@ def proven_rows(kind: ItemTiles, d: int, dtype: torch.dtype, device: torch.devic
     return _PROVEN[key]
 
 
-def long_tile(kind: ItemTiles, d: int, group_rows: list[int], dtype: torch.dtype, device: torch.device) -> ItemTiles:
-    """The kind a pass whose groups hold `group_rows` rows lays its items out in: where no group is long enough
-    for a run (`kind.runs` tiles), in the largest of `kind.long_rows` that pads the groups at most 1/8 past
-    tiles of `kind.rows` and whose every slice of `kind.rows` rows gives each row exactly the bits of a tile of
-    its own (`proven_rows` of the bigger tile); else as it is."""
-    def padded(t: int) -> int:
-        return sum(-(-n // t) * t for n in group_rows)
+def last_tile(rest: int, tile: int, short: tuple[int, ...]) -> int:
+    """The rows of the product that holds a pass's `rest` rows past its whole tiles (or the items of the call
+    that holds its `rest` items past its whole batches): the smallest of the `short` sizes that holds them,
+    else a whole tile; 0 when none is left."""
+    return min([s for s in short if s >= rest] + [tile]) if rest else 0
+
+
+def batch_items(kind: ItemTiles, d: int, count: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The items `count` items of a kind take in its calls: whole batches, the last one short where proven
+    (`proven_batches`)."""
+    whole, rest = divmod(count, kind.batch)
+    return whole * kind.batch + last_tile(rest, kind.batch, proven_batches(kind, d, dtype, device) if rest else ())
+
+
+def long_tile(kind: ItemTiles, d: int, group_rows: list[int], heads: int, dtype: torch.dtype,
+              device: torch.device) -> ItemTiles:
+    """The kind a pass whose groups hold `group_rows` rows (in each of `heads` KV heads) lays its items out in:
+    where no group is long enough for a run (`kind.runs` tiles), in the largest of `kind.long_rows` whose items,
+    padded to the calls they take (`batch_items`), hold at most 1/8 more rows than tiles of `kind.rows` do, and
+    whose every slice of `kind.rows` rows gives each row exactly the bits of a tile of its own (`proven_rows` of
+    the bigger tile); else as it is."""
+    def padded(k: ItemTiles) -> int:  # rows computed: tiles, padded to whole batches
+        return batch_items(k, d, heads * sum(-(-n // k.rows) for n in group_rows), dtype, device) * k.rows
 
     if kind.runs and max(group_rows) >= kind.runs * kind.rows:
         return kind
     for t in sorted(kind.long_rows, reverse=True):
         long = replace(kind, rows=t, short_rows=(kind.rows,), long_rows=())
-        if padded(t) * 8 <= padded(kind.rows) * 9 and kind.rows in proven_rows(long, d, dtype, device):
+        if (kind.rows in proven_rows(long, d, dtype, device)
+                and padded(replace(long, short_rows=())) * 8 <= padded(kind) * 9):
             return replace(long, short_rows=())
     return kind

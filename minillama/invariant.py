@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .blocks import CPU_ATTENTION, CUDA_ATTENTION, AttentionTiles
-from .batched import WIDTH
+from .batched import WIDTH, last_tile
 from .precision import FLOAT32_COLUMNS, compute_dtype, onednn_linear, plain_linear, uses_onednn
 from .proofs import held_short, opaque, opaque_op, proven_long, proven_short, proven_units
 
@@ -97,12 +97,6 @@ class Tiles:
         (`last_tile`) of the rest, taking the `short` tiles as proven (all of them where None)."""
         whole, rest = divmod(n, self.rows)
         return whole * self.rows + last_tile(rest, self.rows, self.short if short is None else short)
-
-
-def last_tile(rest: int, tile: int, short: tuple[int, ...]) -> int:
-    """The rows of the product that holds a pass's `rest` rows past its whole tiles: the smallest of the
-    `short` sizes that holds them, else a whole tile; 0 when no row is left."""
-    return min([s for s in short if s >= rest] + [tile]) if rest else 0
 
 
 CPU_TILES = Tiles(rows=64, attention=CPU_ATTENTION, short=(4, 8, 16, 32), long=(512, 256))

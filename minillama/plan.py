@@ -35,9 +35,8 @@ import numpy as np
 import torch
 
 from .blocks import KEY_BLOCK, AttentionTiles, ItemTiles, visible_blocks
-from .batched import long_tile, proven_batches, proven_rows, proven_run, proven_scan
+from .batched import batch_items, last_tile, long_tile, proven_rows, proven_run, proven_scan
 from .cache import PAD_SLOT, KVCache
-from .invariant import last_tile
 from .transfer import to_device
 
 NEVER = np.iinfo(np.int64).max  # the position of a padding key: never visible
@@ -197,7 +196,8 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
             kind = replace(kind, rows=last_tile(most, kind.rows, _proven(proven_rows, kind, layout.cache)),
                            short_rows=())
         elif kind.long_rows and not buckets:  # big groups: a proven bigger tile, where no group makes a run
-            kind = _proven(long_tile, kind, layout.cache, [layout.group_size * len(t) for t in groups.values()])
+            kind = _proven(long_tile, kind, layout.cache, [layout.group_size * len(t) for t in groups.values()],
+                           layout.kv_heads)
     tiles, tiles_per_group = tile_rows([groups[key] for key in order], layout.group_size, kind.rows,
                                        spare=layout.row_stride - 1)
     block_keys = _block_keys(layout, order)  # (groups, B)
@@ -206,9 +206,7 @@ def _lay_out(layout: _Pass, groups: Groups, kind: ItemTiles, masked: bool, bucke
     if buckets and not (short and 0 < real < kind.batch):
         padded = bucket(real, kind.batch)
     else:
-        whole, rest = divmod(real, kind.batch)
-        proven = _proven(proven_batches, kind, layout.cache) if short and rest else ()
-        padded = whole * kind.batch + last_tile(rest, kind.batch, proven)
+        padded = _proven(batch_items, kind, layout.cache, real) if short else -(-real // kind.batch) * kind.batch
     rows, keys, item_blocks, group_of_item = items_of_every_head(tiles, tiles_per_group, block_keys, blocks, layout,
                                                                  padded)
     starts = [0, *(np.flatnonzero(np.diff(item_blocks)) + 1).tolist()]  # each distinct block's first item
