@@ -128,12 +128,13 @@ class AttentionTiles:
 # 0.89x the step's time at 1,024- and 2,048-token documents (medians of 4 alternating runs), 0.77x at 4,096, every
 # logit the same; tiles of 128 (192 rows padded to 256) took 1.09x at 512. Tiles of 192 (one a block) took 0.94x
 # of 64's time at 2,048 tokens, 0.88x at 4,096; 1.07-1.09x at 512 and 1,024, where their few items leave a call a
-# third empty: a long tile is taken only where its items, padded to their calls, hold at most 1/8 more rows.
+# third empty: a long tile is taken only where its items, padded to their calls, hold at most 1/8 more rows. Tiles
+# of 96 (32 questions: one a block) took 0.92x of 32's time at 2,048 tokens, 0.80x at 4,096.
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.
 CPU_ATTENTION = AttentionTiles(whole=ItemTiles(rows=32, batch=64, chunk=256, short=(8, 16, 32), short_rows=(4, 8, 16),
-                                                runs=16, long_rows=(64, 192)),
+                                                runs=16, long_rows=(64, 96, 192)),
                                partial=ItemTiles(rows=16, batch=64, chunk=512, short=(8, 16, 32), short_rows=(4, 8)),
                                keep=640, hold=16384, at_once=256 << 20)
 # A GPU (an H200, Llama-3-8B's shape, the paper's configuration): whole-block tiles of 128 rows in batches of

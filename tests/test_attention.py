@@ -491,15 +491,16 @@ def test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them(monkeypa
     assert plan.small.blocks == [1] and torch.equal(short, whole)
 
 
-# (document, questions, the whole items' tile): decode steps whose groups are big but make no run, their items
-# padded to calls of a batch (64), or to a proven short one (8, 16, 32). The document's blocks meet 21 x 3 rows: one
-# tile of 64, not two of 32. 30 x 3 at 8 blocks: 72 tiles of 32 (a batch and a call of 8), or 48 of 64 in a batch
-# (1.8x the rows), so no long tile; at 4 blocks 36 tiles of 32 take a batch as well, as 24 of 64 do: 64. 21 x 3
-# beside a question's own block (3 rows, apart in a short tile): 64. 64 x 3 at 8 blocks: 3 tiles of 64 a block,
-# since 24 of 192 would take a call of 32 (1/3 more rows); at 32 blocks one of 192 (96 items: a batch and a call
-# of 32, as many rows as tiles of 32)
-LONG_GROUPS = [(200, [1] * 21, 64), (512, [1] * 30, 32), (300, [1] * 30, 64), (130, [70] + [1] * 20, 64),
-               (512, [1] * 64, 64), (2048, [1] * 64, 192)]
+# (document, questions, the whole items' tiles, the first proven taken, else 32): decode steps whose groups are big
+# but make no run, their items padded to calls of a batch (64), or to a proven short one (8, 16, 32). The document's
+# blocks meet 21 x 3 rows: one tile of 64, not two of 32. 30 x 3 at 8 blocks: 72 tiles of 32 (a batch and a call of
+# 8), or 48 of 64 in a batch (1.8x the rows), 24 of 96 in a call of 32, so no long tile; at 4 blocks 36 tiles of 32
+# take a batch, 12 of 96 a call of 16: 96. 21 x 3 beside a question's own block (3 rows, apart in a short tile): 64.
+# 64 x 3 at 8 blocks: 3 tiles of 64 a block, since 24 of 192 would take a call of 32 (1/3 more rows); at 32 blocks
+# one of 192 (96 items: a batch and a call of 32, as many rows as tiles of 32). 32 x 3 at 32 blocks: one of 96 a
+# block; at 8 blocks none (24 of 96 would take a call of 32, 48 of 64 a batch, where 72 of 32 take a batch and 8).
+LONG_GROUPS = [(200, [1] * 21, (64,)), (512, [1] * 30, ()), (300, [1] * 30, (96, 64)), (130, [70] + [1] * 20, (64,)),
+               (512, [1] * 64, (64,)), (2048, [1] * 64, (192, 64)), (2048, [1] * 32, (96,)), (512, [1] * 32, ())]
 
 
 def test_a_pass_of_big_groups_takes_long_item_tiles_with_the_whole_tiles_bits(threads):
@@ -507,16 +508,16 @@ def test_a_pass_of_big_groups_takes_long_item_tiles_with_the_whole_tiles_bits(th
     tile (ItemTiles.long_rows) whose items, padded to their calls, hold at most 1/8 more rows than tiles of 32:
     63 rows a block, 21 questions, go as one 64-row tile rather than two of 32; 90 rows stay in 32-row tiles
     where 64 would compute 1.8x the rows; 192 rows a block take one tile of 192 where its items fill their
-    calls, three of 64 where they would leave a call a third empty. Each pass equals the same pass in whole 32-row tiles, bit for bit. The test
-    that a long tile of other bits is refused fails if taken unproven."""
-    assert CPU_ATTENTION.whole.long_rows == (64, 192)
+    calls, three of 64 where they would leave a call a third empty; 96 rows one tile of 96 likewise. Each pass
+    equals the same pass in whole 32-row tiles, bit for bit. The test that a long tile of other bits is refused
+    fails if taken unproven."""
+    assert CPU_ATTENTION.whole.long_rows == (64, 96, 192)
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
     proven = {t: 32 in proven_rows(dataclasses.replace(CPU_ATTENTION.whole, rows=t, short_rows=(32,), long_rows=()),
-                                   64, torch.float32, DEVICE) for t in (64, 192)}
-    for doc, qs, tile in LONG_GROUPS:
+                                   64, torch.float32, DEVICE) for t in (64, 96, 192)}
+    for doc, qs, tiles in LONG_GROUPS:
         plan, long, whole = _short_and_whole(config, doc, qs, True)
-        expected = tile if tile == 32 or proven[tile] else 64 if tile == 192 and proven[64] else 32
-        assert plan.whole.rows.shape[1] == expected, (doc, len(qs))
+        assert plan.whole.rows.shape[1] == next((t for t in tiles if proven[t]), 32), (doc, len(qs))
         assert torch.equal(long, whole), (doc, len(qs))
 
 
