@@ -358,13 +358,17 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
                      budget_bytes, args.parallel_size, args.batch_docs, held)
 
 
+def _count(n: int, noun: str) -> str:
+    """'1 question', '5 questions'."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
 def summary_line(s: dict[str, Any]) -> str:
-    docs = f"{s['documents']} document{'s' * (s['documents'] != 1)}"
-    questions = f"{s['questions']} question{'s' * (s['questions'] != 1)}"
-    return (f"{docs}, {questions}, mode {s['mode']}: {s['prompt_tokens']} prompt tokens, "
+    return (f"{_count(s['documents'], 'document')}, {_count(s['questions'], 'question')}, mode {s['mode']}: "
+            f"{s['prompt_tokens']} prompt tokens, "
             f"{s['generated_tokens']} generated in {s['generate_s']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); "
             f"load {s['load_s']:.2f} s; peak memory {s['peak_memory_mb']:.0f} MB" +
-            (f"; waves of {s['parallel_size']} questions, {s['batch_docs']} documents per pass "
+            (f"; waves of {_count(s['parallel_size'], 'question')}, {_count(s['batch_docs'], 'document')} per pass "
              f"(planned {s['planned_memory_mb']:.0f} MiB of --max-memory {s['max_memory_mb']:g})"
              if s["mode"] == "parallel" else ""))
 
