@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,14 @@ def cpu_mode() -> str:
     return mode
 
 
+def compiler_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.compiler.assume_constant_result(fn)`: torch.compile takes fn's result as a constant rather than
+    trace it. That call imports torch._dynamo, ~1 s of every start, which a process that does not compile
+    never needs, so the mark it sets is set here; tests/test_step.py checks it is the same mark."""
+    fn._dynamo_marked_constant = True  # what torch._dynamo.assume_constant_result sets
+    return fn
+
+
 @functools.lru_cache(maxsize=None)
 def _decide(dtype: torch.dtype, mode: str) -> torch.dtype:
     if mode == "native" or (mode == "auto" and native_features(dtype)):
@@ -85,7 +94,7 @@ def _decide(dtype: torch.dtype, mode: str) -> torch.dtype:
     return torch.float32
 
 
-@torch.compiler.assume_constant_result  # decided once per process: a constant to torch.compile
+@compiler_constant  # decided once per process: a constant to torch.compile
 def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype a linear product of `dtype` operands is computed in on `device` (decided once per dtype)."""
     if device.type != "cpu" or dtype not in HALF:
@@ -133,7 +142,7 @@ def cpu_gemm() -> str:
     return ("onednn" if onednn_available() else "mm") if mode == "auto" else mode
 
 
-@torch.compiler.assume_constant_result
+@compiler_constant
 def uses_onednn(device: torch.device, calc: torch.dtype) -> bool:
     """Whether products computing in `calc` on `device` run in oneDNN's linear (a CPU in float32 that picks
     it, `cpu_gemm`), outside `torch.compile`, which cannot lower it (it takes `torch.mm`); the tiled and the

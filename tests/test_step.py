@@ -15,9 +15,12 @@ What a GPU's captured step relies on, checked on a CPU:
 import copy
 import dataclasses
 import gc
+import subprocess
+import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minillama.attention as attention_module
 import minillama.batched as batched
 import minillama.plan as plan_module
+import minillama.precision as precision
 import minillama.proofs as proofs
 import minillama.step as step_module
 import minillama.transfer as transfer
@@ -611,6 +615,35 @@ def test_torch_compile_traces_a_step_whole():
                       buckets=False)
     assert prefill.plan.order is None and _graph_breaks(model, cache, prefill) == 0
 
+
+
+def test_the_compilers_constants_carry_torchs_own_mark():
+    """precision.compiler_constant sets what torch.compiler.assume_constant_result sets (without importing
+    torch._dynamo at start): the same attributes, so torch.compile takes both alike."""
+    def torchs():
+        return 1
+
+    def ours():
+        return 1
+
+    torch.compiler.assume_constant_result(torchs)
+    precision.compiler_constant(ours)
+    assert vars(torchs) and vars(ours) == vars(torchs)
+    assert vars(precision.compute_dtype).items() >= vars(torchs).items()
+    assert vars(precision.uses_onednn).items() >= vars(torchs).items()
+
+
+def test_answering_imports_no_compiler():
+    """Importing minillama's entry points and answering on a CPU leave torch._dynamo unimported (~1 s of
+    every start); `--compile` imports it when it compiles."""
+    code = ("import sys, torch; import minillama.cli, minillama.api, minillama.oracle, minillama.oracle.backends; "
+            "from minillama.generate import generate, SamplingParams; sys.path.insert(0, 'tests'); "
+            "from tiny import tiny_config, tiny_model; "
+            "m = tiny_model(tiny_config()); generate(m, [[1, 2, 3], [1, 2, 4]], SamplingParams(max_new_tokens=3)); "
+            "print(sorted(n for n in sys.modules if n.startswith('torch._dynamo'))[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 def test_negative_control_a_planted_read_breaks_the_graph(monkeypatch):
     model = tiny_model(tiny_config())
