@@ -373,7 +373,8 @@ class TiledLinear(nn.Linear):
                         x @ W[u].T on its row-major block W[u], concatenated: the same operand whether a
                         process holds 1 unit or all of them. Where the process has shown that one product
                         over its units gives each unit exactly those bits (`proofs.proven_units`), it
-                        issues that one product, in whatever layout the weight has (column-major on a CPU).
+                        issues that one product, in whatever layout the weight has (column-major on a CPU);
+                        a CPU's LM head, row-major, runs its units' blocks as they lie, unproven.
         split "rows" (o, down): input features in U shards, partial u = x[:, u] @ W[:, u].T, the partials
                         added in the fixed tree (`tree_sum`). The weight is stored column-major, so W[:, u].T
                         is one contiguous block.
@@ -410,7 +411,11 @@ class TiledLinear(nn.Linear):
                 def product(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                     return tiled_linear(r, w, t.rows, t.short, t.long)
 
-                if proven_units(self.weight, self.unit_bounds(), (1, *t.short, t.rows, *t.long), product):
+                # A CPU's LM head, row-major, takes its units' own blocks as they lie: nothing to copy, and no
+                # proof, which for SmolLM2's took ~2 s and ~370 MB at a process's first pass (docs/distributed.md).
+                lm_head = self.gather and x.device.type == "cpu" and self.weight.is_contiguous()
+                if not lm_head and proven_units(self.weight, self.unit_bounds(), (1, *t.short, t.rows, *t.long),
+                                                  product):
                     out = product(x, self.weight)
                 else:
                     out = torch.cat([product(x, self.weight[a:b].contiguous()) for a, b in self.unit_bounds()], dim=-1)

@@ -192,7 +192,7 @@ class Llama(nn.Module):
         against 51 ms, a 567-token prefill 0.85 against 0.98 s). With several units the product is one over
         all of them where proven to give each unit's bits (`proofs.proven_units`), else each unit's block
         copied row-major (TiledLinear.forward). Not the LM head, which may be the embedding table and is read
-        as fast either way; not on a GPU, where the products' speed was measured with row-major weights; not
+        as fast either way (its units run on their row-major blocks, unproven: the proof cost seconds); not on a GPU, where the products' speed was measured with row-major weights; not
         on a tensor-parallel rank, which reads its parts row-major from the checkpoint and keeps them so (a
         copy of each would raise its loading peak past its share of the model)."""
         w = module.weight
