@@ -88,6 +88,21 @@ def sd(config):
     return random_state_dict(config, seed=0)
 
 
+
+def test_a_model_is_built_around_its_weights_laid_out_once(config, sd, monkeypatch):
+    """`weights.build_model` builds the skeleton on the meta device, so the weights it is given are the only
+    ones laid out (`Llama.column_major_`): no copy of uninitialised weights at every load."""
+    from minillama.model import Llama
+
+    devices = []
+    real = Llama.column_major_
+    monkeypatch.setattr(Llama, "column_major_", lambda self: devices.append(self.lm_head.weight.device.type)
+                        or real(self))
+    model = weights.build_model(config, sd)
+    assert devices == ["meta", "cpu"]  # the skeleton's (nothing to copy), then the weights'
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, sd["model.layers.0.mlp.gate_proj.weight"])
+
 # --------------------------------------------------------------------------------------------------
 # The Q/K permutation
 

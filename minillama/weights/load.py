@@ -33,7 +33,7 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
           for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-    with torch.device(device), _no_random_init():
+    with torch.device("meta"), _no_random_init():  # a skeleton, nothing drawn or laid out: each weight assigned next
         model = Llama(config)
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_word_embeddings:
