@@ -189,12 +189,13 @@ class Llama(nn.Module):
     def _column_major(self, module: TiledLinear) -> bool:
         """Whether a column-split projection is stored column-major: on a CPU in float32, where oneDNN's linear
         reads a (K, N) row-major matrix 1.1-1.4x faster than an (N, K) one (one sequence's decode step 46
-        against 51 ms, a 567-token prefill 0.85 against 0.98 s). With several units the product is one over
-        all of them where proven to give each unit's bits (`proofs.proven_units`), else each unit's block
-        copied row-major (TiledLinear.forward). Not the LM head, which may be the embedding table and is read
-        as fast either way (its units run on their row-major blocks, unproven: the proof cost seconds); not on a GPU, where the products' speed was measured with row-major weights; not
-        on a tensor-parallel rank, which reads its parts row-major from the checkpoint and keeps them so (a
-        copy of each would raise its loading peak past its share of the model)."""
+        against 51 ms, a 567-token prefill 0.85 against 0.98 s). With several units the product is one over all
+        of them where proven to give each unit's bits (`proofs.proven_units`), else each unit's block copied
+        row-major (TiledLinear.forward). Not the LM head, which may be the embedding table and is read as fast
+        either way (its units run on their row-major blocks, unproven: the proof cost seconds); not on a GPU,
+        where the products' speed was measured with row-major weights; not on a tensor-parallel rank, which
+        reads its parts row-major from the checkpoint and keeps them so (a copy of each would raise its loading
+        peak past its share of the model)."""
         w = module.weight
         return (not module.gather and w.device.type == "cpu" and w.dtype == torch.float32
                 and (self.kernels.units == 1 or not self.kernels.sharded))

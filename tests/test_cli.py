@@ -74,7 +74,6 @@ def test_text_output(ckpt, files):
     assert "4 questions, mode parallel" in p.stderr.strip().splitlines()[-1]
 
 
-
 def test_summary_line_counts_in_words():
     """The closing line says '1 document per pass', '1 question', not '1 documents'."""
     one = dict(documents=1, questions=1, mode="parallel", prompt_tokens=9, generated_tokens=4, generate_s=1.0,
@@ -86,6 +85,7 @@ def test_summary_line_counts_in_words():
     line = cli.summary_line({**one, "documents": 2, "questions": 5, "parallel_size": 5, "batch_docs": 2})
     assert line.startswith("2 documents, 5 questions, mode parallel:")
     assert "waves of 5 questions, 2 documents per pass" in line
+
 
 def test_json_output(ckpt, files):
     p = run_cli("--model", ckpt, "--doc", files["doc"], "--questions", files["questions"], "--json",

@@ -289,7 +289,6 @@ def test_a_column_split_layers_units_run_as_one_product_with_each_units_bits(mon
     assert calls == [(1536, 576)]  # one product over the three units, not three
 
 
-
 def test_the_lm_heads_units_run_on_their_own_blocks_unproven(monkeypatch):
     """A CPU's LM head (row-major, maybe the embedding table) runs each unit's product on its block as it
     lies: the units' bits, three products, no units proof (which for SmolLM2's LM head cost ~2 s and ~370 MB
@@ -307,6 +306,7 @@ def test_the_lm_heads_units_run_on_their_own_blocks_unproven(monkeypatch):
             assert torch.equal(layer(x[:m]), _each_unit(layer, x[:m])), m
     assert not [key for key in proofs._PROVEN if key.kind == "units"]
     assert calls[:3] == [(512, 576)] * 3  # the first pass: one product per unit, on its block
+
 
 def test_units_taken_as_one_product_of_other_bits_are_refused(monkeypatch):
     """Negative control: where one product over the units would add in another order (here: the whole

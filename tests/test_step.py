@@ -616,7 +616,6 @@ def test_torch_compile_traces_a_step_whole():
     assert prefill.plan.order is None and _graph_breaks(model, cache, prefill) == 0
 
 
-
 def test_the_compilers_constants_carry_torchs_own_mark():
     """precision.compiler_constant sets what torch.compiler.assume_constant_result sets (without importing
     torch._dynamo at start): the same attributes, so torch.compile takes both alike."""
@@ -641,9 +640,11 @@ def test_answering_imports_no_compiler():
             "from tiny import tiny_config, tiny_model; "
             "m = tiny_model(tiny_config()); generate(m, [[1, 2, 3], [1, 2, 4]], SamplingParams(max_new_tokens=3)); "
             "print(sorted(n for n in sys.modules if n.startswith('torch._dynamo'))[:3])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
 
 def test_negative_control_a_planted_read_breaks_the_graph(monkeypatch):
     model = tiny_model(tiny_config())

@@ -88,7 +88,6 @@ def sd(config):
     return random_state_dict(config, seed=0)
 
 
-
 def test_a_model_is_built_around_its_weights_laid_out_once(config, sd, monkeypatch):
     """`weights.build_model` builds the skeleton on the meta device, so the weights it is given are the only
     ones laid out (`Llama.column_major_`): no copy of uninitialised weights at every load."""
@@ -102,6 +101,7 @@ def test_a_model_is_built_around_its_weights_laid_out_once(config, sd, monkeypat
     assert devices == ["meta", "cpu"]  # the skeleton's (nothing to copy), then the weights'
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, sd["model.layers.0.mlp.gate_proj.weight"])
+
 
 # --------------------------------------------------------------------------------------------------
 # The Q/K permutation
