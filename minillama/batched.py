@@ -245,18 +245,26 @@ def batch_items(kind: ItemTiles, d: int, count: int, dtype: torch.dtype, device:
 def long_tile(kind: ItemTiles, d: int, group_rows: list[int], heads: int, dtype: torch.dtype,
               device: torch.device) -> ItemTiles:
     """The kind a pass whose groups hold `group_rows` rows (in each of `heads` KV heads) lays its items out in:
-    where no group is long enough for a run (`kind.runs` tiles), in the largest of `kind.long_rows` whose items,
-    padded to the calls they take (`batch_items`), hold at most 1/8 more rows than tiles of `kind.rows` do, and
-    whose every slice of `kind.rows` rows gives each row exactly the bits of a tile of its own (`proven_rows` of
-    the bigger tile); else as it is."""
+    where no group is long enough for a run (`kind.runs` tiles) and tiles of `kind.rows` take more than one call
+    (a long tile saves calls and gathers, not arithmetic), in the largest of `kind.long_rows` whose items, padded
+    to the calls they take (`batch_items`), hold at most 1/8 more rows than tiles of `kind.rows` do, and whose
+    every slice of `kind.rows` rows gives each row exactly the bits of a tile of its own (`proven_rows` of the
+    bigger tile); else as it is. A long tile whose rows alone, before any padding to calls, hold more than that is
+    passed over unproven. So a small pass (the first of a few questions) makes no long tile's proofs, which took
+    ~0.4 s of a process's first pass; the answers are the tiles of `kind.rows`' either way."""
     def padded(k: ItemTiles) -> int:  # rows computed: tiles, padded to whole batches
         return batch_items(k, d, heads * sum(-(-n // k.rows) for n in group_rows), dtype, device) * k.rows
 
     if kind.runs and max(group_rows) >= kind.runs * kind.rows:
         return kind
+    rows = padded(kind)
+    if rows <= kind.batch * kind.rows:  # one call of tiles of `kind.rows`: no long tile would save one
+        return kind
     for t in sorted(kind.long_rows, reverse=True):
+        # No layout in tiles of t computes fewer rows than its tiles: where they alone hold too many, no proof.
+        if heads * sum(-(-n // t) for n in group_rows) * t * 8 > rows * 9:
+            continue
         long = replace(kind, rows=t, short_rows=(kind.rows,), long_rows=())
-        if (kind.rows in proven_rows(long, d, dtype, device)
-                and padded(replace(long, short_rows=())) * 8 <= padded(kind) * 9):
+        if kind.rows in proven_rows(long, d, dtype, device) and padded(replace(long, short_rows=())) * 8 <= rows * 9:
             return replace(long, short_rows=())
     return kind

@@ -129,7 +129,8 @@ class AttentionTiles:
 # logit the same; tiles of 128 (192 rows padded to 256) took 1.09x at 512. Tiles of 192 (one a block) took 0.94x
 # of 64's time at 2,048 tokens, 0.88x at 4,096; 1.07-1.09x at 512 and 1,024, where their few items leave a call a
 # third empty: a long tile is taken only where its items, padded to their calls, hold at most 1/8 more rows. Tiles
-# of 96 (32 questions: one a block) took 0.92x of 32's time at 2,048 tokens, 0.80x at 4,096.
+# of 96 (32 questions: one a block) took 0.92x of 32's time at 2,048 tokens, 0.80x at 4,096. A pass whose tiles of
+# 32 take one call keeps them, and proves no long tile (those proofs took ~0.4 s of a process's first pass).
 # A pass whose groups are all small (a decode step of a few questions) takes 4- to 16-row tiles where proven:
 # one sequence's decode step in 4-row tiles is 1.1x faster than in 32 and 8. docs/bench/README.md has the
 # measurements.

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minillama.batched as batched
@@ -493,14 +493,17 @@ def test_short_batches_and_tiles_are_taken_where_the_kernels_prove_them(monkeypa
 
 # (document, questions, the whole items' tiles, the first proven taken, else 32): decode steps whose groups are big
 # but make no run, their items padded to calls of a batch (64), or to a proven short one (8, 16, 32). The document's
-# blocks meet 21 x 3 rows: one tile of 64, not two of 32. 30 x 3 at 8 blocks: 72 tiles of 32 (a batch and a call of
-# 8), or 48 of 64 in a batch (1.8x the rows), 24 of 96 in a call of 32, so no long tile; at 4 blocks 36 tiles of 32
-# take a batch, 12 of 96 a call of 16: 96. 21 x 3 beside a question's own block (3 rows, apart in a short tile): 64.
-# 64 x 3 at 8 blocks: 3 tiles of 64 a block, since 24 of 192 would take a call of 32 (1/3 more rows); at 32 blocks
-# one of 192 (96 items: a batch and a call of 32, as many rows as tiles of 32). 32 x 3 at 32 blocks: one of 96 a
-# block; at 8 blocks none (24 of 96 would take a call of 32, 48 of 64 a batch, where 72 of 32 take a batch and 8).
-LONG_GROUPS = [(200, [1] * 21, (64,)), (512, [1] * 30, ()), (300, [1] * 30, (96, 64)), (130, [70] + [1] * 20, (64,)),
-               (512, [1] * 64, (64,)), (2048, [1] * 64, (192, 64)), (2048, [1] * 32, (96,)), (512, [1] * 32, ())]
+# 21 blocks meet 21 x 3 rows: one tile of 64 a block (63 items, a batch), not two of 32 (126 items, two batches).
+# 30 x 3 at 8 blocks: 72 tiles of 32 (a batch and a call of 8), or 48 of 64 in a batch (1.8x the rows), 24 of 96 in
+# a call of 32, so no long tile; at 21 blocks 189 tiles of 32 take three batches, 63 of 96 one: 96. 21 x 3 beside a
+# question's own block (3 rows, apart in a short tile): 64. 64 x 3 at 8 blocks: 3 tiles of 64 a block, since 24 of
+# 192 would take a call of 32 (1/3 more rows); at 32 blocks one of 192 (96 items: a batch and a call of 32, as many
+# rows as tiles of 32). 32 x 3 at 32 blocks: one of 96 a block; at 8 blocks none (24 of 96 would take a call of 32,
+# 48 of 64 a batch, where 72 of 32 take a batch and 8). Where tiles of 32 take one call (21 x 3 at 3 blocks, 30 x 3
+# at 4), a long tile would save none: the pass keeps tiles of 32 (and proves no long one).
+LONG_GROUPS = [(1344, [1] * 21, (64,)), (512, [1] * 30, ()), (1344, [1] * 30, (96,)), (1280, [70] + [1] * 20, (64,)),
+               (512, [1] * 64, (64,)), (2048, [1] * 64, (192, 64)), (2048, [1] * 32, (96,)), (512, [1] * 32, ()),
+               (200, [1] * 21, ()), (300, [1] * 30, ())]
 
 
 def test_a_pass_of_big_groups_takes_long_item_tiles_with_the_whole_tiles_bits(threads):
@@ -508,7 +511,8 @@ def test_a_pass_of_big_groups_takes_long_item_tiles_with_the_whole_tiles_bits(th
     tile (ItemTiles.long_rows) whose items, padded to their calls, hold at most 1/8 more rows than tiles of 32:
     63 rows a block, 21 questions, go as one 64-row tile rather than two of 32; 90 rows stay in 32-row tiles
     where 64 would compute 1.8x the rows; 192 rows a block take one tile of 192 where its items fill their
-    calls, three of 64 where they would leave a call a third empty; 96 rows one tile of 96 likewise. Each pass
+    calls, three of 64 where they would leave a call a third empty; 96 rows one tile of 96 likewise; a pass
+    whose tiles of 32 take one call keeps them. Each pass
     equals the same pass in whole 32-row tiles, bit for bit. The test that a long tile of other bits is refused
     fails if taken unproven."""
     assert CPU_ATTENTION.whole.long_rows == (64, 96, 192)
@@ -521,18 +525,63 @@ def test_a_pass_of_big_groups_takes_long_item_tiles_with_the_whole_tiles_bits(th
         assert torch.equal(long, whole), (doc, len(qs))
 
 
+def _long_tile_by_proofs_first(kind: ItemTiles, group_rows: list[int], heads: int) -> int:
+    """The rows of the tile `batched.long_tile` takes, by its rule read plainly: where tiles of 32 take more than one
+    call, the largest long tile proven to give the whole tiles' bits whose items, padded to their calls, hold at
+    most 1/8 more rows than tiles of 32."""
+    def padded(k: ItemTiles) -> int:
+        count = heads * sum(-(-n // k.rows) for n in group_rows)
+        return batched.batch_items(k, 64, count, torch.float32, DEVICE) * k.rows
+
+    if kind.runs and max(group_rows) >= kind.runs * kind.rows or padded(kind) <= kind.batch * kind.rows:
+        return kind.rows  # a run; or one call of tiles of 32
+    for t in sorted(kind.long_rows, reverse=True):
+        long = dataclasses.replace(kind, rows=t, short_rows=(kind.rows,), long_rows=())
+        if (kind.rows in proven_rows(long, 64, torch.float32, DEVICE)
+                and padded(dataclasses.replace(long, short_rows=())) * 8 <= padded(kind) * 9):
+            return t
+    return kind.rows
+
+
+@given(big=st.lists(st.integers(32, 600), min_size=1, max_size=6), small=st.lists(st.integers(1, 31), max_size=70),
+       heads=st.integers(1, 3))
+@example(big=[350, 281], small=[4, 14, 20, 18, 14, 30, 4, 22, 10, 9, 8, 13, 24], heads=3)  # 64: 9/8 the rows of 32
+@settings(max_examples=40, deadline=None)
+def test_a_long_item_tile_is_the_one_the_proofs_first_rule_takes(big, small, heads):
+    """`batched.long_tile` passes over, unproven, a long tile whose rows alone hold too many: it takes the tile
+    that proving every long tile first would take, for any groups; the example takes tiles of 64 whose rows
+    alone are exactly 1/8 more than tiles of 32 take."""
+    kind = CPU_ATTENTION.whole
+    taken = batched.long_tile(kind, 64, big + small, heads, torch.float32, DEVICE)
+    assert taken.rows == _long_tile_by_proofs_first(kind, big + small, heads), (big, small, heads)
+
+
+def test_a_long_tile_that_could_not_be_taken_is_not_proven(monkeypatch):
+    """No long tile is proven where it could not be taken: 20 questions' own small groups (3 rows each) beside a
+    document block they share (96 rows), where tiles of 64, 96 or 192 would compute 2-6x the rows of tiles of 32;
+    or one block of 99 rows (the README's example's first pass), whose 12 tiles of 32 take one call, which no
+    long tile would save. Those proofs took ~0.4 s of a process's first pass; tiles of 32 need their own anyway."""
+    kind = CPU_ATTENTION.whole
+    for groups in ([96] + [3] * 20, [99]):
+        monkeypatch.setattr(batched, "_PROVEN", {})
+        assert batched.long_tile(kind, 64, groups, 3, torch.float32, DEVICE) == kind
+        assert {key.kind for key in batched._PROVEN} <= {"batches"}, groups
+        assert all(key.tiles.rows == kind.rows for key in batched._PROVEN), (groups, sorted(batched._PROVEN))
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="expects this CPU's proof of 64-row item tiles")
 def test_a_long_item_tile_of_other_bits_is_refused(monkeypatch):
     """Negative control: a library whose products of 64-row tiles add in another order (here: `torch.bmm`
-    nudging the last bit) proves no 64-row tile, so a decode step of 21 questions keeps 32-row tiles, with the
+    nudging the last bit) proves no 64-row tile, so a decode step of 21 questions on a 1,344-token document
+    keeps 32-row tiles, with the
     whole tiles' bits; taken unproven, the 64-row tiles would have changed them."""
     _nudge_bmm(monkeypatch, lambda a: a.shape[1] == 64)
     config = tiny_config(heads=9, kv_heads=3, head_dim=64)
-    plan, long, whole = _short_and_whole(config, 200, [1] * 21, True)
+    plan, long, whole = _short_and_whole(config, 1344, [1] * 21, True)
     assert plan.whole.rows.shape[1] == 32 and torch.equal(long, whole)
     monkeypatch.setattr(plan_module, "long_tile", lambda kind, d, rows, heads, dtype, device:
                         dataclasses.replace(kind, rows=64, short_rows=(), long_rows=()))  # unproven
-    plan, long, whole = _short_and_whole(config, 200, [1] * 21, True)
+    plan, long, whole = _short_and_whole(config, 1344, [1] * 21, True)
     assert plan.whole.rows.shape[1] == 64 and not torch.equal(long, whole)
 
 
