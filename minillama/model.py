@@ -9,11 +9,12 @@ call can prefill a document and all its questions, or advance every unfinished q
 
 Every projection is a `TiledLinear` (invariant.py) and attention runs the blocked kernel, so every matrix
 product has a fixed signature and each token's logits are bit-identical to those of its stand-alone run.
-One more rule keeps elementwise ops honest: CPU kernels compute exp, silu, sin and cos with vector code but
-finish a tensor's last few elements (and each thread's share of a big one) with scalar code, whose results
-can differ in the last bit. So the N tokens run padded to a multiple of `Kernels.row_unit` rows: whole
-linear tiles, or a short tile's rows where those keep every elementwise tensor a multiple of 128 elements
-(no scalar tail), and RoPE's cos and sin come from one table computed once per model.
+One more rule keeps elementwise ops honest: a CPU's silu runs whole vectors with vector code but finishes a
+tensor's last few elements (and each thread's share of a big one) with scalar code, whose results can differ
+in the last bit. So the N tokens run padded to a multiple of `Kernels.row_unit` rows: whole linear tiles,
+or a short tile's rows where those keep every elementwise tensor a multiple of 128 elements (no scalar
+tail); silu runs in calls whose threads' shares are whole vectors at any thread count (elementwise.py); and
+RoPE's cos and sin come from one table computed once per model.
 
 `model.invariant = False` swaps in plain `F.linear` and a masked softmax: same mathematics, batch-dependent
 bits (the negative control). Every module reads that switch from the one `Kernels` object the model shares
@@ -30,6 +31,7 @@ from .attention import blocked_attention, masked_attention
 from .blocks import KEY_BLOCK
 from .cache import KVCache, write_layer
 from .config import LlamaConfig
+from .elementwise import in_whole_vectors
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
 from .plan import AttentionPlan
 from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
@@ -67,7 +69,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (N, hidden) -> (N, hidden)."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # silu in calls whose threads' shares are whole vectors: the same bits at any thread count (elementwise.py)
+        return self.down_proj(in_whole_vectors(torch._C._nn.silu, self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):

@@ -185,22 +185,26 @@ def test_a_rows_draw_does_not_depend_on_the_rows_beside_it(vocab):
     assert not torch.equal(together, sample_rows(logits, *params[:4], params[4] + 1))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3, 6, 8])
 def test_the_noise_in_chunks_is_the_formulas_to_the_bit(threads):
     """A CPU computes the Gumbel noise a chunk of columns at a time, in place (sampling.gumbel): every row's
-    noise is -log(-log(uniforms)) taken at once, to the bit, whether the vocabulary fits in one chunk or
+    noise is -log(-log(uniforms)) taken at once at one thread, to the bit, at every thread count (threads past
+    this machine's cores cut the work as a bigger machine does), whether the vocabulary fits in one chunk or
     spans many (a chunk holds 128K words: 2,048 columns of 64 rows), for any number of rows, and 0 in the
     padding rows."""
     saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(threads)
+    cases = [(q, width, torch.randint(-2**63, 2**63 - 1, (q,), generator=g, dtype=torch.int64),
+              torch.randint(0, 2**40, (q,), generator=g))
+             for q, width in [(0, 64), (1, 64), (3, 1024), (8, 49152), (37, 8192), (64, 49152), (200, 1920)]]
     try:
-        g = torch.Generator().manual_seed(threads)
-        for q, width in [(0, 64), (1, 64), (3, 1024), (8, 49152), (37, 8192), (64, 49152), (200, 1920)]:
-            keys = torch.randint(-2**63, 2**63 - 1, (q,), generator=g, dtype=torch.int64)
-            steps = torch.randint(0, 2**40, (q,), generator=g)
+        torch.set_num_threads(1)
+        formula = [-torch.log(-torch.log(uniforms(keys, steps, width))) for _, width, keys, steps in cases]
+        torch.set_num_threads(threads)
+        for (q, width, keys, steps), expected in zip(cases, formula):
             noise = gumbel(keys, steps, width, q + 5)
             assert noise.shape == (q + 5, width) and not noise[q:].any()
-            assert torch.equal(noise[:q], -torch.log(-torch.log(uniforms(keys, steps, width))))
+            assert torch.equal(noise[:q], expected), (q, width)
     finally:
         torch.set_num_threads(saved)
 

@@ -215,6 +215,36 @@ def test_parity_at_real_model_shapes(seed, work):
     assert_same_answers(alone, packed)
 
 
+@pytest.mark.parametrize("threads", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_at_more_threads_than_the_machine_has_cores(threads, dtype):
+    """A user's CPU has more cores than CI's two, and torch takes one thread per core. Each of torch's parallel
+    kernels (the elementwise ops' chunks, oneDNN's products, the reductions) splits its work by the thread count,
+    not by the cores it finds, so 4 and 8 threads here split every op as a 4- and an 8-core machine would:
+    SmolLM2's layer shapes at the device's default tiles, a pass big enough that every elementwise op of the
+    prefill is cut into `threads` chunks, one unit and three, greedy and sampled, chunked and waved. Parallel
+    equals independent to the bit, and the plain kernels (the control) differ at the same thread count."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = smol_shaped(threads, tiles=None).to(dtype=dtype)
+        g = torch.Generator().manual_seed(threads)
+        prompts = doc_prompts(g, 300, (3, 20, 70, 1, 45, 12, 33, 8))
+        runs = [(SamplingParams(max_new_tokens=4, keep_logits=True, ignore_eos=True), 1, {}),
+                (SamplingParams(max_new_tokens=4, keep_logits=True, ignore_eos=True, temperature=0.8, top_p=0.9,
+                                seed=threads), 3, dict(prefill_chunk=100, parallel_size=3))]
+        for params, units, layout in runs:
+            model.units = units
+            alone = generate(model, prompts, params, mode="independent")
+            assert_same_answers(alone, generate(model, prompts, params, **layout))
+        model.invariant = False  # the control: the same comparison sees the plain kernels' differences
+        alone = generate(model, prompts, params, mode="independent")
+        packed = generate(model, prompts, params, **layout)
+        assert any(not torch.equal(x, y) for a, b in zip(alone, packed) for x, y in zip(a.logits, b.logits))
+    finally:
+        torch.set_num_threads(saved)
+
+
 def doc_prompts(g: torch.Generator, doc_tokens: int, question_tokens: tuple[int, ...]) -> list[list[int]]:
     """Random stand-alone prompts: one document of `doc_tokens` ids, then each question's own ids."""
     doc = torch.randint(3, VOCAB, (doc_tokens,), generator=g).tolist()
