@@ -50,18 +50,16 @@ def calls(n: int, threads: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ((0, big), (big, grains), (grains, n)) if b > a]
 
 
-def in_whole_vectors(op: Callable[..., torch.Tensor], x: torch.Tensor,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """op(x) for an elementwise op taking `out=` (`torch._C._nn.silu`, F.silu's), into `out` (x itself: in
-    place; default a new tensor): on a CPU in `calls`, so that no thread's share of x ends inside a vector.
-    One call on other devices, for a non-contiguous x or out, and where autograd records it."""
+def in_whole_vectors(op: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """op(x) for an elementwise op that also takes `out=` (`torch._C._nn.silu`, F.silu's): on a CPU in `calls`,
+    so that no thread's share of x ends inside a vector. One call on other devices, for a non-contiguous x, and
+    where autograd records it."""
     single = (torch.compiler.is_compiling() or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)
-              or not x.is_contiguous() or (out is not None and not out.is_contiguous()))
-    n, threads = x.numel(), 1 if single else torch.get_num_threads()
-    parts = calls(n, threads) if n > GRAIN and threads > 1 else [(0, n)]
+              or not x.is_contiguous())
+    parts = [(0, x.numel())] if single else calls(x.numel(), torch.get_num_threads())
     if len(parts) == 1:
-        return op(x) if out is None else op(x, out=out)
-    out = torch.empty_like(x) if out is None else out
+        return op(x)
+    out = torch.empty_like(x)
     flat, into = x.view(-1), out.view(-1)
     for a, b in parts:
         op(flat[a:b], out=into[a:b])

@@ -36,12 +36,9 @@ def test_silu_in_whole_vectors_gives_every_row_one_threads_bits(threads, dtype, 
         assert any(not torch.equal(F.silu(x[:m]), expected[:m]) for m in ROWS), "torch's cut kept whole vectors"
 
 
-def test_in_place_and_on_one_thread_it_is_one_call(restore_threads):
-    """`out=x` computes in place; at 1 and 2 threads a tensor of whole 128-element vectors is one call (the
-    model's padding makes every pass's so: nothing is added where nothing needed mending)."""
-    x = torch.randn(300, 1536)
-    expected = F.silu(x)
-    assert in_whole_vectors(torch._C._nn.silu, x, out=x) is x and torch.equal(x, expected)
+def test_on_one_and_two_threads_it_is_one_call():
+    """At 1 and 2 threads a tensor of whole 128-element vectors is one call (the model's padding makes every
+    pass's so: nothing is added where nothing needed mending)."""
     for threads in (1, 2):
         assert all(calls(128 * k, threads) == [(0, 128 * k)] for k in range(1, 5000, 7))
 
