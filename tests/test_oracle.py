@@ -9,6 +9,7 @@ model (marked slow, run in CI) passes against transformers through the command l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -857,12 +858,19 @@ class _Completions:
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}}
 
 
-@pytest.fixture
-def completions_server():
+@contextlib.contextmanager
+def _serving():
+    """A stand-in completions server; on leaving, no request of it is still being handled.
+
+    A handler that outlives its test (one planted to hang past the client's timeout) wrote a socketserver
+    traceback into whichever test's stderr was captured when it woke: a test that counts the lines of its
+    own error message then failed by chance. So a hang waits on `state["closing"]`, the handlers are joined
+    on the way out, and a client that gave up and left is not an error worth printing.
+    """
     import http.server
     import threading
 
-    state = {}
+    state = {"closing": threading.Event()}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -884,10 +892,27 @@ def completions_server():
             got = state["server"].answer(body)
             self.reply(*got[::-1]) if isinstance(got, tuple) else self.reply(got)  # (status, body): a refusal
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = False  # so that server_close() joins every handler
+
+        def handle_error(self, request, client_address):
+            if not isinstance(sys.exc_info()[1], ConnectionError):  # the client timed out and left
+                super().handle_error(request, client_address)
+
+    httpd = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield state, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
+    try:
+        yield state, f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        state["closing"].set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture
+def completions_server():
+    with _serving() as served:
+        yield served
 
 
 def test_openai_backend_reads_echoed_logprobs(tiny, ref, completions_server):
@@ -1211,8 +1236,11 @@ def test_openai_backend_names_a_server_that_is_not_there():
 
 
 class _Hangs:
+    def __init__(self, closing):
+        self.closing = closing
+
     def answer(self, body):
-        time.sleep(3)
+        self.closing.wait(3)
         return {}
 
 
@@ -1221,11 +1249,27 @@ def test_a_server_that_does_not_answer_is_named_after_timeout(ref, completions_s
     from minillama.oracle.server import OpenAIBackend
 
     state, url = completions_server
-    state["server"] = _Hangs()
+    state["server"] = _Hangs(state["closing"])
     t0 = time.monotonic()
     with pytest.raises(BackendError, match=re.escape(f"{url}/completions: no answer within 0.5 s (--timeout)")):
         run_backend(ref, OpenAIBackend(url, timeout=0.5))
     assert time.monotonic() - t0 < 3
+
+
+def test_the_stand_in_server_leaves_nothing_running_to_print_into_later_tests(ref, capfd):
+    """Its hung handler used to wake 3 s later, in another test, and print a traceback there."""
+    import threading
+
+    from minillama.oracle.server import OpenAIBackend
+
+    before = set(threading.enumerate())
+    with _serving() as (state, url):
+        state["server"] = _Hangs(state["closing"])
+        with pytest.raises(BackendError, match="no answer within"):
+            run_backend(ref, OpenAIBackend(url, timeout=0.5))
+    left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert left == [], left
+    assert capfd.readouterr().err == ""
 
 
 def test_a_golden_file_comparison_loads_no_model_and_no_model_library(ref, tmp_path):
