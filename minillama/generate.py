@@ -396,7 +396,7 @@ def _parallel(model, prompts, questions, docs, batch, parallel_size, chunk, stat
         idx = [i for i, dd in enumerate(docs) if dd == d]
         shared = shared_prefix_length([prompts[i] for i in idx])
         seg = cache.new_segment()
-        if shared:
+        if shared and not all(questions[i].done for i in idx):  # no document is read for no answer (-n 0)
             doc_pieces.append((seg, 0, prompts[idx[0]][:shared]))
         size = parallel_size or len(idx)
         for w, lo in enumerate(range(0, len(idx), size)):

@@ -46,6 +46,16 @@ def test_finish_reasons_and_stop_rules(model):
     assert all(x.token_ids == [] for x in generate(model, prompts, SamplingParams(max_new_tokens=0)))
 
 
+@pytest.mark.parametrize("mode", ["parallel", "independent", "seqbatch"])
+def test_no_answer_to_give_runs_no_pass(model, mode):
+    """At max_new_tokens=0 parallel mode prefilled the document anyway (96 tokens, one pass, for
+    examples/ at -n 0) where the other modes ran nothing."""
+    stats = Stats()
+    answers = generate(model, _prompts(), SamplingParams(max_new_tokens=0), mode=mode, stats=stats)
+    assert [a.token_ids for a in answers] == [[]] * len(answers)
+    assert (stats.forward_passes, stats.prompt_tokens) == (0, 0)
+
+
 def test_finished_questions_drop_out_of_decode_steps(model):
     prompts = _prompts(n=4)
     full = generate(model, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
