@@ -397,6 +397,39 @@ def test_threads_spelling_markers_as_text_never_change_another_threads_encode():
     assert bpe.encode("a<|im_end|>b") == marked
 
 
+@pytest.mark.parametrize("parse_special", [True, False])
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_other_threads_run_while_a_long_text_is_tokenized(kind, parse_special):
+    """The server tokenizes a request in a worker thread while its engine thread decodes. The library's
+    one-text `encode` held the GIL throughout: a megabyte of digits, refused as too long only once it was
+    tokenized, froze every client's stream for 1.7 s (a thread ticking each millisecond ticked once in it)."""
+    import threading
+    import time
+
+    tok = (HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"]) if kind == "bpe"
+           else SentencePieceTokenizer(sentencepiece_model()))
+    text = "1234567890 abc " * 70_000
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    ids = tok.encode(text, parse_special=parse_special)
+    t1 = time.perf_counter()
+    stop.set()
+    ticker.join()
+    assert len(ids) > 100_000
+    during = sum(t0 < s < t1 for s in stamps)
+    assert during >= 20, f"another thread ran {during} times in {t1 - t0:.2f} s of tokenizing"
+
+
 @pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
 def test_chat_markers_only_from_the_template(kind):
     if kind == "bpe":
