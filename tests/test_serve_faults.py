@@ -42,6 +42,7 @@ BAD = [  # (route, body, HTTP status, the field the error names)
     ("/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/completions", {"prompt": "x", "model": ["tiny"]}, 400, "model"),  # a wrong type, not a missing model
     ("/chat/completions", {"messages": []}, 400, "messages"),
     ("/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
@@ -63,6 +64,32 @@ def test_bad_requests_are_refused_naming_the_field(model):
         assert c.get(url + "/models").status_code == 401
         assert c.get(url + "/models", headers=auth).json()["data"][0]["id"] == "tiny"
         assert c.post(url + "/completions", json={"prompt": "x", "max_tokens": 2}, headers=auth).status_code == 200
+
+
+def test_the_key_is_checked_and_the_schemes_name_is_any_case(model):
+    """HTTP's scheme names are case-insensitive: "bearer" was refused (401) where "Bearer" was answered."""
+    body = {"prompt": "x", "max_tokens": 1}
+    with serving(model, api_key="sesame") as url, httpx.Client(timeout=60) as c:
+        codes = [c.post(url + "/completions", json=body, headers={"Authorization": a}).status_code
+                 for a in ("Bearer sesame", "bearer sesame", "BEARER  sesame", "Bearer sesam", "Basic sesame",
+                           "sesame", "Bearer", "")]
+    assert codes == [200, 200, 200, 401, 401, 401, 401, 401]
+
+
+def test_a_body_refused_unread_closes_its_connection(model):
+    """A Content-Length past --max-body is refused before the body is read; the connection, left holding
+    the unread body, stayed open until the client gave up waiting."""
+    with serving(model) as url:
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.settimeout(30)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 99999999999\r\n\r\n{}")
+            reply = b""
+            while chunk := s.recv(65536):  # b"": the server closed the connection
+                reply += chunk
+    head = reply.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413") and b"connection: close" in head, reply
 
 
 def test_a_burst_past_the_queue_gets_429_and_the_rest_are_exact(model):

@@ -34,6 +34,7 @@ from .answers import Offsets, Text, chat_logprobs, completion_logprobs, prompt_l
 from .schema import BadRequest, Job, Limits, parse
 
 RETRY_AFTER_S = 1  # what a 429 (a full queue) asks the client to wait
+CLOSE = {"Connection": "close"}  # a body left unread: the connection cannot carry another request
 
 
 def error(e: BadRequest) -> JSONResponse:
@@ -125,8 +126,9 @@ def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4
     def authorized(request: Request) -> bool:
         if state.api_key is None:
             return True
-        got = request.headers.get("authorization", "")
-        return secrets.compare_digest(got.encode(), f"Bearer {state.api_key}".encode())
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # the scheme's name is case-insensitive (RFC 9110: "bearer" is "Bearer"); the key is not
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), state.api_key.encode())
 
     async def health(request: Request) -> Response:
         alive = engine.alive
@@ -173,12 +175,13 @@ def build_app(model: LoadedModel, engine: Engine, name: str, max_tokens: int = 4
 async def _read_json(request: Request, max_body: int) -> Any:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > max_body:
-        raise BadRequest(f"body: {size} bytes, the limit is {max_body} (--max-body)", "body", 413, "too_large")
+        raise BadRequest(f"body: {size} bytes, the limit is {max_body} (--max-body)", "body", 413, "too_large",
+                         CLOSE)
     data = bytearray()
     async for chunk in request.stream():
         data += chunk
         if len(data) > max_body:
-            raise BadRequest(f"body: more than {max_body} bytes (--max-body)", "body", 413, "too_large")
+            raise BadRequest(f"body: more than {max_body} bytes (--max-body)", "body", 413, "too_large", CLOSE)
     try:
         return json.loads(data, object_pairs_hook=once_each)  # a field given twice: refused, not the last taken
     except RepeatedKey as e:

@@ -292,6 +292,8 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
         message, name, code = refused
         raise BadRequest(message, name, code=code)
     model = body.get("model", model_name)
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string (the served model's name)", "model")
     if model is not None and model != model_name:
         raise BadRequest(f"model {model!r} does not exist; this server has {model_name!r}", "model", 404,
                          "model_not_found")
