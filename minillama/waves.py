@@ -48,9 +48,12 @@ def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question
     return WavePlan(parallel_size, batch_docs, attention_bytes + sum(sorted(one_doc, reverse=True)[:b_eff]))
 
 
+MAX_MEMORY_MB = 2**30  # a pebibyte: past any machine (1e308 MiB overflowed the count in bytes)
+
+
 def check_max_memory(mb: float | None) -> None:
-    if mb is not None and (not (mb >= 0) or math.isinf(mb)):
-        raise BadInput(f"--max-memory must be a number of MiB >= 0 (0: no bound), got {mb}")
+    if mb is not None and not 0 <= mb <= MAX_MEMORY_MB:
+        raise BadInput(f"--max-memory must be a number of MiB from 0 to {MAX_MEMORY_MB:,} (0: no bound), got {mb}")
 
 
 def memory_budget(max_memory_mb: float | None, llama: Any) -> int:

@@ -235,6 +235,7 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
         "unknown option": [*m, *doc, *qs, "--temp", "0.5"],
         "meta device": [*m, *doc, *qs, "--device", "meta"],
         "negative max-memory": [*m, *doc, *qs, "--max-memory", "-1"],
+        "max-memory past bytes": [*m, *doc, *qs, "--max-memory", "1e308"],  # its bytes overflowed: a traceback
         "compile with tp": [*m, *doc, *qs, "--compile", "--tp", "2"],
         "compile with plain kernels": [*m, *doc, *qs, "--compile", "--plain-kernels"],
         "jsonl repeated key": [*m, "--input", d / "twice.jsonl"],
@@ -253,7 +254,7 @@ CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "em
          "negative max-new-tokens", "max-new-tokens not int", "nan temperature", "negative temperature",
          "infinite temperature", "top-p zero", "top-p above one", "negative top-k", "unknown mode",
          "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
-         "unknown option", "meta device", "negative max-memory", "compile with tp", "compile with plain kernels",
+         "unknown option", "meta device", "negative max-memory", "max-memory past bytes", "compile with tp", "compile with plain kernels",
          "jsonl repeated key", "top-k past 2**31", "stop past its length", "escape in a value", "stop not utf-8",
          "a backend torch lacks"]
 
@@ -273,6 +274,7 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "no questions": "no questions", "prompt too long": f"context is {CONTEXT}",
               "corrupt model": "corrupt", "nan temperature": "--temperature", "top-p zero": "--top-p",
               "negative max-new-tokens": "--max-new-tokens", "unknown mode": "turbo",
+              "max-memory past bytes": "--max-memory must be a number of MiB from 0 to 1,073,741,824",
               "jsonl not json": "line 2", "jsonl unknown key": "'id'", "missing model": "no-model",
               "compile with tp": "--compile runs in one process",
               "compile with plain kernels": "--compile takes the batch-invariant kernels",

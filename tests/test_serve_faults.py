@@ -289,6 +289,7 @@ def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
     (["--compile", "--plain-kernels"], "--compile takes the batch-invariant kernels"),
+    (["--max-memory", "1e308"], "--max-memory must be a number of MiB from 0 to"),
     # what the environment gives, refused before the model loads, not at every request (HTTP 500s)
     (["MINILLAMA_CPU_GEMM=garbage"], "MINILLAMA_CPU_GEMM='garbage': expected one of auto, onednn, mm"),
     (["MINILLAMA_CPU_16BIT=xyz"], "MINILLAMA_CPU_16BIT='xyz': expected one of auto, native, float32"),

@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(teacher-forced on minillama's answers, preset fp32) on the greedy probes' prompts")
     ld.add_argument("--device", default="cpu", help="torch device of --reference-model (default: cpu)")
     ld.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of --reference-model (default: float32)")
-    for sub_parser, wait in ((c, 120), (ld, 600)):  # a server that hangs is named after this long
+    for sub_parser, wait, only in ((c, 120, "--backend openai; "), (ld, 600, "")):  # a hung server is named after this
         sub_parser.add_argument("--timeout", type=seconds, default=wait, metavar="S", help="seconds to wait for a "
-                                f"server's answer to one request (--backend openai; default: {wait})")
+                                f"server's answer to one request ({only}default: {wait})")
     return p
 
 
@@ -286,8 +286,11 @@ def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
              if getattr(args, k) is not None}
     values = {**{k: getattr(base, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")},
               **given}
-    if not all(v >= 0 for v in values.values()) or args.top_k < 1:  # NaN is not >= 0
-        raise BadInput("tolerances must be >= 0 and --top-k >= 1")
+    bad = [k for k, v in given.items() if not v >= 0]  # NaN is not >= 0
+    if bad:
+        raise BadInput(f"tolerances must be >= 0: --{bad[0].replace('_', '-')} {given[bad[0]]}")
+    if args.top_k < 1:
+        raise BadInput(f"--top-k must be >= 1, got {args.top_k}")
     changed = [k for k, v in given.items() if v != getattr(base, k)]
     name = base.preset + (f" with {', '.join('--' + k.replace('_', '-') for k in changed)} set" if changed else "")
     return Tolerances(**values, top_k=args.top_k, preset=name)

@@ -62,14 +62,17 @@ def base_url(url: str) -> str:
     return url
 
 
+MAX_TIMEOUT_S = 10**7  # about 116 days; a socket's timeout past a time_t overflowed (1e10 s)
+
+
 def seconds(text: str) -> float:
     """--timeout: a number of seconds above 0 (argparse's type; NaN and inf are no limit a socket takes)."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 and at most {MAX_TIMEOUT_S:,}")
     return value
 
 
