@@ -638,6 +638,10 @@ def test_task_bench_at_a_named_shape_runs_llamacpp_on_the_same_random_weights(tm
     (["--questions", "12,many"], "error: --questions: expected comma-separated integers, got '12,many'"),
     (["--questions", "0"], "error: --questions: expected positive integers, got '0'"),
     (["--profile-questions", "0"], "error: --profile-questions must be at least 1, got 0"),
+    # past the context: a traceback after the run began (9000), or no end writing the document out (1e20)
+    (["--profile-questions", str(10**20)], "error: --profile-questions must be at most 4,096, got 1000"),
+    (["--quick", "--profile", "--doc-tokens", str(10**20)], f"error: --doc-tokens {10**20}: the model's context is 1024"),
+    (["--quick", "--profile", "--doc-tokens", "1020"], "error: --doc-tokens 1020: a prompt of 10"),
     (["--quick", "--only", "many", "--questions", "7"], "error: --questions 7: the many sweep of preset quick runs 4, "
                                                          "12; none of them is kept"),
     (["--quick", "--only", "many", "--methods", "hf_prefix", "--no-hf"], "error: no case left to run"),

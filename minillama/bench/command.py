@@ -26,6 +26,7 @@ from .shapes import SHAPES, TINY_SHAPE
 
 DESCRIPTION = "Benchmarks: parallel prompting against the ways people answer many questions about one document."
 SWEEPS = ("headline", "answer16", "docs", "doclen", "grid", "questions", "many")
+MAX_PROFILE_QUESTIONS = 4096  # a bound on the questions --profile writes out before it runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -188,6 +189,8 @@ def _main(argv: Sequence[str] | None) -> int:
     _positive("--sample", a.sample, 0)
     _positive("--doc-tokens", a.doc_tokens)
     _positive("--profile-questions", a.profile_questions)
+    if a.profile_questions > MAX_PROFILE_QUESTIONS:  # each one is written out before the run (1e20: never done)
+        raise BadInput(f"--profile-questions must be at most {MAX_PROFILE_QUESTIONS:,}, got {a.profile_questions}")
     _positive("--new-tokens", a.new_tokens)
     if a.random and a.shape:
         raise BadInput(f"--shape {a.shape} runs the shape bench, --random {a.random} the task bench: choose one")

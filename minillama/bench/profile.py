@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..errors import BadInput
 from ..files import json_text, write_file
 from .methods import Context
 from .runner import RUNNERS
@@ -109,10 +110,17 @@ def profile_table(p: dict[str, Any]) -> str:
 
 def _profile_main(ctx: Context, out: Path, doc_tokens: int, questions: int, model_name: str,
                   new_tokens: int = 8) -> int:
+    context = ctx.model.config.max_position_embeddings
+    if doc_tokens >= context:  # before a document of that many tokens is written (1e20: it never ended)
+        raise BadInput(f"--doc-tokens {doc_tokens}: the model's context is {context} tokens")
     # Numbered questions: every one distinct, as in the many-questions sweep.
     task = make_task(ctx.tokenizer, TaskConfig(doc_tokens=doc_tokens, questions_per_doc=questions,
                                                new_tokens=new_tokens, numbered=True),
                      plain_prompt_ids(ctx.tokenizer))
+    longest = max(len(p) for p in task.prompts)
+    if longest >= context:  # the document with a question and the prompt's own text
+        raise BadInput(f"--doc-tokens {doc_tokens}: a prompt of {longest} tokens with its question, the model's "
+                       f"context is {context}")
     runs = {}
     for mode, inv, idx in (("parallel", True, None), ("parallel", False, None), ("independent", True, [0]),
                            ("independent", False, [0])):
