@@ -9,13 +9,15 @@ error type, which wraps the OS's) comes out as one `CannotWrite` line naming the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .errors import CannotWrite
 
@@ -54,18 +56,25 @@ TEMPORARY = "minillama"
 
 def write_file(path: str | Path, data: str | bytes | Callable[[Path], None]) -> Path:
     """Write `data` (text as UTF-8, bytes, or a function that writes the file at the path it is given) to
-    `path`, atomically. Raises `CannotWrite` when the machine refuses; `path` is then unchanged."""
+    `path`, atomically. Raises `CannotWrite` when the machine refuses; `path` is then unchanged. A symbolic
+    link's target is written (the link stays), and the file gets the mode `open` would leave it: an existing
+    file's own, a new one's from the umask (safetensors writes its files private, 0600)."""
     p = Path(path)
     if p.is_dir():
         raise CannotWrite(p, "is a folder, not a file", what="")
-    tmp = p.with_name(f".{p.name}.{TEMPORARY}-tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    target = Path(os.path.realpath(p))
+    tmp = target.with_name(f".{target.name}.{TEMPORARY}-tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
+        with open(tmp, "xb") as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)  # a new file's: 0666 less the umask
+            if not callable(data):
+                f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        if target.exists():
+            mode = stat.S_IMODE(target.stat().st_mode)
         if callable(data):
             data(tmp)
-        else:
-            with open(tmp, "wb") as f:
-                f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, p)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
     except _write_errors() as e:
         raise CannotWrite(p, _reason(e)) from None
     finally:
@@ -93,3 +102,21 @@ def json_text(obj: Any, **kwargs: Any) -> str:
         return json.dumps(obj, allow_nan=False, **kwargs)
     except ValueError:
         return json.dumps(finite(obj), allow_nan=False, **kwargs)
+
+
+@contextlib.contextmanager
+def utf8_name(path: str | Path) -> Iterator[str]:
+    """A name of the file at `path` that libraries taking only UTF-8 paths can open (safetensors' `safe_open`
+    called a fine file under a folder named in Latin-1 "truncated or corrupt"): the path itself, or else the
+    file opened here and named by its descriptor for as long as the block runs."""
+    name = str(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            yield f"/dev/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    yield name

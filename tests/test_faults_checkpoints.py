@@ -268,6 +268,22 @@ def test_a_file_of_a_checkpoint_without_read_permission_is_named(ckpt, tmp_path,
     assert (run.returncode, run.stderr) == (2, f"error: {d / name}: cannot be read (Permission denied)\n")
 
 
+def test_files_under_a_folder_not_named_in_utf8_are_read(ckpt, tmp_path, inputs):
+    """A checkpoint, and a record `oracle export` wrote, under a folder named in Latin-1 ("m\\xff"): safetensors
+    opens only UTF-8 paths, and the fine files were called "truncated or corrupt"."""
+    d = tmp_path / os.fsdecode(b"m\xff")
+    shutil.copytree(ckpt, d)
+    (model, tok), (model0, tok0) = load_model(d), load_model(ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model0.state_dict().values(), strict=True))
+    assert tok.encode("The tower is tall.") == tok0.encode("The tower is tall.")
+    record = d / "r.safetensors"
+    exported = run_tool("oracle", "export", "-m", str(d), "--doc", inputs["doc"], "--questions", inputs["questions"],
+                        "-n", "2", "-o", str(record), errors="replace")
+    assert exported.returncode == 0, exported.stderr
+    compared = run_tool("oracle", "compare", "--reference", str(record), "--candidate", str(record), errors="replace")
+    assert compared.returncode == 0, compared.stderr
+
+
 def test_a_window_past_the_context_is_no_window(ckpt, tmp_path):
     import minillama
 

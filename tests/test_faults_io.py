@@ -61,6 +61,31 @@ def test_write_file_is_atomic_and_one_line_on_a_full_disk(tmp_path):
     assert target.read_text() == "before" and sorted(os.listdir(tmp_path)) == ["out.json"]
 
 
+def test_write_file_leaves_modes_and_links_as_open_would(tmp_path):
+    """A record from `oracle export` came out private (0600, as safetensors makes its files) beside its
+    0644 JSON; a rewritten file lost its own mode; `bench --readme` on a symbolic link replaced the link
+    with a file and left the link's target as it was."""
+    from safetensors.torch import save_file
+
+    old = os.umask(0o022)
+    try:
+        made = files.write_file(tmp_path / "r.safetensors", lambda f: save_file({"x": torch.zeros(2)}, str(f)))
+        text = files.write_file(tmp_path / "r.json", "{}")
+        own = tmp_path / "readme.md"
+        own.write_text("before")
+        own.chmod(0o640)
+        (tmp_path / "link.md").symlink_to("readme.md")
+        files.write_file(tmp_path / "link.md", "after")
+        os.umask(0o077)
+        private = files.write_file(tmp_path / "private.txt", "x")
+    finally:
+        os.umask(old)
+    assert [made.stat().st_mode & 0o777, text.stat().st_mode & 0o777] == [0o644, 0o644]
+    assert (tmp_path / "link.md").is_symlink() and own.read_text() == "after" and own.stat().st_mode & 0o777 == 0o640
+    assert private.stat().st_mode & 0o777 == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["link.md", "private.txt", "r.json", "r.safetensors", "readme.md"]
+
+
 def test_convert_on_a_full_disk_is_one_line(ckpt, tmp_path):
     p = run_tool("weights", "convert", ckpt, tmp_path / "out", limit_file_bytes=20_000)
     assert "cannot write the conversion (File too large)" in one_line_error(p)

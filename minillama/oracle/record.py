@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..files import json_text, write_file
+from ..files import json_text, utf8_name, write_file
 from ..generate import Answer, SamplingParams, generate, shared_prefix_length
 from ..inputs import json_objects
 from ..model import Llama
@@ -179,7 +179,7 @@ def _load_safetensors(p: Path) -> Record:
     from safetensors import safe_open
 
     try:
-        with safe_open(str(p), framework="pt") as f:
+        with utf8_name(p) as name, safe_open(name, framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for bad headers

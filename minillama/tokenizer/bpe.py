@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..files import write_file
+from ..files import utf8_name, write_file
 from .base import CONTROL, USER_DEFINED, Tokenizer, TokenizerError
 
 
@@ -33,7 +33,8 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as _Tok
 
         try:
-            tok = _Tok.from_file(str(path))
+            with utf8_name(path) as name:
+                tok = _Tok.from_file(name)
         except Exception as e:
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
         out = cls(tok, **kwargs)

@@ -12,6 +12,7 @@ import torch
 
 from minillama.config import LlamaConfig
 from minillama.family import hf_fields
+from minillama.files import utf8_name
 
 from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes, map_name
 from .shard import Slices, read_tensor, safetensors_index
@@ -77,7 +78,7 @@ def _read_hf_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, St
             part = _read_slices(f, slices, config)
         else:
             try:
-                with safe_open(str(f), framework="pt") as st:
+                with utf8_name(f) as name, safe_open(name, framework="pt") as st:
                     part = {key: st.get_tensor(key) for key in st.keys() if map_name(key, HF_NAMES, f) is not None}
             except WeightsError:
                 raise
