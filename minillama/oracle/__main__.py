@@ -282,12 +282,10 @@ def _check_writable(out: Path) -> None:
 def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
     """The preset (--preset, or the default for what is compared) with the values given one by one."""
     base = PRESETS[args.preset or default]
-    given = {k: getattr(args, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")
-             if getattr(args, k) is not None}
-    values = {**{k: getattr(base, k) for k in ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")},
-              **given}
-    bad = [k for k, v in given.items() if not v >= 0]  # NaN is not >= 0
-    if bad:
+    names = ("atol", "rtol", "logprob_atol", "logprob_rtol", "layer_rtol")
+    given = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    values = {**{k: getattr(base, k) for k in names}, **given}
+    if bad := [k for k, v in given.items() if not v >= 0]:  # NaN is not >= 0
         raise BadInput(f"tolerances must be >= 0: --{bad[0].replace('_', '-')} {given[bad[0]]}")
     if args.top_k < 1:
         raise BadInput(f"--top-k must be >= 1, got {args.top_k}")
