@@ -56,6 +56,11 @@ def check_options(*, spell: Callable[[str], str] = str, **values: Any) -> None:
         if name not in OPTIONS:
             raise TypeError(f"unexpected keyword argument {name!r}")
         OPTIONS[name].check(spell(name), value)
+    mode = values.get("mode", "parallel")
+    for name in ("parallel_size", "batch_docs"):  # once read by nothing in the other modes, without a word
+        if values.get(name) is not None and mode != "parallel":
+            raise BadInput(f"{spell(name)} sizes parallel mode's passes; {spell('mode')} {mode} answers one question "
+                           f"at a time: drop {spell(name)}")
 
 
 def flag(name: str) -> str:

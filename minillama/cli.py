@@ -231,6 +231,9 @@ def check_options(args: argparse.Namespace) -> None:
     if args.doc == "-" and args.questions == "-":
         raise BadInput("--doc and --questions cannot both read standard input")
     check_max_memory(args.max_memory)
+    if args.max_memory is not None and args.mode != "parallel":
+        raise BadInput(f"--max-memory sizes parallel mode's waves; --mode {args.mode} holds one question at a time: "
+                       "drop --max-memory")
     # the API's own checks, from the option table, naming the options as the command line spells them
     check_api_options(spell=flag, **{name: getattr(args, name) for name, row in OPTIONS.items() if row.flag})
     check_device(args.device)

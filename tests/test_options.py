@@ -84,6 +84,20 @@ def test_text_a_flag_cannot_parse_is_refused_as_the_api_refuses_it(setup, capsys
     assert cli_message([*argv, checks.flag(name), text], capsys) == spelled(name, api_message(model, name, text))
 
 
+@pytest.mark.parametrize("name, mode", [("parallel_size", "independent"), ("batch_docs", "seqbatch")])
+def test_a_size_of_parallel_mode_in_another_mode_is_refused_alike(setup, capsys, name, mode):
+    """Read by nothing outside parallel mode, these were ignored without a word (so was --max-memory)."""
+    model, argv = setup
+    with pytest.raises(ValueError) as e:
+        api.ask(model, "The bridge opened in 1932.", ["When?"], mode=mode, **{name: 2})
+    line = cli_message([*argv, "--mode", mode, checks.flag(name), "2"], capsys)
+    assert line == f"{checks.flag(name)} sizes parallel mode's passes; --mode {mode} answers one question at a " \
+                   f"time: drop {checks.flag(name)}"
+    assert str(e.value) == line.replace(checks.flag(name), name).replace("--mode", "mode")
+    assert cli_message([*argv, "--mode", mode, "--max-memory", "64"], capsys).startswith(
+        f"--max-memory sizes parallel mode's waves; --mode {mode} holds one question at a time")
+
+
 def test_negative_control_argparse_own_conversion_words_it_otherwise(setup, capsys, monkeypatch):
     # With the flag's text converted by argparse itself (the table's conversion switched off), the command
     # line's refusal is argparse's and no longer the API's: the comparison above can fail.
