@@ -256,6 +256,20 @@ def test_a_bug_is_a_traceback_in_every_tool(monkeypatch):
             main([])
 
 
+def test_a_tool_without_its_command_names_the_commands(capsys):
+    """It said "the following arguments are required: cmd", the parser's own name for the command."""
+    import minillama.oracle.__main__ as oracle
+    import minillama.weights.cli as weights
+
+    for main, commands in ((weights.main, "fetch,convert,info"), (oracle.main, "export,compare,load")):
+        assert main([]) == 2
+        assert capsys.readouterr().err == f"error: the following arguments are required: {{{commands}}}\n"
+        for command in commands.split(","):  # each one named is a command of the tool
+            with pytest.raises(SystemExit) as done:
+                main([command, "--help"])
+            assert done.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
 # --- the bench's own options -------------------------------------------------------------------------
 
 

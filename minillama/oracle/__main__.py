@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "logits, and compare another backend or a candidate file with them.",
                 epilog="Exit status: 0 when every question passes, 1 when one fails, 2 on bad input; load: 3 when "
                        "some answers differ.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser, metavar="{export,compare,load}")
     e = sub.add_parser("export", help="answer greedily with minillama; write tokens and logits (safetensors + JSON)")
     c = sub.add_parser("compare", help="compare a backend (run on the reference's tokens) or a candidate file")
     for s in (e, c):

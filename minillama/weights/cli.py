@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     ap = OneLineParser(prog="python -m minillama.weights", description="Fetch, convert and inspect Llama checkpoints.")
-    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser, metavar="{fetch,convert,info}")
     f = sub.add_parser("fetch", help="download and convert the default model (SmolLM2-135M-Instruct)")
     f.add_argument("--force", action="store_true", help="download and convert again")
     c = sub.add_parser("convert", help="convert an HF/Meta directory or a .gguf file to a new HF directory")
