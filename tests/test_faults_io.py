@@ -86,6 +86,20 @@ def test_write_file_leaves_modes_and_links_as_open_would(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["link.md", "private.txt", "r.json", "r.safetensors", "readme.md"]
 
 
+def test_a_conversion_is_readable_as_the_umask_says(ckpt, tmp_path):
+    """Its folder is made private (mkdtemp) and safetensors writes private files: both opened up to the umask's."""
+    from minillama import weights
+
+    old = os.umask(0o022)
+    try:
+        out = weights.convert(ckpt, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert {p.name: p.stat().st_mode & 0o777 for p in [out, *out.iterdir()]} == \
+        {out.name: 0o755, **{p.name: 0o644 for p in out.iterdir()}}
+    assert "model.safetensors" in os.listdir(out)
+
+
 def test_convert_on_a_full_disk_is_one_line(ckpt, tmp_path):
     p = run_tool("weights", "convert", ckpt, tmp_path / "out", limit_file_bytes=20_000)
     assert "cannot write the conversion (File too large)" in one_line_error(p)

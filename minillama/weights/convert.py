@@ -122,8 +122,7 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
             tokenizer.save(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        for f in [tmp, *tmp.iterdir()]:  # mkdtemp made them private; make them like any other file
-            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; write_file gave the files the umask's mode
         _move_into_place(tmp, out)
     except (OSError, CannotWrite) as e:  # a full disk, a read-only folder: nothing of the new conversion is left
         why = e.reason if isinstance(e, CannotWrite) else e.strerror or e
