@@ -105,8 +105,9 @@ def model_context(path: str | None) -> int:
 
 def lines(text: str) -> list[str]:
     """Lines end at \\n only: U+2028, U+0085, form feeds and other characters `str.splitlines` also
-    breaks at belong to the line (and are valid inside a JSON string)."""
-    return text.split("\n")
+    breaks at belong to the line (and are valid inside a JSON string). A byte-order mark that opens a line is
+    dropped: it is where `cat a.txt b.txt` leaves the mark of a file saved with one, and not part of the text."""
+    return [line.removeprefix("\ufeff") for line in text.split("\n")]
 
 
 class RepeatedKey(ValueError):

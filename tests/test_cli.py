@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from minillama import api, cli, precision
+from minillama.inputs import read_jobs
 from minillama.weights import load_model, save_hf_dir
 from test_api import DOC, QUESTIONS, tiny_tokenizer
 from tiny import tiny_config, tiny_model
@@ -329,6 +330,20 @@ def test_bad_input_from_the_command_line(ckpt, files, case):
 
 
 # --- never lose, never alter, never crash ------------------------------------------------------------
+
+
+def test_files_joined_by_cat_lose_their_byte_order_marks(tmp_path):
+    """`cat a.txt b.txt` of files saved with a byte-order mark leaves the second mark at a line's start: it is
+    not a question (a line of nothing else) nor part of one, and it does not make a JSON line invalid."""
+    bom = "\ufeff".encode()
+    (tmp_path / "q.txt").write_bytes(bom + b"Who?\n" + bom + b"What?\n" + bom + b"\n")
+    (tmp_path / "d.txt").write_bytes(bom + DOC.encode())
+    args = cli.build_parser().parse_args(["--doc", str(tmp_path / "d.txt"), "--questions", str(tmp_path / "q.txt")])
+    assert read_jobs(args) == [(DOC, ["Who?", "What?"])]
+    (tmp_path / "j.jsonl").write_bytes(b"".join(bom + json.dumps({"doc": DOC, "questions": [q]}).encode() + b"\n"
+                                                for q in QUESTIONS[:2]))
+    args = cli.build_parser().parse_args(["--input", str(tmp_path / "j.jsonl")])
+    assert read_jobs(args) == [(DOC, [q]) for q in QUESTIONS[:2]]
 
 
 def test_lines_split_at_newlines_only(ckpt, files, capsys):
