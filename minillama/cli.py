@@ -156,6 +156,9 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens, args.mode)
     budget = memory_budget(args.max_memory, model.llama)
     plan = plan_waves(model, [piece_job(jobs, p) for p in share], args, budget) if share else WavePlan(None, None, 0)
+    if budget and plan.bytes > budget and here.world.writes:
+        print(f"warning: {over_budget(plan, args)} are estimated at {plan.bytes / 2**20:.1f} MiB, more than "
+              f"{given_budget(args, budget)}; running them", file=sys.stderr, flush=True)
 
     out = sys.stdout
     if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
@@ -359,6 +362,19 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
     held = llama.tiles.attention.at_once if llama.steps.compiled else 0
     return wave_plan(config, dtype_bytes, doc_tokens, question_tokens, args.max_new_tokens,
                      budget_bytes, args.parallel_size, args.batch_docs, held)
+
+
+def over_budget(plan: WavePlan, args: argparse.Namespace) -> str:
+    """Which waves a plan over its budget runs: the user's own sizes, or the least there is."""
+    given = [f"--{name.replace('_', '-')} {n}" for name in ("parallel_size", "batch_docs")
+             if (n := getattr(args, name)) is not None]
+    return f"the waves {' and '.join(given)} ask for" if given else \
+        "the smallest waves (one question of one document a pass)"
+
+
+def given_budget(args: argparse.Namespace, budget: int) -> str:
+    return f"--max-memory {args.max_memory:g}" if args.max_memory is not None else \
+        f"the budget --max-memory left unset gives ({budget / 2**20:g} MiB)"
 
 
 def _count(n: int, noun: str) -> str:

@@ -7,6 +7,7 @@ runs of the CLI print the same token ids and log-probs, greedy and sampled.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -415,6 +416,7 @@ def test_memory_is_bounded_by_waves_and_answers_do_not_change(ckpt, files, capsy
             "-n", "4", "--ignore-eos"]
     assert cli.main([str(a) for a in base + ["--max-memory", "0.1"]]) == 0
     bounded, err = capsys.readouterr()
+    assert "warning" not in err
     s = json.loads(err.strip().splitlines()[-1])
     assert s["parallel_size"] < len(many) and s["planned_memory_mb"] <= 0.1
     assert 0 < s["peak_kv_mb"] <= s["planned_memory_mb"]
@@ -424,7 +426,14 @@ def test_memory_is_bounded_by_waves_and_answers_do_not_change(ckpt, files, capsy
     assert bounded == unbounded
     # a budget under one byte is the least budget, not "0: no bound" (its bytes once rounded down to 0)
     assert cli.main([str(a) for a in base + ["--max-memory", "1e-9", "-n", "1"]]) == 0
-    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["parallel_size"] == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert json.loads(err[-1])["parallel_size"] == 1
+    # a budget less than the least waves need is run, and said so, once, not passed over in silence
+    assert [re.sub(r"[\d.]+ MiB", "X MiB", line) for line in err if "warning" in line] == [
+        "warning: the smallest waves (one question of one document a pass) are estimated at X MiB, more than "
+        "--max-memory 1e-09; running them"]
+    assert cli.main([str(a) for a in base + ["--max-memory", "0.1", "--parallel-size", "40"]]) == 0
+    assert "warning: the waves --parallel-size 40 ask for are estimated at" in capsys.readouterr().err
 
 
 def test_default_budget_bounds_thousands_of_questions():
