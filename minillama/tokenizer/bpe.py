@@ -112,6 +112,7 @@ def _unique(ids: Sequence[int]) -> list[int]:
 _GPT2_SPLIT = None
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 and Qwen3: digits one by one
 BPE_PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
     "gpt-2": (_GPT2_SPLIT, False, False),
     "smollm": (_GPT2_SPLIT, True, False),
@@ -119,6 +120,7 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
     "refact": (_GPT2_SPLIT, True, False),
     "llama-bpe": (_LLAMA3_SPLIT, False, True),
     "llama3": (_LLAMA3_SPLIT, False, True),
+    "qwen2": (_QWEN2_SPLIT, False, False),
 }
 
 
