@@ -363,6 +363,24 @@ def test_a_tensor_stored_twice_or_a_shard_outside_the_directory_is_refused(tmp_p
     _raises(r"not a safetensors index \(shard '/.*elsewhere\.safetensors' is not a file name in", load_state_dict, d)
 
 
+def test_model_safetensors_beside_an_index_is_the_one_loaded(tmp_path, config, sd, hf_tok):
+    """A directory with both loaded the shards its index names, where HF transformers loads model.safetensors:
+    another model's weights, without a word. An index naming no shards said there were no weights at all."""
+    from safetensors.torch import save_file
+
+    d = write_hf_dir(tmp_path / "hf", config, sd, hf_tok, shards=2)
+    other = {k: v + 1 for k, v in sd.items()}
+    save_file(other, str(d / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_state_dict(d)[1]
+    assert all(torch.equal(loaded[k], other[k]) for k in sd)
+    part = load_state_dict(d, {"model.embed_tokens.weight": (0, 1, 3)})[1]["model.embed_tokens.weight"]
+    assert torch.equal(part, other["model.embed_tokens.weight"][1:3])  # a rank's part, from the same file
+    (d / "model.safetensors").unlink()
+    assert all(torch.equal(load_state_dict(d)[1][k], sd[k]) for k in sd)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    _raises(r"model\.safetensors\.index\.json: the weight_map names no shards", load_state_dict, d)
+
+
 def test_wrong_gguf_magic(tmp_path):
     p = tmp_path / "bad.gguf"
     p.write_bytes(b"GGML" + bytes(100))

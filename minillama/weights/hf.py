@@ -1,4 +1,4 @@
-"""HF directories: config.json, model.safetensors (or shards and model.safetensors.index.json), tokenizer
+"""HF directories: config.json, model.safetensors (else shards and model.safetensors.index.json), tokenizer
 files. Tensors already carry HF's names and rotate-half order, so they load as they are.
 """
 
@@ -40,9 +40,12 @@ def hf_config(path: str | Path) -> LlamaConfig:
 
 
 def _hf_files(d: Path) -> list[Path]:
-    """The .safetensors files of an HF directory: those its index names, or model.safetensors, or every one."""
+    """The .safetensors files of an HF directory: model.safetensors, or those its index names, or every one
+    (model.safetensors first, as HF transformers takes them when a directory holds both)."""
     index = d / "model.safetensors.index.json"
-    if index.exists():
+    if (d / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    elif index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
@@ -53,8 +56,8 @@ def _hf_files(d: Path) -> list[Path]:
                 raise ValueError(f"shard {outside[0]!r} is not a file name in {d}")
         except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise WeightsError(f"{index}: not a safetensors index ({e})") from None
-    elif (d / "model.safetensors").exists():
-        files = ["model.safetensors"]
+        if not files:
+            raise WeightsError(f"{index}: the weight_map names no shards")
     else:
         files = sorted(f.name for f in d.glob("*.safetensors"))
     if not files:
