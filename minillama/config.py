@@ -105,7 +105,7 @@ class LlamaConfig:
         if isinstance(rope, dict):
             if "rope_theta" in rope:
                 out["rope_theta"] = rope["rope_theta"]
-            if rope.get("rope_type", "default") != "default":
+            if rope.get("rope_type", rope.get("type", "default")) != "default":  # "type": as rope_scaling spells it
                 out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(**out)
 

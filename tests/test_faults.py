@@ -9,6 +9,7 @@ HF defaults, every bad config value, every API option and input.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -66,6 +67,25 @@ def test_a_config_json_without_a_field_reads_as_transformers_reads_it(tmp_path, 
     ours = hf_config(tmp_path / "config.json")
     hf = transformers.LlamaConfig.from_json_file(str(tmp_path / "config.json"))
     assert getattr(ours, field) == _hf_value(hf, field)
+
+
+@pytest.mark.parametrize("key", ["rope_type", "type"])
+def test_rope_parameters_read_as_transformers_reads_them(tmp_path, key):
+    """rope_parameters spelled with "type" (as rope_scaling may be, and transformers takes either) lost its
+    scaling: positions rotated as if unscaled, without a word."""
+    import transformers
+
+    from minillama.rope import inv_frequencies
+
+    d = {**ckpt_config(vocab=320).to_dict(), "rope_parameters": {key: "linear", "factor": 4.0, "rope_theta": 5e4}}
+    d.pop("rope_scaling", None), d.pop("rope_theta", None)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ours = hf_config(tmp_path / "config.json")
+    hf = transformers.LlamaConfig.from_json_file(str(tmp_path / "config.json"))
+    assert hf.rope_parameters["rope_type"] == "linear"
+    assert ours.rope_theta == 5e4 and ours.rope_scaling is not None
+    unscaled = inv_frequencies(dataclasses.replace(ours, rope_scaling=None))
+    assert torch.equal(inv_frequencies(ours), unscaled / 4.0)
 
 
 def _untied_dir(tmp_path: Path, same: bool) -> tuple[Path, dict]:
