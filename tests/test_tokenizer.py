@@ -219,8 +219,9 @@ def test_saved_tokenizer_json_loads_in_transformers_alike(tmp_path):
     assert (ref.bos_token, ref.eos_token) == ("<|im_start|>", "<|im_end|>")
 
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
+TEMPLATE = (  # tools and documents: None, not undefined, unless given (as transformers renders)
+    "{{ bos_token }}{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+    "{% for m in messages %}"
     "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
     "{% if loop.index0 > 5 %}{% break %}{% endif %}"
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{% if m.get('meta') %} {{ m['meta'] | tojson }}{% endif %}"

@@ -132,7 +132,7 @@ class Tokenizer:
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   range=_bounded_range(), **variables)
+                                   range=_bounded_range(), **{"tools": None, "documents": None, **variables})
         except Exception as e:  # noqa: BLE001 - the template is the user's program: whatever it raises is its fault
             raise TokenizerError(f"{self.template_source}: the template failed: "
                                  f"{' '.join(str(e).split()) or type(e).__name__}") from None
