@@ -268,6 +268,40 @@ def test_templates_see_the_special_tokens_tokenizer_config_gives_as_transformers
     assert json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())["eos_token"] == eos
 
 
+@pytest.mark.parametrize("given", [{"map": {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}},
+                                   {"map": {"eos_token": {"content": "<|endoftext|>"}}, "config": {"eos_token": None}},
+                                   {"map": {"eos_token": "<|endoftext|>"}, "config": {"eos_token": "<|im_end|>"}}])
+def test_special_tokens_map_is_read_as_transformers_reads_it(tmp_path, given):
+    """special_tokens_map.json, where older checkpoints keep bos_token and eos_token, was never read: templates
+    wrote no markers, and no end token came of it."""
+    from transformers import AutoTokenizer
+
+    tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer()))).save(tmp_path)
+    cfg = {k: v for k, v in json.loads((tmp_path / "tokenizer_config.json").read_text()).items()
+           if k not in ("bos_token", "eos_token", "eos_token_ids")}
+    cfg.update(given.get("config", {}), chat_template="<{{ bos_token }}|{{ eos_token }}>{{ messages[0].content }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(given["map"]))
+    chat = [{"role": "user", "content": "hi"}]
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert tok.apply_chat_template(chat) == ref.apply_chat_template(chat, tokenize=False)
+    assert tok.eos_ids == [ref.eos_token_id]
+
+
+def test_a_sentencepiece_directorys_templates_see_the_tokens_its_config_gives(tmp_path):
+    """A tokenizer.model directory's templates saw the model's own <s> and </s> whatever tokenizer_config.json
+    gave (null, or another token), where HF renders the config's."""
+    (tmp_path / "tokenizer.model").write_bytes(sentencepiece_model())
+    chat = [{"role": "user", "content": "hi"}]
+    for given, rendered in [({}, "<s>hi</s>"), ({"bos_token": None, "eos_token": None}, "hi"),
+                            ({"eos_token": "<sep>"}, "<s>hi<sep>")]:
+        (tmp_path / "tokenizer_config.json").write_text(
+            json.dumps({**given, "chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"}))
+        tok = load_tokenizer(tmp_path)
+        assert tok.apply_chat_template(chat) == rendered, given
+    assert tok.eos_ids[0] == tok.token_to_id("<sep>")
+
+
 def test_chat_template_sources_in_hf_directories(tmp_path):
     tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())))
     tok.save(tmp_path)

@@ -102,7 +102,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     _check_config(cfg, cfg_path)
     template, template_source = _chat_template(p, cfg)
     eos_ids = _eos_ids_from_configs(p)
-    bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+    given = _special_tokens(p, cfg)
+    bos, eos = given.get("bos_token"), given.get("eos_token")
     if (p / "tokenizer.json").exists():
         tok = HFTokenizer.from_file(
             p / "tokenizer.json", bos_token=bos, eos_tokens=[eos] if eos else [],
@@ -113,9 +114,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
                                                add_eos=cfg.get("add_eos_token", False), chat_template=template)
         if bos is not None and tok.token_to_id(bos) is not None:
-            tok.bos_id, tok.bos_token = tok.token_to_id(bos), bos
+            tok.bos_id = tok.token_to_id(bos)
         extra = [tok.token_to_id(eos)] if eos is not None and tok.token_to_id(eos) is not None else []
         tok.eos_ids = _unique(extra + tok.eos_ids + list(cfg.get("eos_token_ids") or []) + eos_ids)
+        for field in ("bos_token", "eos_token"):  # what templates see: the model's own pieces unless given
+            if field in given:
+                setattr(tok, field, given[field])
     else:
         raise TokenizerError(f"{p}: no tokenizer (looked for tokenizer.json and tokenizer.model)")
     if bos is not None and cfg.get("add_bos_token") and tok.token_to_id(bos) is None:
@@ -145,6 +149,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise TokenizerError(f"{path}: must be a JSON object, got a {type(d).__name__}")
     return d
+
+
+def _special_tokens(d: Path, cfg: dict[str, Any]) -> dict[str, str | None]:
+    """bos_token and eos_token as special_tokens_map.json gives them (where older checkpoints keep them), else as
+    tokenizer_config.json does (null: none): the map wins, as HF transformers reads them. A field neither gives
+    is absent."""
+    path = d / "special_tokens_map.json"
+    stm = _read_json(path) if path.exists() else {}
+    _check_config({k: stm[k] for k in ("bos_token", "eos_token") if k in stm}, path)
+    return {k: _token_text(src[k]) for src in (cfg, stm) for k in ("bos_token", "eos_token") if k in src}
 
 
 def _token_text(tok: Any) -> str | None:
