@@ -132,11 +132,19 @@ def template_parts(tokenizer: Tokenizer, system: str | None = None, chat_templat
     return head, middle, tail
 
 
-def prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None = None,
+def prompt_ids(tokenizer: Tokenizer | LoadedModel, doc: str, question: str, system: str | None = None,
                chat_template: bool = True) -> list[int]:
     """The token ids of one question's complete stand-alone prompt. Document, question and system
     prompt are the user's text: a control token written in them ("<|im_end|>") is spelled out as text;
-    only the chat template's own markers are control tokens."""
+    only the chat template's own markers are control tokens. Each is checked as `ask` checks it."""
+    if isinstance(tokenizer, LoadedModel):
+        tokenizer = tokenizer.tokenizer  # what minillama.load returns holds the tokenizer
+    check_jobs([(doc, [question])])
+    check_options(system=system, chat_template=chat_template)
+    return _prompt_ids(tokenizer, doc, question, system, chat_template)
+
+
+def _prompt_ids(tokenizer: Tokenizer, doc: str, question: str, system: str | None, chat_template: bool) -> list[int]:
     if chat_template and tokenizer.chat_template is not None:
         # The template writes BOS itself where the model wants one.
         return tokenizer.encode_chat(messages(doc, question, system), add_generation_prompt=True)
@@ -238,7 +246,7 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], para
     answers = generate(llama, prompts, params, mode=mode, docs=docs, parallel_size=parallel_size,
                        batch_docs=batch_docs, eos_ids=eos, prefill_chunk=prefill_chunk, on_token=on_token,
                        stats=stats, on_answer=None if on_reply is None else lambda i, a: on_reply(i, reply(i, a)),
-                       streams=None if first_question is None else [first_question[d] + qi for d, qi in where])
+                       streams=None if first_question is None else [int(first_question[d]) + qi for d, qi in where])
     out: list[list[Reply]] = [[] for _ in jobs]
     for i, a in enumerate(answers):
         out[where[i][0]].append(reply(i, a))
@@ -263,7 +271,7 @@ def build_prompts(tokenizer: Tokenizer, jobs: Sequence[tuple[str, Sequence[str]]
     prompts, docs, where = [], [], []
     for d, (doc, questions) in enumerate(jobs):
         for qi, q in enumerate(questions):
-            prompts.append(prompt_ids(tokenizer, doc, q, system, chat_template))
+            prompts.append(_prompt_ids(tokenizer, doc, q, system, chat_template))  # the jobs were checked
             docs.append(d)
             where.append((d, qi))
             if context is not None:

@@ -34,8 +34,7 @@ from .cache import KVCache
 from .model import Llama
 from .sampling import sample_rows
 from .step import Pack
-from .tokenizer.base import decoded_after, whole_characters
-from .tokens import Answer, Chosen, Question, choose_tokens, take_tokens
+from .tokens import Answer, Chosen, Question, StopStrings, choose_tokens, take_tokens
 from .transfer import to_device
 
 MODES = ("parallel", "independent", "seqbatch")
@@ -45,39 +44,6 @@ RESERVED_ANSWER_TOKENS = 16
 
 class StreamTooLong(ValueError):
     """seqbatch's one stream (the shared prefix, then every question and its answer) outgrew the context."""
-
-
-class StopStrings:
-    """`SamplingParams.stop` for stop strings: True once the decoded answer holds one of them. Decoding needs
-    the tokenizer, which `SamplingParams.with_tokenizer` binds (`api.ask_many` does)."""
-
-    def __init__(self, strings: Sequence[str], tokenizer: Any = None, skip_special: bool = False):
-        self.strings, self.tokenizer, self.skip_special = tuple(strings), tokenizer, skip_special
-
-    def __call__(self, ids: list[int]) -> bool:
-        """Whether the answer `ids` holds a stop string, asked after each token (so none was there before the
-        last): its text as written (control tokens left out where the text leaves them out: a server's
-        skip_special_tokens), read at its end only. The last 4 tokens' text (all a character's bytes, which
-        may change the text before them) and the longest stop string's length before it, decoded after the
-        tokens before (`decoded_after`: a stop string may span tokens, and a tail of ids decoded alone is not
-        always a tail of the text), so a long answer does not decode all of itself at every token; a character
-        not yet whole is not read (`whole_characters`: its U+FFFD once met a stop string "\ufffd")."""
-        if self.tokenizer is None:
-            raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
-        skip, start = self.skip_special, max(0, len(ids) - 4)
-        tail = decoded_after(self.tokenizer, ids, start, skip)
-        need, step = len(tail) + max(map(len, self.strings)), 8
-        while len(tail) < need and start > 0:
-            start, step = max(0, start - step), step * 2
-            tail = decoded_after(self.tokenizer, ids, start, skip)
-        tail = whole_characters(self.tokenizer, ids[-4:], tail)  # once, for every stop string
-        return any(s in tail for s in self.strings)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)
-
-    def __repr__(self) -> str:
-        return f"StopStrings({self.strings!r})"
 
 
 @dataclass
@@ -122,7 +88,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name, row in options.table(SamplingParams).items():
-            row.check(name, getattr(self, name))
+            setattr(self, name, row.check(name, getattr(self, name)))  # numpy's and torch's integers as Python's
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.stop_token_ids = tuple(self.stop_token_ids)
         if not callable(self.stop):
@@ -290,10 +256,12 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     for name, v in (("parallel_size", parallel_size), ("batch_docs", batch_docs), ("prefill_chunk", prefill_chunk)):
         if v is not None and (not options.is_int(v) or v < 1):
             raise ValueError(f"{name} must be an integer >= 1 (or None), got {v!r}")  # else answers come back empty
+    parallel_size, batch_docs, prefill_chunk = (None if v is None else int(v)  # numpy's int8 wraps at 127
+                                                for v in (parallel_size, batch_docs, prefill_chunk))
     for name, f in (("on_token", on_token), ("on_answer", on_answer)):
         if f is not None and not callable(f):  # else it fails after the prefill, naming neither
             raise TypeError(f"{name} must be a function or None, got {f!r}")
-    prompts, docs, streams = _checked(model, prompts, params, docs, streams, stats, eos_ids)
+    prompts, docs, streams, params = _checked(model, prompts, params, docs, streams, stats, eos_ids)
     if not prompts:
         return []
     eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
@@ -320,13 +288,16 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
 
 
 def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, stats: Any, eos_ids: Any = None
-             ) -> tuple[list[list[int]], list[Any], list[int] | None]:
+             ) -> tuple[list[list[int]], list[Any], list[int] | None, SamplingParams]:
     """`generate`'s arguments, each refused naming it (ValueError, TypeError) rather than met inside torch: the
     prompts as lists of ints in the vocabulary and shorter than the context, one document and stream each."""
     for name, v, kind in (("model", model, Llama), ("params", params, SamplingParams), ("stats", stats, Stats)):
         if not isinstance(v, kind):
             raise options.BadType(f"{name} must be a {kind.__name__}, got {type(v).__name__}"
                                   + (" (a loaded model's .llama)" if name == "model" else ""))
+    params = replace(params)  # checked again: a field set after it was made (p.temperature = nan) was trusted
+    if params.stop_strings and params.stop.tokenizer is None:  # else it fails after the prefill
+        raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
     if not isinstance(prompts, (list, tuple)):
         raise options.BadType(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
     vocab, max_pos, out = model.config.vocab_size, model.config.max_position_embeddings, []
@@ -354,7 +325,8 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
             raise options.BadType(f"{name} must be a list of integer token ids, got {repr(ids)[:80]}")
         if name == "stop_token_ids" and not all(0 <= t < vocab for t in ids):  # an EOS id past it never comes
             raise ValueError(f"{name} must be in 0 .. {vocab - 1} (the model's vocabulary), got {repr(ids)[:80]}")
-    return out, [0] * len(out) if docs is None else list(docs), None if streams is None else list(map(int, streams))
+    return (out, [0] * len(out) if docs is None else list(docs), None if streams is None else list(map(int, streams)),
+            params)
 
 
 def _slots(work: list[tuple[Question, Sequence[int], int | None]]) -> int:

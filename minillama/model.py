@@ -33,6 +33,7 @@ from .cache import KVCache, write_layer
 from .config import LlamaConfig
 from .elementwise import in_whole_vectors
 from .invariant import Kernels, TiledLinear, Tiles, tiled_mean_square
+from .options import is_int
 from .plan import AttentionPlan
 from .rope import apply_rope_folded, attention_scaling, inv_frequencies, rope_cos_sin, signed_sin
 from .step import Step, Steps, lay_out, pass_rows
@@ -226,8 +227,9 @@ class Llama(nn.Module):
         n_kv = self.config.num_key_value_heads
         if self.kernels.sharded:
             raise ValueError("units are fixed once the model is sharded over processes")
-        if not isinstance(units, int) or units < 1 or n_kv % units:
-            raise ValueError(f"units must divide the model's {n_kv} KV heads, got {units}")
+        if not is_int(units) or units < 1 or n_kv % units:
+            raise ValueError(f"units must be an integer that divides the model's {n_kv} KV heads, got {units!r}")
+        units = int(units)
         with self.steps.lock:
             self.steps.unchanged("units")
             self.kernels.units = units
@@ -282,6 +284,10 @@ class Llama(nn.Module):
                 raise TypeError(f"{name} must be a tensor (torch.tensor(...)), got {type(t).__name__}")
             if t is not None and (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):
                 raise TypeError(f"{name} must be integers, got {t.dtype}")
+        # uint8 ids or int16 positions met an index op deep in the pass, after the cache gave slots: made long
+        tokens, positions, segments, logits_rows = (None if t is None else t.long() for _, t in given)
+        if logits_rows is not None and logits_rows.dim() != 1:
+            raise ValueError(f"logits_rows must be 1-D (rows of this pass), got shape {tuple(logits_rows.shape)}")
         if cache is not None and not isinstance(cache, KVCache):
             raise TypeError(f"cache must be a KVCache (model.new_cache()), got {type(cache).__name__}")
         if tokens.dim() != 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import operator
 import re
 from typing import Any, Callable, Sequence
 
@@ -41,10 +42,13 @@ class Option:
     cli_default: Any = None  # where the command line starts elsewhere (--stop: []); None: at `default`
     no_flag: str | None = None
 
-    def check(self, name: str, value: Any) -> None:
-        """Raise BadInput/BadType for a bad `value`; `name` is the option as the caller spells it."""
+    def check(self, name: str, value: Any) -> Any:
+        """Raise BadInput/BadType for a bad `value`; `name` is the option as the caller spells it. Returns the
+        value, an integer of numpy's or torch's as Python's (`is_int`), once a rule has taken it as one."""
         for rule in self.rules:
             rule(value, name)
+            value = int(value) if is_int(value) else value
+        return value
 
 
 def option(default: Any, flag: str | None, help: str, *rules: Rule, **how: Any) -> Any:
@@ -73,7 +77,17 @@ def parse_or_keep(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy's integers too
+    """An integer: Python's, numpy's, or a 0-d integer tensor or array (`torch.tensor(3)`), not a bool. Code
+    that checked with this converts with `int()` before any arithmetic (numpy's int8 wraps at 127)."""
+    if isinstance(x, numbers.Integral):
+        return not isinstance(x, bool)
+    if getattr(x, "ndim", None) != 0 or "bool" in str(getattr(x, "dtype", "bool")):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def is_real(x: Any) -> bool:

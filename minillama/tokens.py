@@ -12,13 +12,47 @@ and sampling gives the same tokens in every mode too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .errors import BadInput
 from .sampling import sample_rows, stream_key
+from .tokenizer.base import decoded_after, whole_characters
 from .transfer import Later, to_device
+
+
+class StopStrings:
+    """`SamplingParams.stop` for stop strings: True once the decoded answer holds one of them. Decoding needs
+    the tokenizer, which `SamplingParams.with_tokenizer` binds (`api.ask_many` does)."""
+
+    def __init__(self, strings: Sequence[str], tokenizer: Any = None, skip_special: bool = False):
+        self.strings, self.tokenizer, self.skip_special = tuple(strings), tokenizer, skip_special
+
+    def __call__(self, ids: list[int]) -> bool:
+        """Whether the answer `ids` holds a stop string, asked after each token (so none was there before the
+        last): its text as written (control tokens left out where the text leaves them out: a server's
+        skip_special_tokens), read at its end only. The last 4 tokens' text (all a character's bytes, which
+        may change the text before them) and the longest stop string's length before it, decoded after the
+        tokens before (`decoded_after`: a stop string may span tokens, and a tail of ids decoded alone is not
+        always a tail of the text), so a long answer does not decode all of itself at every token; a character
+        not yet whole is not read (`whole_characters`: its U+FFFD once met a stop string "\ufffd")."""
+        if self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
+        skip, start = self.skip_special, max(0, len(ids) - 4)
+        tail = decoded_after(self.tokenizer, ids, start, skip)
+        need, step = len(tail) + max(map(len, self.strings)), 8
+        while len(tail) < need and start > 0:
+            start, step = max(0, start - step), step * 2
+            tail = decoded_after(self.tokenizer, ids, start, skip)
+        tail = whole_characters(self.tokenizer, ids[-4:], tail)  # once, for every stop string
+        return any(s in tail for s in self.strings)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StopStrings) and (other.strings, other.skip_special) == (self.strings, self.skip_special)
+
+    def __repr__(self) -> str:
+        return f"StopStrings({self.strings!r})"
 
 
 @dataclass

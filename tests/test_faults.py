@@ -247,6 +247,81 @@ def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
         generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), docs=[[0]])
 
 
+def test_narrow_and_zero_d_integers_are_the_integers_they_hold(model):
+    """numpy's int8 and uint8 wrap at 127 and 255: used as they came, parallel_size=np.int8(100) answered 100 of
+    130 questions and gave the rest empty replies, first_question=[np.uint8(255)] gave a question another's
+    random stream, max_new_tokens=np.int8(5) raised an OverflowError. A 0-d torch integer was refused as no
+    integer. Each is now its Python int: the same replies, to the bit."""
+    import numpy as np
+
+    questions = [f"{q} ({k})" for k in range(33) for q in QUESTIONS][:130]
+    base = api.ask(model, DOC, questions, max_new_tokens=1, ignore_eos=True)
+    assert all(r.token_ids for r in base)
+    for narrow in (np.int8(100), torch.tensor(100, dtype=torch.uint8), torch.tensor(100)):
+        assert api.ask(model, DOC, questions, max_new_tokens=1, ignore_eos=True, parallel_size=narrow) == base
+    jobs = [(DOC, QUESTIONS[:2])] * 130
+    many = api.ask_many(model, jobs, max_new_tokens=1, ignore_eos=True)
+    assert api.ask_many(model, jobs, max_new_tokens=1, ignore_eos=True, batch_docs=np.int8(100)) == many
+    sampled = {"max_new_tokens": np.int8(4), "temperature": 1.0, "ignore_eos": True, "seed": torch.tensor(3)}
+    want = api.ask_many(model, [(DOC, QUESTIONS[:3])], first_question=[255], **{**sampled, "max_new_tokens": 4,
+                                                                                  "seed": 3})
+    for k in (np.uint8(255), torch.tensor(255)):
+        assert api.ask_many(model, [(DOC, QUESTIONS[:3])], first_question=[k], **sampled) == want
+    assert api.ask(model, DOC, QUESTIONS[:1], mode="independent", max_new_tokens=2, prefill_chunk=np.int8(100)) == \
+        api.ask(model, DOC, QUESTIONS[:1], mode="independent", max_new_tokens=2)
+    with pytest.raises(TypeError, match="max_new_tokens must be an integer"):
+        api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=torch.tensor([2]))  # a 1-element vector is no integer
+
+
+def test_sampling_params_changed_after_they_were_made_are_checked_again(model):
+    """SamplingParams was checked when made only: p.temperature = nan set after gave greedy-looking zeros,
+    p.max_new_tokens = "3" a TypeError from inside the loop. Stop strings with no tokenizer failed after the
+    prefill."""
+    from minillama.generate import SamplingParams, generate
+
+    for field, value, kind in (("temperature", float("nan"), ValueError), ("top_p", 0.0, ValueError),
+                               ("max_new_tokens", -1, ValueError), ("max_new_tokens", "3", TypeError)):
+        p = SamplingParams(max_new_tokens=3)
+        setattr(p, field, value)
+        with pytest.raises(kind, match=field):
+            generate(model.llama, [[5, 6, 7]], p)
+    with pytest.raises(ValueError, match="stop strings need the tokenizer"):
+        generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=3, stop="x"), on_token=pytest.fail)
+
+
+def test_forward_takes_any_integer_tensor_and_refuses_before_the_cache_changes(model):
+    """uint8 ids, int16 positions and 2-D logits rows failed inside the pass (an embedding's or an index's
+    error) after the cache had given the tokens slots: a retry at the same positions was refused."""
+    llama = model.llama
+    cache = llama.new_cache()
+    seg = cache.new_segment()
+    want = llama(torch.tensor([5, 6]))  # one fresh sequence at positions 0, 1
+    with pytest.raises(ValueError, match="logits_rows must be 1-D"):
+        llama(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([seg, seg]), cache, torch.tensor([[0, 1]]))
+    got = llama(torch.tensor([5, 6], dtype=torch.uint8), torch.tensor([0, 1], dtype=torch.int16),
+                torch.tensor([seg, seg], dtype=torch.int8), cache)
+    assert torch.equal(got, want) and cache.length(seg) == 2
+    import numpy as np
+
+    units = llama.units
+    llama.units = np.int64(1)  # once "units must divide the model's 2 KV heads, got 1"
+    assert llama.units == 1 and type(llama.units) is int
+    with pytest.raises(ValueError, match="units must be an integer"):
+        llama.units = True
+    llama.units = units
+
+
+def test_prompt_ids_checks_its_text_and_takes_a_loaded_model(model):
+    """minillama.prompt_ids(tok, None, "q") raised "'NoneType' object has no attribute 'strip'"."""
+    assert api.prompt_ids(model, DOC, "Why?") == api.prompt_ids(model.tokenizer, DOC, "Why?")
+    for doc, question, words in ((None, "q", "document 1 must be a string"), ("d", 5, "question 1 must be a string"),
+                                 ("d", " ", "question 1 is empty")):
+        with pytest.raises(ValueError, match=words):
+            api.prompt_ids(model.tokenizer, doc, question)
+    with pytest.raises(TypeError, match="system"):
+        api.prompt_ids(model.tokenizer, DOC, "q", system=b"x")
+
+
 BAD_JOBS = [
     ([(b"bytes doc", ["q"])], TypeError, "bytes; decode"), ([("", ["q"])], ValueError, "document 1 is empty"),
     ([("  \n", ["q"])], ValueError, "empty"), ([(DOC, [])], ValueError, "no questions"),
