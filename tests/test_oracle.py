@@ -12,16 +12,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import re
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from minillama import weights
+from minillama.errors import CannotWrite
 from minillama.oracle import (MinillamaBackend, Record, Tolerances, TransformersBackend, activation_names, compare,
                               export, layer_diff, load, run_backend, save)
 from minillama.oracle.__main__ import main
@@ -628,6 +631,79 @@ def test_export_again_replaces_its_own_record(tiny, tmp_path, capsys):
     assert json.loads(out.with_suffix(".json").read_text())["format"] == "minillama-oracle/1"
 
 
+def test_a_failed_export_leaves_the_old_record_and_its_inputs_alone(tiny, tmp_path, capsys):
+    """A manifest that could not be written (a link into a missing folder, a file that refuses writes) came after
+    the record was replaced: exit 2, and the golden record was another. -o naming the model's weights or the
+    prompts file overwrote them, exit 0."""
+    import minillama.oracle.record as record
+
+    _, _, path = tiny
+    prompts = _write_prompts(tmp_path)
+    out = tmp_path / "ref.safetensors"
+    assert main(["export", "-m", str(path), "--prompt-ids", prompts, "-n", "3", "-o", str(out)]) == 0
+    before = out.read_bytes(), out.with_suffix(".json").read_bytes()
+    (tmp_path / "one.jsonl").write_text(json.dumps(PROMPTS[0]) + "\n")
+    out.with_suffix(".json").unlink()
+    out.with_suffix(".json").symlink_to(tmp_path / "missing" / "ref.json")
+    assert main(["export", "-m", str(path), "--prompt-ids", str(tmp_path / "one.jsonl"), "-n", "3",
+                 "-o", str(out)]) == 2
+    assert "whose folder does not exist" in capsys.readouterr().err and out.read_bytes() == before[0]
+    out.with_suffix(".json").unlink()
+    out.with_suffix(".json").write_bytes(before[1])
+    real = record.write_file
+
+    def refuse_records(p, data):  # the manifest is written, then the record cannot be
+        if str(p).endswith(".safetensors"):
+            raise CannotWrite(Path(p), "no space left on device")
+        return real(p, data)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(record, "write_file", refuse_records)
+        assert main(["export", "-m", str(path), "--prompt-ids", str(tmp_path / "one.jsonl"), "-n", "3",
+                     "-o", str(out)]) == 2
+    assert (out.read_bytes(), out.with_suffix(".json").read_bytes()) == before  # the manifest put back
+    capsys.readouterr()
+    weights_file = path / "model.safetensors"
+    held = weights_file.read_bytes()
+    own = tmp_path / "prompts.safetensors"  # a prompts file of any name is read
+    own.write_text(Path(prompts).read_text())
+    for target, given in ((weights_file, prompts), (path / "golden.safetensors", prompts), (own, str(own))):
+        assert main(["export", "-m", str(path), "--prompt-ids", given, "-n", "2", "-o", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "write the record elsewhere" in err, err
+    assert weights_file.read_bytes() == held
+
+
+def test_equal_infinities_are_no_error_and_an_empty_stopped_reference_is_no_traceback(ref):
+    """-inf against -inf (a masked token) gave NaN and "logits out of tolerance"; a reference that stopped before
+    any token met a longer candidate with an IndexError."""
+    r = copy.deepcopy(ref)
+    r.questions[0].logits[:, 60] = -math.inf
+    assert all(x.passed and x.logit_max == 0 for x in compare(r, candidate(r, logprobs=None), PRESETS["exact"]))
+    c = candidate(r, logprobs=None)
+    c.questions[0].logits[:, 60] = 0.0
+    assert not compare(r, c)[0].passed
+    r.questions[0].token_ids, r.questions[0].finish_reason = [], "stop"
+    r.questions[0].logits = r.questions[0].logits[:0]
+    result = compare(r, candidate(ref, logits=None, logprobs=None))[0]
+    assert not result.passed and "stop, before any token" in result.reason
+
+
+def test_prompt_ids_lines_end_at_newlines_only_and_export_offers_what_it_has(tiny, tmp_path, capsys):
+    """--prompt-ids split at form feeds too (str.splitlines): a bad line was blamed on the next, and
+    "[1, 2]\\f[3, 4]" read as two prompts. `export --tp 2` said to add --procs, which export does not take."""
+    _, _, path = tiny
+    p, out = tmp_path / "p.jsonl", str(tmp_path / "r.safetensors")
+    for text, says in (("[1, 2]\n\x0c\n[3, 999]\n", ":3: token ids must be in"),
+                       ("[1, 2]\x0c[3, 4]\n", ":1: expected a JSON list of integer token ids")):
+        p.write_text(text)
+        assert main(["export", "-m", str(path), "--prompt-ids", str(p), "-o", out]) == 2
+        assert says in capsys.readouterr().err
+    assert main(["export", "-m", str(path), "--tp", "2", "-o", out]) == 2
+    err = capsys.readouterr().err
+    assert "start with torchrun --nproc-per-node N" in err and "--procs" not in err, err
+
+
 def test_module_entry_point_reports_bad_input_without_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "minillama.oracle", "compare", "--reference",
                            str(tmp_path / "missing.safetensors"), "--backend", "transformers"],
@@ -917,6 +993,19 @@ def _serving():
 def completions_server():
     with _serving() as served:
         yield served
+
+
+def test_a_reference_from_weights_alone_checks_a_server(tiny, ref, completions_server, tmp_path, capsys):
+    """A record exported from a folder of weights without a tokenizer (token-id prompts need none) was refused
+    by --backend openai ("missing tokenizer"), and a --model that did not exist was passed over in silence."""
+    state, url = completions_server
+    state["server"] = _Completions(tiny[1])
+    save(ref, tmp_path / "ref.safetensors")
+    args = ["compare", "--reference", str(tmp_path / "ref.safetensors"), "--backend", "openai", "--url", url]
+    assert main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(args + ["-m", str(tmp_path / "nothing")]) == 2
+    assert "--model " + str(tmp_path / "nothing") + ": no such file or directory" in capsys.readouterr().err
 
 
 def test_openai_backend_reads_echoed_logprobs(tiny, ref, completions_server):

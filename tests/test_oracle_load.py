@@ -125,12 +125,30 @@ def test_text_prompts_and_minillama_reference(exact, ckpt, capsys):
     (["--url", "http://127.0.0.1:99999/v1"], "not a URL"),
     (["--url", "http://127.0.0.1:9/v1", "--json", "/proc/r.json"], "/proc/r.json: "),  # refused before any request
     (["--url", "http://127.0.0.1:9/v1", "--reference-model", "/no/such/ckpt"], "no such file or directory"),
+    # read before the run (a server that is not there here), not once it has ended
+    (["--url", "http://127.0.0.1:9/v1", "--reference-model", str(ROOT / "docs")], "neither an HF directory"),
     (["--url", "http://127.0.0.1:9/v1", "--timeout", "0"], "--timeout: '0' is not a number of seconds above 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, capsys):
     code = main(["load", *args])
     err = capsys.readouterr().err
     assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_a_reference_that_cannot_compare_keeps_the_runs_report(ckpt, tmp_path, capsys, monkeypatch):
+    """With no greedy probe, --reference-model refused once the run had ended, and its report and --json were
+    lost. --json r.out was refused where r.json is a folder (export's manifest name, nothing load writes)."""
+    import minillama.oracle.under_load as loadcheck
+
+    result = {"identical": True, "probes": [{"prompt": [1, 2], "temperature": 1.0}], "server": {"model": "tiny"}}
+    monkeypatch.setattr(loadcheck, "run", lambda *a: result)
+    monkeypatch.setattr(loadcheck, "report", lambda r: "THE REPORT")
+    (tmp_path / "r.json").mkdir()
+    code = main(["load", "--url", "http://127.0.0.1:9/v1", "--reference-model", str(ckpt),
+                 "--json", str(tmp_path / "r.out")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out.strip() == "THE REPORT" and "raise --requests" in err and err.count("\n") == 1
+    assert json.loads((tmp_path / "r.out").read_text())["identical"] is True
 
 
 def answer(tokens, lps, text="x", finish="length"):

@@ -62,19 +62,20 @@ def _either(ds: list[int]) -> str:
 
 
 def check_degrees(kv_heads: int | None, tp: int, units: int | None, ranks: int = 1,
-                  started: str | None = None) -> int | None:
+                  started: str | None = None, procs: bool = True) -> int | None:
     """Every degree and units check of a run, in one place; the units to use (default: the KV heads).
 
     A tensor-parallel rank holds whole units and a unit whole KV-head groups, so --tp divides --units, which
     divides the KV heads; the world is (ranks / tp) groups of --tp ranks. Raises BadInput (one line naming the
     KV heads and the values that divide them). kv_heads None: the model is not known yet (only the counts
-    are checked, and None returned). started: how the ranks were asked for, for the message."""
+    are checked, and None returned). started: how the ranks were asked for, and procs: whether the command
+    has --procs, for the message."""
     from ..errors import BadInput
 
     if ranks % tp:
         how = started or f"{ranks} process{'es' * (ranks != 1)}"
         raise BadInput(f"--tp {tp} needs a multiple of {tp} processes, got {how}"
-                       + ("; add --procs N or start with torchrun --nproc-per-node N" if ranks == 1 else ""))
+                       + (f"; {'add --procs N or ' * procs}start with torchrun --nproc-per-node N" if ranks == 1 else ""))
     if units is not None and units % tp:
         raise BadInput(f"--units {units}: --tp {tp} must divide it")
     if kv_heads is None:
@@ -102,19 +103,19 @@ def check_options(args) -> None:
     if not MIN_TIMEOUT_S <= args.dist_timeout <= MAX_TIMEOUT_S:
         raise BadInput(f"--dist-timeout must be a number of seconds > 0, from {MIN_TIMEOUT_S:g} to "
                        f"{MAX_TIMEOUT_S:,}, got {args.dist_timeout}")
-    procs = getattr(args, "procs", 1)
+    procs, has_procs = getattr(args, "procs", 1), hasattr(args, "procs")  # oracle export has no --procs
     ranks = procs if procs > 1 else check_world_env()
     started = f"--procs {procs}" if procs > 1 else None
-    check_degrees(None, args.tp, args.units, ranks, started)
+    check_degrees(None, args.tp, args.units, ranks, started, has_procs)
     if launched() and procs > 1:
         raise BadInput("--procs starts its own ranks; under torchrun, leave it out")
     if launched():
         for path in (args.doc, args.questions, getattr(args, "input", None)):
             if path == "-" or (path and _stream(path)):
                 raise BadInput(f"under torchrun every rank reads the input: give files, not {path!r}, which "
-                               "each rank would read a different part of (or use --procs N)")
+                               "each rank would read a different part of" + " (or use --procs N)" * has_procs)
     if args.tp > 1 or args.units is not None:
-        check_degrees(model_kv_heads(getattr(args, "model", None)), args.tp, args.units, ranks, started)
+        check_degrees(model_kv_heads(getattr(args, "model", None)), args.tp, args.units, ranks, started, has_procs)
 
 
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 10**7  # a process group's timeout: in whole milliseconds, and in a timedelta

@@ -16,7 +16,6 @@ Exit status: 0 when every question passes; 1 when one fails; 2 on bad input (one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -28,7 +27,6 @@ from .. import distributed
 from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, write_file
 from ..generate import MODES
-from ..inputs import RepeatedKey, once_each, read_jobs
 from ..precision import DTYPES
 from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
@@ -37,15 +35,11 @@ from .layers import diff_layers
 from .report import report
 from .tolerances import BACKEND_PRESETS, PRESETS, Tolerances
 from .server import OpenAIBackend, base_url, seconds
+from .prompts import EXAMPLE_DOC, EXAMPLE_QUESTIONS, read_prompts  # noqa: F401 (the tests read the example)
 from .record import Record, bos_id, check_manifest_free, export, load, save
 
-EXAMPLE_DOC = ("The Harbour Bridge in Easton was designed by the engineer Mara Quist and opened in 1932. "
-               "It is 503 metres long and carries two railway tracks and a road. Its steel came from the "
-               "Lindell works, 40 kilometres up the river.")
-EXAMPLE_QUESTIONS = ["Who designed the Harbour Bridge?", "When did the bridge open?", "How long is the bridge?"]
-
-
 # The reference's options with a default: given with a --reference (or beside two files) they would change nothing.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a folder with neither holds weights alone
 MODEL_DEFAULTS = {"device": "cpu", "dtype": "float32", "max_new_tokens": 16, "mode": "parallel"}
 
 
@@ -148,63 +142,6 @@ def _load_reference_model(path: Path, args: argparse.Namespace, device: str | No
     return build_model(config, sd, device or args.device, DTYPES[args.dtype])
 
 
-def _prompts(args: argparse.Namespace, path: Path, config) -> dict[str, Any]:
-    """Prompt ids, document of each, question texts and EOS ids, from the arguments."""
-    if args.prompt_ids:
-        if args.doc or args.questions:
-            raise BadInput("give --prompt-ids or --doc/--questions, not both")
-        prompts, docs = [], []
-        try:
-            lines = Path(args.prompt_ids).read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise BadInput(f"{args.prompt_ids}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise BadInput(f"{args.prompt_ids}: not UTF-8 text (invalid byte at offset {e.start})") from None
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line, object_pairs_hook=once_each)
-            except RepeatedKey as e:
-                raise BadInput(f"{args.prompt_ids}:{n}: {e}") from None
-            except (ValueError, RecursionError):
-                obj = None
-            unknown = sorted(set(obj) - {"prompt_ids", "doc"}) if isinstance(obj, dict) else []
-            if unknown:
-                raise BadInput(f"{args.prompt_ids}:{n}: unknown key {unknown[0]!r} (a line holds prompt_ids and doc)")
-            ids = obj.get("prompt_ids") if isinstance(obj, dict) else obj
-            doc = obj.get("doc", 0) if isinstance(obj, dict) else 0
-            if not (isinstance(ids, list) and all(_is_int(i) for i in ids) and _is_int(doc) and doc >= 0):
-                raise BadInput(f"{args.prompt_ids}:{n}: expected a JSON list of integer token ids or "
-                               '{"prompt_ids": [...], "doc": 0} (doc >= 0)')
-            if not ids:
-                raise BadInput(f"{args.prompt_ids}:{n}: an empty prompt (no token ids)")
-            if min(ids) < 0 or max(ids) >= config.vocab_size:
-                raise BadInput(f"{args.prompt_ids}:{n}: token ids must be in 0 .. {config.vocab_size - 1}")
-            prompts.append(ids)
-            docs.append(doc)
-        if not prompts:
-            raise BadInput(f"{args.prompt_ids}: no prompts")
-        return {"prompts": prompts, "docs": docs, "questions": None, "eos_ids": None}
-    if bool(args.doc) != bool(args.questions):
-        raise BadInput("--doc and --questions go together")
-    if args.doc:  # read and checked as the command line reads them (a line ends at "\n" only, ...)
-        ((doc, questions),) = read_jobs(argparse.Namespace(input=None, doc=args.doc, questions=args.questions),
-                                        config.max_position_embeddings)
-    else:
-        doc, questions = EXAMPLE_DOC, EXAMPLE_QUESTIONS
-    from ..api import build_prompts
-
-    tok = load_tokenizer(path)
-    prompts, docs, _ = build_prompts(tok, [(doc, questions)])
-    eos = list(dict.fromkeys([*tok.eos_ids, *config.eos_token_ids]))
-    return {"prompts": prompts, "docs": docs, "questions": questions, "eos_ids": eos}
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _make_reference(args: argparse.Namespace, hidden: bool = False):
     if args.max_new_tokens < 1:
         raise BadInput("--max-new-tokens must be at least 1")
@@ -218,7 +155,7 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
     model = _load_reference_model(path, args, here and parallel.load_device(args, here))
     if here is not None:
         parallel.place(model, args, here)
-    p = _prompts(args, path, model.config)
+    p = read_prompts(args, path, model.config)
     context = model.config.max_position_embeddings
     for i, ids in enumerate(p["prompts"], 1):
         if len(ids) + args.max_new_tokens > context:
@@ -251,8 +188,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.suffix != ".safetensors":
         raise BadInput(f"{out}: the record is a .safetensors file")
-    _check_writable(out)  # before the model runs, not after
+    _check_writable(out, out.with_suffix(".json"))  # before the model runs, not after
     check_manifest_free(out)
+    _check_not_an_input(out, args)
     rec, _ = _make_reference(args, hidden=args.hidden)
     if rec is None:
         return 0
@@ -264,19 +202,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_writable(out: Path) -> None:
+def _check_writable(out: Path, *beside: Path) -> None:
+    """`out` (and the files written `beside` it) can be written: a folder that is there and takes files."""
     parent = out.parent
     if not parent.is_dir():
         raise BadInput(f"{out}: the folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise BadInput(f"{out}: the folder {parent} is not writable")
-    for f in (out, out.with_suffix(".json")):
+    for f in (out, *beside):
         if f.is_dir():
             raise BadInput(f"{f}: is a folder")
+        if f.is_symlink() and not Path(os.path.realpath(f)).parent.is_dir():
+            raise BadInput(f"{f}: a link to {os.readlink(f)}, whose folder does not exist")
     try:  # where the folder says it is writable and is not (/proc, a read-only mount): a file made and gone
         tempfile.TemporaryFile(dir=parent).close()
     except OSError as e:
         raise BadInput(f"{out}: cannot write in {parent} ({e.strerror})") from None
+
+
+def _check_not_an_input(out: Path, args: argparse.Namespace) -> None:
+    """The record and its manifest are written over none of the files the export reads, nor into its model's
+    folder (a record there would be read as one more shard of weights)."""
+    model = Path(args.model).resolve() if args.model else None
+    for f in (out, out.with_suffix(".json")):
+        here = f.resolve()
+        if model is not None and model in (here, here.parent):
+            raise BadInput(f"{f}: would be written {'over' if model == here else 'into'} --model {args.model}; "
+                           "write the record elsewhere")
+        for name in ("prompt_ids", "doc", "questions"):
+            given = getattr(args, name)
+            if given and given != "-" and Path(given).resolve() == here:
+                raise BadInput(f"{f}: would be written over --{name.replace('_', '-')} {given}; write the record "
+                               "elsewhere")
 
 
 def _tolerances(args: argparse.Namespace, default: str) -> Tolerances:
@@ -299,7 +256,9 @@ def _openai_backend(args: argparse.Namespace, ref_path: str | None, ref: Record)
     if not args.url:
         raise BadInput("--backend openai needs --url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
     url, decode, vocab = base_url(args.url), None, None
-    if ref_path is not None and Path(ref_path).exists():
+    bare = ref_path is not None and Path(ref_path).is_dir() and \
+        not any((Path(ref_path) / f).exists() for f in TOKENIZER_FILES)
+    if ref_path is not None and Path(ref_path).exists() and not bare:  # weights alone: top-k asked by id only
         tok = load_tokenizer(Path(ref_path))  # the server's top-k come as texts: map them back to ids
         decode = tok.decode
         vocab = [tok.decode([i]) for i in range(tok.vocab_size)]
@@ -332,6 +291,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.backend_model and not args.backend:
         raise BadInput("--backend-model goes with --backend")
     _nothing_ignored(args)
+    if args.model and not Path(args.model).exists():  # else, beside a --reference, passed over in silence
+        raise BadInput(f"--model {args.model}: no such file or directory")
     tol = _tolerances(args, BACKEND_PRESETS[args.backend] if args.backend else "fp32")
     model = None
     if args.reference:
@@ -402,23 +363,28 @@ def cmd_load(args: argparse.Namespace) -> int:
         _check_writable(Path(args.json))
     if args.reference_model and not Path(args.reference_model).exists():
         raise BadInput(f"--reference-model {args.reference_model}: no such file or directory")
+    path = Path(args.reference_model or ".")  # read before the run, which may take minutes, not after it
+    reference = (_load_reference_model(path, args), load_tokenizer(path)) if args.reference_model else None
     result = loadcheck.run(args.url, args.model, args.requests, args.clients, args.seed, args.max_tokens,
                            args.prompts, args.timeout)
-    text, passed = loadcheck.report(result), True
-    if args.reference_model:
-        c = _reference_of_load(args, result)
-        result["reference"] = c.to_json()
-        text, passed = text + "\n\nminillama's reference, on the greedy probes:\n" + report(c), c.passed
+    text, passed, refused = loadcheck.report(result), True, None
+    if reference is not None:
+        try:
+            c = _reference_of_load(args, result, *reference)
+            result["reference"] = c.to_json()
+            text, passed = text + "\n\nminillama's reference, on the greedy probes:\n" + report(c), c.passed
+        except BadInput as e:  # the run's own report is kept, then the reason given
+            refused = e
     print(text)
     if args.json:
         write_file(args.json, json_text(result, indent=1) + "\n")
+    if refused is not None:
+        raise refused
     return 3 if not result["identical"] else 0 if passed else 1
 
 
-def _reference_of_load(args: argparse.Namespace, result: dict[str, Any]) -> Comparison:
+def _reference_of_load(args: argparse.Namespace, result: dict[str, Any], model: Any, tok: Any) -> Comparison:
     path = Path(args.reference_model)
-    model = _load_reference_model(path, args)
-    tok = load_tokenizer(path)
     prompts = [p["prompt"] if isinstance(p["prompt"], list) else tok.encode(p["prompt"], add_special=True,
                                                                             parse_special=False)
                for p in result["probes"] if p["temperature"] == 0]

@@ -61,8 +61,14 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def _error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b|, 0 where the two are equal: equal infinities (a masked token's -inf) are no error, as in
+    torch.allclose, where their difference would be NaN."""
+    return torch.where(a == b, 0.0, (a - b).abs())
+
+
 def _out_of_tol(err: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> torch.Tensor:
-    return ~(err <= atol + rtol * ref.abs())  # written so that NaN is out of tolerance
+    return ~((err == 0) | (err <= atol + rtol * ref.abs()))  # NaN is out; no error is in (0 x inf is NaN)
 
 
 def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tolerances,
@@ -94,14 +100,14 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         lc = cand.logits[:compared]
         if lc.shape[-1] != lr.shape[-1]:
             raise RecordError(f"question {i + 1}: candidate vocabulary {lc.shape[-1]}, reference {lr.shape[-1]}")
-        err = (lc - lr).abs()
+        err = _error(lc, lr)
         res.logit_max, res.logit_mean = float(err.max()), float(err.mean())
         res.logit_scale = float(lr.abs().max())
         bad = _out_of_tol(err, lr, tol.atol, tol.rtol).any(dim=-1).nonzero()
         if len(bad):
             s = int(bad[0])
             fail(f"logits out of tolerance from step {s} (max|err| there {float(err[s].max()):.2e})", s)
-        lperr = (torch.log_softmax(lc, dim=-1) - lpr).abs()
+        lperr = _error(torch.log_softmax(lc, dim=-1), lpr)
         res.logprob_max, res.logprob_mean = float(lperr.max()), float(lperr.mean())
         bad = _out_of_tol(lperr, lpr, tol.logprob_atol, tol.logprob_rtol).any(dim=-1).nonzero()
         if len(bad):
@@ -112,7 +118,7 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
         res.top_k_overlap = sum(overlap) / len(overlap)
     if cand.logprobs is not None and compared:  # beside logits too: a file's log-probs are its own answer
         want = lpr.gather(1, torch.tensor(C[:compared])[:, None])[:, 0]  # reference logprob of each chosen token
-        err = (cand.logprobs[:compared] - want).abs()
+        err = _error(cand.logprobs[:compared], want)
         res.logprob_max = _nan_max([float(err.max())] + ([] if res.logprob_max is None else [res.logprob_max]))
         if res.logprob_mean is None:
             res.logprob_mean = float(err.mean())
@@ -150,7 +156,8 @@ def compare_question(i: int, ref: QuestionRecord, cand: QuestionRecord, tol: Tol
             fail(f"the candidate answered {len(C)} of the reference's {len(R)} steps (a shorter answer passes "
                  "only with --allow-prefix)")
     elif len(C) > len(R) and ref.finish_reason == "stop":
-        fail(f"the candidate goes on for {len(C) - len(R)} steps after the reference's stop token {R[-1]}")
+        fail(f"the candidate goes on for {len(C) - len(R)} steps after the reference's stop"
+             + (f" token {R[-1]}" if R else ", before any token"))
     elif len(C) > len(R):
         res.notes.append(f"the candidate goes on for {len(C) - len(R)} steps after the reference stopped")
     return res
@@ -170,7 +177,7 @@ def _check_top_k(res: QuestionResult, lpr: torch.Tensor, cand: QuestionRecord, t
     known = ids >= 0
     if known.any():
         want = lpr[:steps].gather(1, ids.clamp(min=0))
-        err = torch.where(known, (lps - want).abs(), torch.zeros(()))
+        err = torch.where(known, _error(lps, want), torch.zeros(()))
         res.logprob_max = _nan_max([res.logprob_max or 0.0, float(err.max())])
         bad = (_out_of_tol(err, want, tol.logprob_atol, tol.logprob_rtol) & known).any(dim=-1).nonzero()
         if len(bad):

@@ -158,10 +158,22 @@ def save(record: Record, path: str | Path) -> Path:
     manifest["questions"] = [
         {"prompt_ids": q.prompt_ids, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
          "doc": q.doc, "shared": q.shared, "question": q.question} for q in record.questions]
-    write_file(path, lambda f: save_file(tensors, str(f), metadata={META_KEY: json_text(manifest)}))
     # Indented for reading, but each list of token ids kept on one line.
     text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), json_text(manifest, indent=1))
-    return write_file(manifest_path(path), text + "\n")
+    # The manifest first: one that cannot be written leaves the record as it was, and a record that cannot be
+    # written puts the old manifest back (each write alone is atomic: write_file).
+    mpath = manifest_path(path)
+    try:
+        old = mpath.read_bytes() if mpath.is_file() else None
+    except OSError:
+        old = None
+    write_file(mpath, text + "\n")
+    try:
+        write_file(path, lambda f: save_file(tensors, str(f), metadata={META_KEY: json_text(manifest)}))
+    except BaseException:
+        write_file(mpath, old) if old is not None else mpath.unlink(missing_ok=True)
+        raise
+    return mpath
 
 
 def load(path: str | Path) -> Record:
