@@ -302,6 +302,38 @@ def test_a_sentencepiece_directorys_templates_see_the_tokens_its_config_gives(tm
     assert tok.eos_ids[0] == tok.token_to_id("<sep>")
 
 
+def test_a_sentencepiece_directorys_added_tokens_are_tokens(tmp_path):
+    """tokenizer_config.json's added_tokens_decoder (or added_tokens.json) beside a tokenizer.model was never
+    read: "<|im_start|>" at id 512 was spelled out in pieces, and every chat prompt was another text."""
+    (tmp_path / "tokenizer.model").write_bytes(sentencepiece_model())  # 512 pieces
+    n = SentencePieceTokenizer(sentencepiece_model()).vocab_size
+    added = {str(n): {"content": "<|im_start|>", "special": True}, str(n + 1): {"content": "<|im_end|>", "special": True},
+             str(n + 2): {"content": "zebra", "special": False}, "1": {"content": "<s>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.vocab_size == n + 3 and tok.token_to_id("<|im_start|>") == n
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [n, *tok.encode("user\nhi"), n + 1]
+    assert n not in tok.encode("<|im_start|>user", parse_special=False)  # a marker only the template writes
+    for parse in (True, False):  # an added token that is not special is vocabulary, in any text
+        assert n + 2 in tok.encode("a zebra eats", parse_special=parse)
+    assert tok.decode(tok.encode("x<|im_end|>y zebra")) == "x<|im_end|>y zebra"
+    (tmp_path / "again").mkdir()
+    tok.save(tmp_path / "again")
+    assert load_tokenizer(tmp_path / "again").encode("<|im_start|>a zebra") == tok.encode("<|im_start|>a zebra")
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # the older file: {text: id}
+    (tmp_path / "added_tokens.json").write_text(json.dumps({"<|im_start|>": n, "zebra": n + 1}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"additional_special_tokens": ["<|im_start|>"]}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("<|im_start|>a zebra")[0] == n and n + 1 in tok.encode("a zebra", parse_special=False)
+    assert "<|im_start|>" in tok.special_tokens() and "zebra" not in tok.special_tokens()
+    for bad, says in (({str(n + 5): {"content": "<x>"}}, "without gaps"),
+                      ({"2": {"content": "<x>"}}, "id 2 is the model's piece"),
+                      ({str(n): {"content": 5}}, "must map ids to")):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": bad}))
+        with pytest.raises(TokenizerError, match=says):
+            load_tokenizer(tmp_path)
+
+
 def test_chat_template_sources_in_hf_directories(tmp_path):
     tok = tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())))
     tok.save(tmp_path)

@@ -112,7 +112,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         tok.eos_token = eos  # what templates see: the config's text, none when it gives none (as HF renders)
     elif (p / "tokenizer.model").exists():
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
-                                               add_eos=cfg.get("add_eos_token", False), chat_template=template)
+                                               add_eos=cfg.get("add_eos_token", False), chat_template=template,
+                                               added=_added_tokens(p, cfg, given))
         if bos is not None and tok.token_to_id(bos) is not None:
             tok.bos_id = tok.token_to_id(bos)
         extra = [tok.token_to_id(eos)] if eos is not None and tok.token_to_id(eos) is not None else []
@@ -159,6 +160,30 @@ def _special_tokens(d: Path, cfg: dict[str, Any]) -> dict[str, str | None]:
     stm = _read_json(path) if path.exists() else {}
     _check_config({k: stm[k] for k in ("bos_token", "eos_token") if k in stm}, path)
     return {k: _token_text(src[k]) for src in (cfg, stm) for k in ("bos_token", "eos_token") if k in src}
+
+
+def _added_tokens(d: Path, cfg: dict[str, Any], given: dict[str, str | None]) -> dict[int, tuple[str, bool]]:
+    """The tokens an HF directory adds to its tokenizer.model, id -> (text, special): tokenizer_config.json's
+    added_tokens_decoder, and added_tokens.json (older; {text: id}), whose tokens are special where
+    special_tokens_map.json lists them or they are BOS or EOS. TokenizerError naming the file and field."""
+    out: dict[int, tuple[str, bool]] = {}
+    path = d / "tokenizer_config.json"
+    for key, tok in (cfg.get("added_tokens_decoder") or {}).items():
+        if not (isinstance(key, str) and key.isdigit() and isinstance(tok, dict) and isinstance(tok.get("content"), str)
+                and isinstance(tok.get("special", False), bool)):
+            raise TokenizerError(f'{path}: "added_tokens_decoder" must map ids to {{"content": "...", "special": '
+                                 f"true/false}}, got {json.dumps({key: tok})[:80]}")
+        out[int(key)] = (tok["content"], tok.get("special", False))
+    if (d / "added_tokens.json").exists():
+        extra = _read_json(d / "added_tokens.json")
+        stm = _read_json(d / "special_tokens_map.json") if (d / "special_tokens_map.json").exists() else {}
+        named = {_token_text(t) for t in stm.get("additional_special_tokens") or [] if isinstance(t, (str, dict))}
+        for text, i in extra.items():
+            if not _is_id(i):
+                raise TokenizerError(f"{d / 'added_tokens.json'}: must map token texts to ids, got "
+                                     f"{json.dumps({text: i})[:80]}")
+            out.setdefault(i, (text, text in named or text in given.values()))
+    return out
 
 
 def _token_text(tok: Any) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..files import write_file
-from .base import BYTE, Tokenizer, TokenizerError
+from .base import BYTE, CONTROL, USER_DEFINED, Tokenizer, TokenizerError
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -21,14 +21,14 @@ class SentencePieceTokenizer(Tokenizer):
     Llama tokenizers treat special tokens in text."""
 
     def __init__(self, model_proto: bytes, *, bos_id: int | None = None, eos_ids: Sequence[int] | None = None,
-                 add_bos: bool = True, add_eos: bool = False, chat_template: str | None = None) -> None:
-        import sentencepiece as spm
-
-        self._sp = spm.SentencePieceProcessor()
-        try:
-            self._sp.LoadFromSerializedProto(model_proto)
-        except Exception as e:  # sentencepiece raises RuntimeError / OSError with its own text
-            raise TokenizerError(f"not a sentencepiece model ({e})") from None
+                 add_bos: bool = True, add_eos: bool = False, chat_template: str | None = None,
+                 added: dict[int, tuple[str, bool]] | None = None) -> None:
+        """`added`: tokens an HF directory adds to the model (id -> (text, special)), from tokenizer_config.json's
+        added_tokens_decoder or added_tokens.json; they become pieces of the model (`with_added_pieces`)."""
+        self._sp = self._load(model_proto)
+        if added:
+            model_proto = with_added_pieces(self._sp, model_proto, added)
+            self._sp = self._load(model_proto)
         self._proto = model_proto
         n = self._sp.get_piece_size()
         self.bos_id = bos_id if bos_id is not None else _none_if_negative(self._sp.bos_id())
@@ -45,6 +45,17 @@ class SentencePieceTokenizer(Tokenizer):
         # Longest first, so that a control token that is a prefix of another does not win.
         names = sorted(self._special, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+    @staticmethod
+    def _load(model_proto: bytes) -> Any:
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(model_proto)
+        except Exception as e:  # sentencepiece raises RuntimeError / OSError with its own text
+            raise TokenizerError(f"not a sentencepiece model ({e})") from None
+        return sp
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> "SentencePieceTokenizer":
@@ -114,6 +125,26 @@ class SentencePieceTokenizer(Tokenizer):
         write_file(out / "tokenizer.model", self._proto)
         cfg = {"tokenizer_class": "LlamaTokenizer", "legacy": True, **self._config_json()}
         write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def with_added_pieces(sp: Any, model_proto: bytes, added: dict[int, tuple[str, bool]]) -> bytes:
+    """The model with HF's added tokens as pieces of its own, so that it tokenizes as HF's tokenizer does: a
+    special one as a control piece (a marker only the template writes: `encode` splits text at it), another as
+    a user-defined one (sentencepiece matches it in any text). An id already a piece must be that piece; the
+    new ones follow the model's last piece, in order (a piece list has no gaps). TokenizerError otherwise."""
+    n = sp.get_piece_size()
+    for i, (text, _) in sorted(added.items()):
+        if i < n and sp.id_to_piece(i) != text:
+            raise TokenizerError(f"added token {i} {text!r}: id {i} is the model's piece {sp.id_to_piece(i)!r}")
+    new = sorted(i for i in added if i >= n)
+    if new != list(range(n, n + len(new))):
+        raise TokenizerError(f"added tokens {new[:4]}...: the model has {n} pieces, so added ones must number "
+                             f"{n}, {n + 1}, ... without gaps")
+    taken = [added[i][0] for i in new if sp.piece_to_id(added[i][0]) != sp.unk_id()]
+    if taken:
+        raise TokenizerError(f"added token {taken[0]!r} is already a piece of the model, with another id")
+    return model_proto + b"".join(_pb(1, _pb(1, added[i][0]) + _pb(2, 0.0) + _pb(3, CONTROL if added[i][1] else
+                                                                               USER_DEFINED)) for i in new)
 
 
 def _none_if_negative(i: int) -> int | None:
