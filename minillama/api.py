@@ -186,6 +186,9 @@ def answer_text(tokenizer: Tokenizer, token_ids: Sequence[int], stop_ids: set[in
 def ask(model: LoadedModel, doc: str, questions: Sequence[str], params: SamplingParams | None = None,
         **options: Any) -> list[Reply]:
     """Answer questions about one document; one Reply per question, in order. Options: see `ask_many`."""
+    unknown = sorted(set(options) - set(SAMPLING_OPTIONS) - set(ask_many.__kwdefaults__))
+    if unknown:  # in ask's name, not ask_many's
+        raise TypeError(f"ask() got an unexpected keyword argument {unknown[0]!r}")
     return ask_many(model, [(doc, questions)], params, **options)[0]
 
 

@@ -183,6 +183,7 @@ BAD_OPTIONS = [
     ({"keep_logits": 1}, TypeError, "keep_logits"), ({"on_token": 3}, TypeError, "on_token"),
     ({"temperature": 10**400}, ValueError, "temperature"), ({"top_k": 2**63}, ValueError, "top_k"),
     ({"seed": 2**64}, ValueError, "seed"), ({"stop": "Q" * 1025}, ValueError, "stop"),
+    ({"bogus": 1}, TypeError, "ask() got an unexpected keyword argument 'bogus'"),  # once in ask_many's name
 ]
 
 
