@@ -186,6 +186,8 @@ def test_unknown_vocabulary_kinds_are_refused():
     meta = gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer()))
     with pytest.raises(TokenizerError, match="unsupported BPE pre-tokenizer 'qwen9'"):
         tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, "x.gguf")
+    with pytest.raises(TokenizerError, match="x.gguf: tokenizer.ggml.pre missing"):  # once "unsupported 'default'"
+        tokenizer_from_gguf_metadata({k: v for k, v in meta.items() if k != "tokenizer.ggml.pre"}, "x.gguf")
     with pytest.raises(TokenizerError, match="x.gguf: unsupported tokenizer type 'rwkv'"):
         tokenizer_from_gguf_metadata({**meta, "tokenizer.ggml.model": "rwkv"}, "x.gguf")
     with pytest.raises(TokenizerError, match="x.gguf: no tokenizer"):

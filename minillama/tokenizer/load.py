@@ -60,12 +60,15 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
             raise TokenizerError(f"{source}: {e}") from None
     if kind == "gpt2":
         add_bos = _flag(meta, "add_bos_token", False, source)
+        if "tokenizer.ggml.pre" not in meta:  # older files: llama.cpp then splits its own "default" way
+            raise TokenizerError(f"{source}: tokenizer.ggml.pre missing: which pre-tokenizer splits the text is not "
+                                 "said (llama.cpp guesses 'default'); convert the model again with a current llama.cpp")
         if "tokenizer.ggml.merges" not in meta:  # without them every text would split byte by byte
             raise TokenizerError(f"{source}: tokenizer.ggml.merges missing: a gpt2 (byte-level BPE) tokenizer "
                                  "needs its merges")
         try:
             tok = byte_bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges") or [], types,
-                                     meta.get("tokenizer.ggml.pre", "default"), bos_id=bos_id, add_bos=add_bos)
+                                     meta["tokenizer.ggml.pre"], bos_id=bos_id, add_bos=add_bos)
         except TokenizerError as e:
             raise TokenizerError(f"{source}: {e}") from None
         return HFTokenizer(tok, bos_token=tokens[bos_id] if bos_id is not None else None,
