@@ -229,6 +229,9 @@ def test_text_offsets_of_any_tokens_stay_in_order_and_find_each_token(ids, spm, 
     if spm:  # two bytes that make no character, then 睬 in three (E7 9D AC), then "<" (a byte is id 4 + its value)
         lone = [4 + 0x90, 4 + 0x90, 4 + 0xE7, 4 + 0x9D, 4 + 0xAC, 4 + ord("<")]
         assert Offsets(tok).take(lone) == [0, 1, 2, 2, 2, 3] and tok.decode(lone) == "\ufffd\ufffd睬<"
+        # lead bytes in a row: each ends the one before, a U+FFFD of its own (all were at 1: one U+FFFD's)
+        leads = [4 + 0xE2, 4 + 0xE2, 4 + 0xE2, 4 + 0x82, 4 + 0xAC, 4 + ord("<")]
+        assert Offsets(tok).take(leads) == [0, 1, 2, 2, 2, 3] and tok.decode(leads) == "\ufffd\ufffd€<"
     text, got = tok.decode(ids, skip_special=skip), Offsets(tok, skip).take(ids)
     assert got == sorted(got) and all(0 <= a <= len(text) for a in got)
     for t, at in zip(ids, got):

@@ -73,6 +73,11 @@ def _named(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+def _utf8_so_far(data: bytes) -> str:
+    """`data` decoded as a stream decodes it: an incomplete character at the end left out, not a U+FFFD."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data)
+
+
 class Offsets:
     """text_offset: where each token's text starts in the choice's text, in characters, counted on as the
     tokens arrive (a stream's chunks go on where the last one ended, as the whole answer counts), from `at`
@@ -92,10 +97,15 @@ class Offsets:
         """The offsets of `tokens`, the next ones of the text."""
         out = []
         for t in tokens:
-            part = "\ufffd" in self.tok.decode([t])  # the token holds part of a character
-            out.append(self.base + len(self.since.rstrip("\ufffd") if part else self.since))
+            data = self.tok.token_bytes(t)
+            pending = self._utf8.getstate()[0]  # the bytes of the character the text ends in part of
+            joins = bool(data) and "\ufffd" not in _utf8_so_far(pending + data[:1])
+            if pending and not joins:  # that character is over, a U+FFFD for good (a lead byte, then another):
+                self.base, self.upto, self.since = self.base + len(self.since), len(self.ids), ""  # as decoded
+            # a token that goes on with it starts where it does (its U+FFFDs not counted), another at the end
+            out.append(self.base + len(self.since.rstrip("\ufffd") if pending and joins else self.since))
             self.ids.append(t)
-            self._utf8.decode(self.tok.token_bytes(t))
+            self._utf8.decode(data)
             self.since = decoded_after(self.tok, self.ids, self.upto, self.skip_special)
             if not self._utf8.getstate()[0]:  # no character left incomplete: what is decoded stays
                 self.base, self.upto, self.since = self.base + len(self.since), len(self.ids), ""
