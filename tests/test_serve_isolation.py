@@ -68,6 +68,13 @@ MORE_BAD = [
     ("/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
                            "max_completion_tokens": 8}, 400, "max_completion_tokens"),
+    # values equal to the one given but of another type (True == 1, 2.0 == 2) were taken
+    ("/completions", {"prompt": "x", "n": 1, "best_of": True}, 400, "best_of"),
+    ("/completions", {"prompt": "x", "n": 2, "best_of": 2.0}, 400, "best_of"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3.0,
+                           "max_completion_tokens": 3}, 400, "max_completion_tokens"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "\ue0009\ue001"}]}, 400,
+     "messages"),
 ]
 
 

@@ -10,6 +10,7 @@ here, before the request reaches the engine.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -18,7 +19,7 @@ from ..checks import check_options, fewest_tokens
 from ..options import is_finite, text
 from ..errors import BadInput
 from ..generate import SamplingParams
-from ..tokenizer.base import Uncontinuable
+from ..tokenizer.base import TokenizerError, Uncontinuable
 from .fields import refusal
 from .logits import RowFilter, row_filter
 
@@ -226,8 +227,10 @@ def _messages(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[int], st
             raise BadRequest(f"messages[{i}].name must be a string", "messages")
         if m.get("name"):  # written by a template as its own text, it must not spell a control token
             _text(m["name"], f"messages[{i}].name", "messages")
-            if any(t in m["name"] for t in tokenizer.special_tokens()):
+            if tokenizer.spells_control(m["name"]):
                 raise BadRequest(f"messages[{i}].name must not spell a control token", "messages")
+            if re.search("[\ue000\ue001]", m["name"]):  # what marks where message text goes in a render
+                raise BadRequest(f"messages[{i}].name must not hold U+E000 or U+E001", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
@@ -245,6 +248,8 @@ def _messages(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[int], st
     _fits(tokenizer, "".join(t["content"] for t in turns), limits, "messages")  # the template writes them all
     try:  # a template that drops or cuts a message's content would lose the client's text
         api.template_parts(tokenizer)
+    except TokenizerError:  # it refused the probe's chat, one user turn (it asks for a system turn first, ...):
+        pass  # this request's own chat is rendered, and checked, below
     except BadInput:
         raise BadRequest(f"messages: this model's chat template ({getattr(tokenizer, 'template_source', '')}) "
                          "does not write a message's content as given: use /v1/completions", "messages") from None
@@ -270,7 +275,7 @@ def _continued(turns: list[dict[str, str]], tokenizer: Any) -> list[int]:
     final = turns[-1]["content"]
     if not final.strip():
         raise BadRequest("continue_final_message: the final message is empty", "continue_final_message")
-    if any(t in m["content"] for m in turns for t in tokenizer.special_tokens()):
+    if any(tokenizer.spells_control(m["content"]) for m in turns):  # as written, or as NFKC leaves it
         raise BadRequest("continue_final_message: messages that spell control tokens are not supported with it",
                          "continue_final_message")
     try:
@@ -298,7 +303,7 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
         raise BadRequest(f"model {model!r} does not exist; this server has {model_name!r}", "model", 404,
                          "model_not_found")
     n = _int(body, "n", 1, 1, limits.max_n)
-    if body.get("best_of") not in (None, n):
+    if not (body.get("best_of") is None or _is(body["best_of"], n)):  # True is no 1, 2.0 no 2
         raise BadRequest("best_of is not supported (it must equal n)", "best_of", code="unsupported")
     echo_text = ""
     if chat:
@@ -325,7 +330,7 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
-        if body.get("max_tokens") not in (None, body[name]):
+        if not (body.get("max_tokens") is None or _is(body["max_tokens"], _int(body, name, None))):
             raise BadRequest(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens ({body[name]!r}) "
                              "differ: give one of them"[:300], "max_completion_tokens")
     default = min(room, limits.max_tokens) if chat else 16

@@ -63,6 +63,10 @@ class Tokenizer:
         """The text of every control token `encode` turns into its id."""
         raise NotImplementedError
 
+    def spells_control(self, text: Any) -> bool:
+        """Whether `text` spells a control token, as written or as the normalizer leaves it (NFKC: "＜" is "<")."""
+        return isinstance(text, str) and any(t in c for c in (text, self.normalized(text)) for t in self.special_tokens())
+
     def normalized(self, text: str) -> str:
         """`text` as the tokenizer's normalizer leaves it before splitting it into tokens (control tokens that
         are matched after it are matched in this text): the text itself where it has none."""
@@ -160,19 +164,19 @@ class Tokenizer:
                                      f"content whole (role {messages[cut[0]].get('role')!r}): it cuts it, and the "
                                      "text given would be lost")
         specials = self.special_tokens()
-
-        def writes_special(content: Any) -> bool:  # as written, or as the normalizer leaves it (NFKC: "＜" is "<")
-            return isinstance(content, str) and any(t in c for c in (content, self.normalized(content)) for t in specials)
-
-        if not any(writes_special(m.get("content")) for m in messages):
-            return self.encode(text)
+        pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+        if not any(self.spells_control(m.get("content")) for m in messages):
+            # a template that rewrites the text (`lower`) may make control tokens of it: then the render holds
+            # more of them than the template's own (the skeleton's)
+            if spans is not None or pattern is None or all(
+                    len(pattern.findall(f(text))) == len(pattern.findall(f(skeleton))) for f in (str, self.normalized)):
+                return self.encode(text)
         if spans is None:  # a template that rewrites the text (`upper`): its control tokens cannot be told apart
             raise TokenizerError(f"{self.template_source}: the template changes the message text; message text with "
                                  "control tokens cannot be kept as text")
         # Runs of text between the template's markers are encoded whole (message text and template
         # text together, as `encode` would), with control-token parsing off inside them; a marker that takes
         # the whitespace beside it (`strips`) takes it here too.
-        pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
         ids: list[int] = []
         run_start, pos = 0, 0
         for _, lo, hi in [*spans, (None, len(text), len(text))]:
@@ -206,7 +210,13 @@ class Tokenizer:
         return text[:ends[-1]]
 
     def _skeleton(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
-        """The chat rendered with a mark (`_mark(k)`) in place of each message's text."""
+        """The chat rendered with a mark (`_mark(k)`) in place of each message's text. A mark's characters in
+        anything else the template writes (a name) would be taken for a message's place: refused."""
+        for k, m in enumerate(messages):
+            odd = [f for f, v in m.items() if f != "content" and isinstance(v, str) and re.search("[\ue000\ue001]", v)]
+            if odd:
+                raise TokenizerError(f"message {k}'s {odd[0]} holds U+E000 or U+E001, characters that mark where "
+                                     "message text goes in the template's output")
         return self.apply_chat_template(
             [{**m, "content": _mark(k)} if isinstance(m.get("content"), str) else m for k, m in enumerate(messages)],
             add_generation_prompt, **variables)
