@@ -381,6 +381,27 @@ def test_model_safetensors_beside_an_index_is_the_one_loaded(tmp_path, config, s
     _raises(r"model\.safetensors\.index\.json: the weight_map names no shards", load_state_dict, d)
 
 
+def test_a_header_whose_offsets_lie_is_refused_however_the_file_is_read(tmp_path, config, sd, hf_tok):
+    """A tensor-parallel rank reads its parts at the offsets the header gives: offsets that overlap (o_proj at
+    q_proj's bytes) or a dtype its bytes do not hold loaded another tensor's bytes, where one process refused
+    the file (the safetensors library checks them)."""
+    d = write_hf_dir(tmp_path / "hf", config, sd, hf_tok)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    for edit, says in ((lambda h: h[o].update(data_offsets=h[q]["data_offsets"]), "invalid offset for tensor"),
+                       (lambda h: h[q].update(dtype="F16"), "do not hold its shape")):
+        header = json.loads(data[8:8 + n])
+        edit(header)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        f.write_bytes(data[:8] + text.ljust(n) + data[8 + n:])
+        _raises("truncated or corrupt", load_state_dict, d)  # one process: the library's refusal
+        _raises(says, load_state_dict, d, {q: (0, 0, 4)})  # a rank's parts
+    f.write_bytes(data)
+    assert torch.equal(load_state_dict(d, {q: (0, 0, 4)})[1][q], sd[q][:4])
+
+
 def test_wrong_gguf_magic(tmp_path):
     p = tmp_path / "bad.gguf"
     p.write_bytes(b"GGML" + bytes(100))

@@ -86,8 +86,9 @@ def _load_shard(path: Path, device: str | torch.device, dtype: torch.dtype,
     """`load_model` on a tensor-parallel rank: the skeleton sharded first, then only its parts read."""
     from minillama.model import Llama
 
+    config = read_config(path)  # off the meta device: deciding a tie may read two tensors (hf_dir_config)
     with torch.device("meta"):
-        model = Llama(read_config(path))
+        model = Llama(config)
     slices = shard(model)
     if detect_format(path) == "gguf":
         config, sd, meta = read_gguf(path, slices)

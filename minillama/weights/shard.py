@@ -14,6 +14,7 @@ weight (split on its input features, dimension 1) is written straight into colum
 
 from __future__ import annotations
 
+import math
 import os
 from typing import BinaryIO
 
@@ -85,12 +86,26 @@ def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torc
     f.seek(0)
     n = int.from_bytes(f.read(8), "little")
     header = json.loads(f.read(n))
-    out = {}
+    out, spans = {}, []
     for name, t in header.items():
         if name == "__metadata__":
             continue
         if t["dtype"] not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name} has dtype {t['dtype']}, which minillama does not read")
-        out[name] = (8 + n + int(t["data_offsets"][0]), tuple(int(d) for d in t["shape"]),
-                     SAFETENSORS_DTYPES[t["dtype"]])
+        shape, dtype = tuple(int(d) for d in t["shape"]), SAFETENSORS_DTYPES[t["dtype"]]
+        begin, end = (int(x) for x in t["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize or min(shape, default=1) < 0:
+            raise ValueError(f"tensor {name}: data_offsets {begin}..{end} do not hold its shape {list(shape)} "
+                             f"of {t['dtype']}")
+        out[name] = (8 + n + begin, shape, dtype)
+        spans.append((begin, end, name))
+    # as the safetensors library reads a file: the tensors' bytes one after another, the data and no more
+    # (offsets that overlap would load one tensor's bytes as another's)
+    at, size = 0, os.fstat(f.fileno()).st_size - 8 - n
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise ValueError(f"invalid offset for tensor {name} ({begin}, where {at} was due)")
+        at = end
+    if at != size:
+        raise ValueError(f"the tensors hold {at} bytes of data, the file {size}")
     return out
