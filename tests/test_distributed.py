@@ -168,6 +168,21 @@ def test_data_by_tensor_parallel_output_is_byte_identical(ckpt, jobs, one):
         assert p.stdout == one[1 if extra else None], f"--procs {procs} --tp {tp} {extra}"
 
 
+def test_a_rank_that_rank_0_takes_nothing_from_says_why(ckpt, tmp_path):
+    """Rank 0 blocked writing to a pipe nobody read (a pager left open): the other rank's send timed out and it
+    ended quietly, as if rank 0 had said why; the run ended with exit 2 and not a word."""
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"doc": DOCS[0], "questions": QUESTIONS[:3]}) + "\n" for _ in range(150)))
+    proc = subprocess.Popen([sys.executable, "-m", "minillama", "generate", "--model", str(ckpt), "--input", str(big),
+                             "--json", "-n", "4", "--mode", "independent", "--procs", "2", "--dist-timeout", "2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    time.sleep(20)  # rank 0 fills the pipe (64 KiB) and waits; rank 1's send times out
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and out.count(b"\n") < 450
+    assert "rank 0 took no answer within --dist-timeout" in err.decode(), err.decode()[-2000:]
+
+
 def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
     """Two torchrun "nodes" of one rank each, meeting at a c10d rendezvous on 127.0.0.1."""
     from minillama.distributed.launch import free_port

@@ -152,6 +152,10 @@ class Channel:
                 dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=self.world.answers,
                           tag=PAYLOAD)
         except RuntimeError as e:  # rank 0 has ended (a closed pipe, a full disk): it says why, this rank stops
+            if "timed out" in str(e).lower():  # rank 0 is there and took nothing: it can say nothing, so this rank does
+                print(f"error: rank {self.world.rank}: rank 0 took no answer within --dist-timeout: it waits to "
+                      "write, as when its standard output is not read (a pager, a slow pipe); read it, or raise "
+                      "--dist-timeout", file=sys.stderr, flush=True)
             raise SaidElsewhere(f"rank 0 has stopped ({first_line(e)})") from None
 
     def _receive(self) -> None:
