@@ -305,6 +305,31 @@ def test_a_rank_holds_only_its_part_of_the_checkpoint(tmp_path, big_ckpt, tp):
             assert all(p <= bound for p in peaks), (peaks, bound)
 
 
+def test_oracle_export_ranks_read_only_their_parts(tmp_path, big_ckpt):
+    """`oracle export --tp 2` read the whole checkpoint on every rank, then sharded it: each rank's peak held all
+    the split weights, as one process's does. Now each reads its part, as generate's ranks do: its peak is
+    below one process's by most of the half it does not hold. Peaks: the largest process's resident memory, as
+    the kernel counts it for a fresh parent's children (RUSAGE_CHILDREN)."""
+    path, sizes = big_ckpt
+    (tmp_path / "p.jsonl").write_text("[1, 20, 30, 40]\n")
+
+    def peak(*launch: str, tp: int = 1) -> int:
+        export = [*launch, "-m", "minillama", "oracle", "export", "--model", str(path), "-n", "1", "--prompt-ids",
+                  str(tmp_path / "p.jsonl"), "-o", str(tmp_path / f"r{tp}.safetensors"), "--tp", str(tp)]
+        code = ("import resource, subprocess, sys\n"
+                "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+                "assert p.returncode == 0, p.stderr[-3000:]\n"
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        proc = subprocess.run([sys.executable, "-c", code, sys.executable, *export], cwd=ROOT,
+                              capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return int(proc.stdout) * 1024
+
+    one = peak()
+    ranks = peak("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", tp=2)
+    assert ranks < one - 0.35 * sizes["sharded"], (ranks, one, sizes)
+
+
 def test_a_failing_rank_is_named_and_written_answers_stay(ckpt, tmp_path):
     """seqbatch on a document whose stream outgrows the context, held by rank 1: one line naming rank 1,
     exit 2, and rank 0's answers, already written, complete."""

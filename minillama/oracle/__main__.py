@@ -28,7 +28,7 @@ from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, write_file
 from ..generate import MODES
 from ..precision import DTYPES
-from ..weights import build_model, fetch_default, load_state_dict, load_tokenizer
+from ..weights import build_model, fetch_default, load_model_part, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
 from .diff import Comparison, compare, diff_hidden, run_backend
 from .layers import diff_layers
@@ -137,7 +137,10 @@ def _model_path(args: argparse.Namespace) -> Path:
     return Path(args.model) if args.model else fetch_default()
 
 
-def _load_reference_model(path: Path, args: argparse.Namespace, device: str | None = None):
+def _load_reference_model(path: Path, args: argparse.Namespace, device: str | None = None, shard=None):
+    """The reference model; with `shard` (a tensor-parallel rank's), only the rank's parts are read."""
+    if shard is not None:
+        return load_model_part(path, device or args.device, DTYPES[args.dtype], shard)
     config, sd = load_state_dict(path)
     return build_model(config, sd, device or args.device, DTYPES[args.dtype])
 
@@ -152,7 +155,8 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
 
         distributed.check_options(args)
         here = parallel.join(args)
-    model = _load_reference_model(path, args, here and parallel.load_device(args, here))
+    model = _load_reference_model(path, args, here and parallel.load_device(args, here),
+                                  here and parallel.sharding(args, here))
     if here is not None:
         parallel.place(model, args, here)
     p = read_prompts(args, path, model.config)

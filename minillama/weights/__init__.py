@@ -26,7 +26,7 @@ from .gguf import (gguf_config, gguf_metadata, llama3_rope_factors, llama3_scali
 from .hf import hf_config
 from .layout import (GGUF_NAMES, HF_NAMES, META_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes,
                      interleaved_to_half, map_name)
-from .load import build_model, load_model
+from .load import build_model, load_model, load_model_part
 from .meta import META_SPLIT_DIM
 from .read import detect_format, load_state_dict, load_tokenizer, read_config
 from .shard import Slices
@@ -37,6 +37,6 @@ __all__ = [
     "default_gguf_path", "default_model_dir", "fetch_default", "weights_dir", "gguf_config", "gguf_metadata",
     "llama3_rope_factors", "llama3_scaling_from_factors", "open_gguf", "read_gguf", "hf_config", "GGUF_NAMES",
     "HF_NAMES", "META_NAMES", "StateDict", "WeightsError", "check_state_dict", "expected_shapes",
-    "interleaved_to_half", "map_name", "build_model", "load_model", "META_SPLIT_DIM", "detect_format",
+    "interleaved_to_half", "map_name", "build_model", "load_model", "load_model_part", "META_SPLIT_DIM", "detect_format",
     "load_state_dict", "load_tokenizer", "read_config", "Slices",
 ]

@@ -84,21 +84,36 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
 def _load_shard(path: Path, device: str | torch.device, dtype: torch.dtype,
                 shard: Callable[[torch.nn.Module], Slices]) -> tuple[torch.nn.Module, Tokenizer]:
     """`load_model` on a tensor-parallel rank: the skeleton sharded first, then only its parts read."""
+    model, meta = _model_part(path, device, dtype, shard)
+    if meta is None:
+        return model, load_tokenizer(path)
+    try:
+        return model, tokenizer_from_gguf_metadata(meta, str(path))
+    except TokenizerError as e:
+        raise WeightsError(str(e)) from None
+
+
+def load_model_part(path: str | Path, device: str | torch.device, dtype: torch.dtype,
+                    shard: Callable[[torch.nn.Module], Slices]) -> torch.nn.Module:
+    """A tensor-parallel rank's model alone (`load_model` with `shard`, no tokenizer read): only its parts of
+    the checkpoint are read (the oracle's export, whose prompts may be token ids of a checkpoint without one)."""
+    return _model_part(Path(path), device, dtype, shard)[0]
+
+
+def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
+                shard: Callable[[torch.nn.Module], Slices]) -> tuple[torch.nn.Module, dict | None]:
+    """The sharded model, and a GGUF file's metadata (None for a directory), where its tokenizer is."""
     from minillama.model import Llama
 
     config = read_config(path)  # off the meta device: deciding a tie may read two tensors (hf_dir_config)
     with torch.device("meta"):
         model = Llama(config)
     slices = shard(model)
+    meta = None
     if detect_format(path) == "gguf":
         config, sd, meta = read_gguf(path, slices)
-        try:
-            tok = tokenizer_from_gguf_metadata(meta, str(path))
-        except TokenizerError as e:
-            raise WeightsError(str(e)) from None
     else:
         config, sd = load_state_dict(path, slices)
-        tok = load_tokenizer(path)
     # .to keeps strides: a row-split part read column-major stays so
     sd = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in sd.items()}
     if config.tie_word_embeddings:  # the head's vocabulary rows are a view of the replicated embedding
@@ -106,4 +121,4 @@ def _load_shard(path: Path, device: str | torch.device, dtype: torch.dtype,
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"][a:b]
     model.load_state_dict(sd, strict=True, assign=True)
     del sd  # the model holds the parts now, so laying them out frees each part it replaces
-    return model.column_major_().eval(), tok
+    return model.column_major_().eval(), meta
