@@ -423,6 +423,12 @@ def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
         m.setenv("RANK", "0")
         with pytest.raises(BadInput, match="under torchrun every rank reads the input: give files, not '.*fifo'"):
             cli.check_options(cli.build_parser().parse_args(["--model", str(ckpt), "--input", str(fifo)]))
+        from minillama import distributed
+        from minillama.oracle.__main__ import build_parser as oracle_parser
+
+        with pytest.raises(BadInput, match="under torchrun every rank reads the input"):  # oracle export's too
+            distributed.check_options(oracle_parser().parse_args(["export", "--model", str(ckpt), "--prompt-ids",
+                                                                  str(fifo), "--tp", "2", "-o", "x.safetensors"]))
 
 
 @pytest.mark.parametrize("env,message", [

@@ -110,7 +110,7 @@ def check_options(args) -> None:
     if launched() and procs > 1:
         raise BadInput("--procs starts its own ranks; under torchrun, leave it out")
     if launched():
-        for path in (args.doc, args.questions, getattr(args, "input", None)):
+        for path in (args.doc, args.questions, getattr(args, "input", None), getattr(args, "prompt_ids", None)):
             if path == "-" or (path and _stream(path)):
                 raise BadInput(f"under torchrun every rank reads the input: give files, not {path!r}, which "
                                "each rank would read a different part of" + " (or use --procs N)" * has_procs)
