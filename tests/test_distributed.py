@@ -183,6 +183,16 @@ def test_a_rank_that_rank_0_takes_nothing_from_says_why(ckpt, tmp_path):
     assert "rank 0 took no answer within --dist-timeout" in err.decode(), err.decode()[-2000:]
 
 
+def test_an_omp_thread_count_that_is_no_count_is_passed_over(ckpt, jobs, one):
+    """OMP_NUM_THREADS=abc (or 0, or 1.5), which OpenMP passes over with a warning, ended every --procs rank with a
+    traceback (int("abc")); the ranks now share the cores out as they do with it unset."""
+    for value in ("abc", "0"):
+        p = subprocess.run([sys.executable, "-m", "minillama", "generate", *map(str, common(ckpt, jobs)), "--procs",
+                            "2"], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": value})
+        assert p.returncode == 0 and p.stdout == one[None], p.stderr[-3000:]
+
+
 def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
     """Two torchrun "nodes" of one rank each, meeting at a c10d rendezvous on 127.0.0.1."""
     from minillama.distributed.launch import free_port

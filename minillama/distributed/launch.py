@@ -73,6 +73,12 @@ def check_procs(args: argparse.Namespace) -> None:
                        f"and {memory >> 20} MiB are available (at most --procs {memory // RANK_MEMORY})")
 
 
+def _thread_count(given: str | None, default: int) -> str:
+    """OMP_NUM_THREADS for each rank: the one given where it is a count (>= 1), else `default` (the machine's
+    cores shared out); "abc" or "0", which OpenMP passes over with a warning, once ended every rank."""
+    return given.strip() if given and given.strip().isdigit() and int(given) > 0 else str(default)
+
+
 def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
     """Start args.procs ranks of `entry(args, jobs)` (cli.answer); returns the exit status."""
     import torch.multiprocessing as mp
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # this function says what ended
     threads = max(1, usable_cpus() // args.procs)
     env = {"WORLD_SIZE": str(args.procs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+           "OMP_NUM_THREADS": _thread_count(os.environ.get("OMP_NUM_THREADS"), threads)}
     ctx, early = None, []
 
     def signalled(signum: int, frame: Any) -> None:
