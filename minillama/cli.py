@@ -15,6 +15,7 @@ written so far stay written); 141 when the reader of stdout goes away; 1 on a bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
@@ -169,9 +170,12 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     channel = here.channel(jobs, share, writer)
     try:
         _ask(model, jobs, share, args, plan, progress, stats, channel)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank; the one that writes says what it wrote
         progress.close()
-        print(f"interrupted: {writer.written} of {n_questions} answers written", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # an answer Ctrl-C caught before its flush is written
+            out.flush()
+        if here.world.writes:
+            print(f"interrupted: {writer.written} of {n_questions} answers written", file=sys.stderr)
         return 130
     except Exception as e:  # rank 0 must hear of another rank's error before that rank ends
         here.failed(e)

@@ -193,6 +193,25 @@ def test_an_omp_thread_count_that_is_no_count_is_passed_over(ckpt, jobs, one):
         assert p.returncode == 0 and p.stdout == one[None], p.stderr[-3000:]
 
 
+def test_ctrl_c_under_torchrun_is_said_once_by_the_rank_that_writes(ckpt, tmp_path):
+    """Ctrl-C reaches every rank: each said "interrupted: K of N answers written", rank 1 with its own count
+    (0), beside rank 0's."""
+    import signal
+
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"doc": DOCS[0], "questions": QUESTIONS[:3]}) + "\n" for _ in range(150)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minillama",
+           "generate", "--model", str(ckpt), "--input", str(big), "--json", "-n", "4", "--mode", "independent"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    first = proc.stdout.readline()  # answers are coming: both ranks are at work
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C, to the whole group
+    out, err = proc.communicate(timeout=120)
+    said = [line for line in err.splitlines() if line.startswith("interrupted:")]
+    assert first and len(said) == 1, err[-3000:]
+    assert said[0] == f"interrupted: {1 + out.count(chr(10))} of 450 answers written", (said, err[-2000:])
+
+
 def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
     """Two torchrun "nodes" of one rank each, meeting at a c10d rendezvous on 127.0.0.1."""
     from minillama.distributed.launch import free_port
