@@ -877,6 +877,18 @@ def test_gpu_check_times_the_serve_engine_ahead_and_in_step():
     assert model.steps.overlap is None  # put back
 
 
+def test_gpu_check_refuses_a_device_torch_does_not_know(tmp_path, capsys):
+    """--device bogus ran every step into a RuntimeError, wrote that as the JSON (over an earlier one) and
+    exited 0."""
+    from minillama.bench import gpu_check
+
+    out = tmp_path / "check.json"
+    out.write_text("earlier")
+    assert gpu_check.main(["--quick", "--device", "bogus", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "error: --device bogus: not a torch device"
+    assert out.read_text() == "earlier"
+
+
 def test_gpu_check_runs_every_step_and_writes_one_json(tmp_path):
     """The GPU machine's one script, its steps at tiny sizes on a CPU: the test run's counts, parity
     (invariant: no step differs; plain kernels: some do), the bench's methods and the targets' ratios, a

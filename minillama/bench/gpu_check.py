@@ -58,7 +58,7 @@ from unittest import mock
 import torch
 
 from .. import step as step_module
-from ..errors import run_command
+from ..errors import BadInput, check_device, run_command
 from ..files import json_text, make_dir, write_file
 from ..oracle.record import git_commit
 from ..serve import identity
@@ -434,8 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the parity checks and the bench also with compiled steps, compiled from cold")
         a = ap.parse_args(argv)
         if a.device.startswith("cuda") and not torch.cuda.is_available():
-            from ..errors import BadInput
             raise BadInput("--device cuda: torch sees no CUDA device here (--device cpu runs the same steps)")
+        check_device(a.device)  # a name torch does not know was a JSON of failed steps, exit 0
         name = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else a.device
         slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
         out = Path(a.out) if a.out else ROOT / "docs" / "bench" / "gpu" / f"{slug}-check.json"
