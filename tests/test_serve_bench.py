@@ -58,11 +58,32 @@ def test_percentile_is_nearest_rank():
 
 @pytest.mark.parametrize("args, says", [(["--clients", "1,x"], "--clients"), (["--clients", "0"], "at least 1"),
                                         (["--identity-requests", "-1"], "--identity-requests"),
-                                        (["--time-limit", "0"], "--time-limit"), (["--bogus"], "--bogus")])
+                                        (["--time-limit", "0"], "--time-limit"), (["--bogus"], "--bogus"),
+                                        # before the run (it was after it: a traceback, or the results lost)
+                                        (["--json", "/nonexistent/b.json"], "does not exist"),
+                                        (["--doc-tokens", "9000"], "exceed the model's context (8192)")])
 def test_bad_command_lines_are_one_line_errors(args, says):
     p = subprocess.run([sys.executable, "-m", "minillama.serve.bench", *args], capture_output=True, text=True,
                        cwd=ROOT, env=ENV, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and says in p.stderr, p.stderr
+
+
+def test_a_checkpoint_whose_gguf_has_no_vocabulary_leaves_llama_cpp_out(tmp_path):
+    """llama.cpp's server, sent text, crashed on the F32 GGUF of a checkpoint other than the default model
+    (written without a vocabulary): a traceback once minillama's rounds had run, and no results."""
+    from minillama.weights import save_hf_dir
+    from tiny import tiny_config, tiny_model
+
+    tok = tiny_tokenizer()
+    config = tiny_config(vocab=tok.vocab_size, max_pos=512, tied=True)
+    ckpt = save_hf_dir(config, tiny_model(config, seed=1).state_dict(), tok, tmp_path / "tiny")
+    p = subprocess.run([sys.executable, "-m", "minillama.serve.bench", "-m", str(ckpt), "--doc-tokens", "32",
+                        "--questions", "2", "--new-tokens", "2", "--clients", "1", "--identity-requests", "0"],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout)["llama_cpp"] is None
+    if llamacpp_available():
+        assert "its F32 GGUF of this checkpoint has no vocabulary" in p.stderr, p.stderr[-2000:]
 
 
 def _gone(pid: int) -> bool:

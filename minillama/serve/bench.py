@@ -33,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from ..files import write_file
@@ -110,13 +111,20 @@ def _main(argv: Sequence[str] | None) -> int:
     from ..bench.task import TaskConfig, make_task, plain_prompt_ids
     from ..cli import load_checkpoint
     from ..generate import Stats, generate
+    from ..weights import default_model_dir
     from . import identity
     from .servers import llamacpp_available, minillama_server
 
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # before the run, not after it
+        raise BadInput(f"--json {args.json}: the folder {Path(args.json).resolve().parent} does not exist")
     model = load_checkpoint(args.model, "cpu", torch.float32)
     tok = model.tokenizer
     task = make_task(tok, TaskConfig(args.doc_tokens, 1, args.questions, new_tokens=args.new_tokens),
                      plain_prompt_ids(tok))
+    longest = max(map(len, task.prompts))
+    if longest + args.new_tokens > model.context_length:
+        raise BadInput(f"--doc-tokens {args.doc_tokens}: the prompts hold up to {longest} tokens, which with "
+                       f"--new-tokens {args.new_tokens} exceed the model's context ({model.context_length})")
     warm_ids = tok.encode("Hello, how are you?")
     generate(model.llama, [warm_ids], api.sampling_params(2))  # first-call set-up, outside the timed pass
     passes = []  # the pass is timed three times (the median is the reference); its answers are the same each time
@@ -146,10 +154,13 @@ def _main(argv: Sequence[str] | None) -> int:
         row["vs_parallel_pass"] = row["tokens_per_s"] / cli_tps
     out["minillama"] = mini
 
-    if args.no_llama_cpp or not llamacpp_available():
+    texts = args.model is None or str(args.model).endswith(".gguf") or \
+        Path(args.model).resolve() == default_model_dir().resolve()  # its GGUF has a vocabulary (gguf_f32)
+    if args.no_llama_cpp or not llamacpp_available() or not texts:
         out["llama_cpp"] = None
         _say("llama.cpp's server: left out" + ("" if args.no_llama_cpp else
-             " (llama_cpp is not installed: pip install 'llama-cpp-python[server]==0.3.36')"))
+             " (its F32 GGUF of this checkpoint has no vocabulary, and the rounds send text: give --model a "
+             ".gguf)" if not texts else " (llama_cpp is not installed: pip install 'llama-cpp-python[server]==0.3.36')"))
     else:
         out["llama_cpp"] = _llamacpp(args, task, tok, reference, levels)
         out["server_pids"].append(out["llama_cpp"].pop("pid"))
@@ -167,9 +178,9 @@ def _main(argv: Sequence[str] | None) -> int:
             _say(ident["first_mismatch"])
         out["identity"] = ident
     _say(table(out))
+    print(json.dumps(out), flush=True)  # first: a file that cannot be written loses nothing
     if args.json:
         write_file(args.json, json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out))
     ok = all(r["identical"] == r["asked"] for r in mini)
     ident = out.get("identity")
     return 0 if ok and (ident is None or ident["identical"] == ident["choices"]) else 1
