@@ -705,6 +705,20 @@ def test_profile_marks_every_function_it_names_and_puts_them_back(tmp_path):
     assert "| prefill:plan_attention |" in (tmp_path / "profile.md").read_text()
 
 
+def test_a_case_past_the_models_context_is_one_line_before_any_runs(tmp_path, capsys, monkeypatch):
+    """A case whose prompts do not fit the model's context was a traceback from its first method, once the
+    cases before it had run (hours, in a full sweep)."""
+    from minillama.bench import main, runner
+
+    ran = []
+    monkeypatch.setattr(runner, "run_case", lambda *a, **k: ran.append(1) or [])
+    argv = ["--random", "tiny", "--only", "doclen", "--doc-lengths", "256,2048", "--methods", "parallel", "--no-hf",
+            "--no-llamacpp", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 2 and not ran
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the doclen case doc=2048: prompts of up to"), lines
+
+
 def test_a_thread_count_past_the_cpus_is_one_line(tmp_path):
     """--threads had no upper bound: 100000 ended the process (SIGSEGV, in a process of its own here) and
     99999999999 was a traceback (torch.set_num_threads: Overflow when unpacking long)."""

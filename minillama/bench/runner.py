@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import LlamaConfig
+from ..errors import BadInput
 from ..generate import shared_prefix_length
 from .cost import CostModel, flop_rates, gemm_rate
 from .hf import hf_batched, hf_prefix
@@ -219,6 +220,12 @@ def run(cases: list[Case], ctx: Context, repeats: int, log: Callable[[str], None
     reference: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     gemm: list[float] = []
     records = []
+    for case in cases:  # every case checked before any runs (a traceback from its first method, hours in)
+        longest = max(map(len, make_task(ctx.tokenizer, case.task, plain_prompt_ids(ctx.tokenizer)).prompts))
+        if longest + case.task.new_tokens > ctx.model.config.max_position_embeddings:
+            raise BadInput(f"the {case.sweep} case {case.label or case.task.doc_tokens}: prompts of up to {longest} "
+                           f"tokens and {case.task.new_tokens} new ones exceed the model's context "
+                           f"({ctx.model.config.max_position_embeddings})")
     # Independent first in each case, so that every later method is checked against it.
     for case in cases:
         case.methods = tuple(sorted(case.methods, key=lambda m: m != "independent"))
