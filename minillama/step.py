@@ -268,18 +268,17 @@ PLAIN_COMPILED = "--compile takes the batch-invariant kernels: drop --plain-kern
 
 def keep_compiled_code() -> None:
     """Compiled code goes to $TORCHINDUCTOR_CACHE_DIR; where that is unset, or torch's temporary default (torch
-    sets the variable when it is first imported), to minillama's cache directory, which outlives a reboot."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    sets the variable when it is first imported), to minillama's cache directory, which outlives a reboot. A
+    folder that cannot be made is said here, not deep in a compile, where it would read as the checkpoint's."""
     from .weights.default import user_cache_dir
 
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
-        source = "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "$HOME"
-    else:
-        source = "$TORCHINDUCTOR_CACHE_DIR"
-    where = os.environ["TORCHINDUCTOR_CACHE_DIR"]
-    try:  # here, not deep in a compile, where the error would read as the checkpoint's
+    where, source = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "$TORCHINDUCTOR_CACHE_DIR"
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # it makes the folder `where` names
+
+        if where in (None, os.path.abspath(default_cache_dir())):
+            where = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(user_cache_dir() / "inductor")
+            source = "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "$HOME"
         os.makedirs(where, exist_ok=True)
     except OSError as e:
         raise BadInput(f"--compile: the compile cache {where} (from {source}) cannot be made ({e.strerror or e}); "

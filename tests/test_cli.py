@@ -292,6 +292,20 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
         assert words in err, (case, err)
 
 
+def test_a_compile_cache_that_cannot_be_made_is_named_not_the_model(ckpt, files, tmp_path):
+    """In a new process, importing torch's compiler makes $TORCHINDUCTOR_CACHE_DIR's folder: where it could not,
+    the error was blamed on the checkpoint ("--model ...: Not a directory")."""
+    (tmp_path / "file").write_text("")
+    p = subprocess.run([sys.executable, "-m", "minillama.generate", "--model", str(ckpt), "--doc", str(files["doc"]),
+                        "--questions", str(files["questions"]), "--compile", "-n", "1"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "file" / "cache")})
+    assert p.returncode == 2 and p.stdout == "", p.stderr[-2000:]
+    assert p.stderr.splitlines() == [f"error: --compile: the compile cache {tmp_path / 'file' / 'cache'} (from "
+                                     "$TORCHINDUCTOR_CACHE_DIR) cannot be made (Not a directory); set "
+                                     "TORCHINDUCTOR_CACHE_DIR to a writable folder"], p.stderr[-2000:]
+
+
 def test_compile_without_a_compiler_is_one_line_at_load(ckpt, files, capsys):
     """--compile where torch.compile has no working C++ compiler: one line naming it and the way out, exit 2,
     from the check at load (step.check_compiler), before any answer."""
