@@ -159,6 +159,22 @@ def test_readme_table_shows_the_targets_a_run_measured():
     assert row.endswith("| 1.200 | missed |")
 
 
+def test_the_headline_speedup_column_names_the_method_it_divides_by():
+    """Without independent_plain in the run, the column still said "vs independent (plain)" and divided by
+    whichever method came first."""
+    from minillama.bench.report import headline_table
+
+    def row(method, wall):
+        return {"sweep": "headline", "method": method, "extrapolated": False, "wall_s": wall, "prefill_s": 1.0,
+                "decode_s": 1.0, "cpu_s": 1.0, "tokens_per_s": 1.0, "kv_bytes": 0, "peak_rss_bytes": 0,
+                "accuracy": 1.0, "identical_to_independent": 1, "checked_against_independent": 1,
+                "useful_frac_of_gemm": 0.1}
+
+    table = headline_table([row("independent", 8.0), row("parallel", 1.0)])
+    assert "| speedup vs independent |" in table
+    assert "speedup vs independent (plain)" in headline_table([row("independent_plain", 8.0), row("parallel", 1.0)])
+
+
 def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
     from minillama.bench import main
 
@@ -179,6 +195,10 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
     tables = [r for r in data["records"] if r["label"].startswith("Table")]
     assert len(tables) == 6 and {r["n_docs"] for r in tables} == {1, 8}
     assert "x roofline floor" in (tmp_path / "shape_summary.md").read_text()
+    assert "independent ran on a sample of the questions" in (tmp_path / "shape_summary.md").read_text()
+    # the bench's own command line, whoever started it (it was this process's: pytest's, or "... bench bench")
+    assert data["meta"]["command"] == ("python -m minillama.bench --shape tiny --tiny --tables --repeats 1 --sample 2 "
+                                       f"--out {tmp_path}")
 
 
 def test_shape_bench_parity_check_counts_differing_steps(tmp_path, one_thread):
@@ -186,7 +206,7 @@ def test_shape_bench_parity_check_counts_differing_steps(tmp_path, one_thread):
     check's own negative control) do not, and the report says so."""
     from minillama.bench import main
 
-    assert main(["--shape", "tiny", "--tiny", "--parity", "--repeats", "1", "--sample", "2", "--no-hf",
+    assert main(["--shape", "tiny", "--tiny", "--parity", "--repeats", "1", "--sample", "4", "--no-hf",
                  "--out", str(tmp_path)]) == 0
     checked = json.loads((tmp_path / "shape_results.json").read_text())["parity"]
     assert [(r["sampled"], r["kernels"]) for r in checked] == [(False, "invariant"), (False, "plain"),
@@ -198,6 +218,7 @@ def test_shape_bench_parity_check_counts_differing_steps(tmp_path, one_thread):
         else:
             assert r["steps_differing"] > 0 and r["max_abs_diff"] > 0
     assert "| greedy | invariant | 0 of 12 |" in (tmp_path / "shape_summary.md").read_text()
+    assert "on a sample" not in (tmp_path / "shape_summary.md").read_text()  # every question ran: not said it was
     assert main(["--shape", "tiny", "--parity", "--tp", "2"]) == 2  # one process only
 
 

@@ -206,7 +206,7 @@ def _main(argv: Sequence[str] | None) -> int:
     data = _read_results(a.from_json) if a.from_json else None  # before --out is made: a bad file leaves nothing
     out = make_dir(a.out)  # an unwritable --out is found now, not after the run
     if a.shape:
-        return _shape_main(a)
+        return _shape_main(a, list(sys.argv[1:] if argv is None else argv))
     if data is not None:  # everything is rendered before anything is written
         readme = None
         if a.readme:
@@ -281,7 +281,7 @@ def _main(argv: Sequence[str] | None) -> int:
     meta = {"preset": name, "model": model_name, "commit": _commit(), "threads": torch.get_num_threads(), "repeats": repeats,
             "gemm_gflops": statistics.median(gemm), "gemm_gflops_all": gemm, "torch": torch.__version__,
             "gemm_shape": [2048, c.hidden_size, c.intermediate_size],
-            "run_s": time.perf_counter() - t0, "command": " ".join(["python -m minillama.bench", *(argv or sys.argv[1:])])}
+            "run_s": time.perf_counter() - t0, "command": " ".join(["python -m minillama.bench", *(sys.argv[1:] if argv is None else argv)])}
     paths = write_outputs(out, records, meta)
     table = headline_table(records)  # empty when no headline case ran (--only doclen)
     print("\n" + table + "\n" if table else "")
@@ -323,7 +323,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def _shape_main(a: argparse.Namespace) -> int:
+def _shape_main(a: argparse.Namespace, argv: list[str]) -> int:
     """--shape: random weights on --device in --dtype; results.json-like output under --out."""
     import importlib.util
 
@@ -344,13 +344,14 @@ def _shape_main(a: argparse.Namespace) -> int:
                       compiled=a.compiled)
     if data is None:  # a tensor-parallel rank other than 0: rank 0 reports
         return 0
-    data["meta"]["command"] = " ".join(["python -m minillama.bench", *sys.argv[1:]])
+    data["meta"]["command"] = " ".join(["python -m minillama.bench", *argv])  # the bench's own (not "bench")
     out = Path(a.out)
     write_file(out / "shape_results.json", json_text(data, indent=1) + "\n")
     m = data["meta"]
     head = (f"random {m['shape']} weights, {m['device_name']}, {m['dtype']} ({m['products']}), torch {m['torch']}; GEMM "
             f"{m['gemm_tflops']:.2f} TFLOP/s, copy bandwidth {m['bandwidth_gbs']:.0f} GB/s; medians of "
-            f"{data['records'][0]['repeats']} repeats; independent ran on a sample of the questions, its time scaled")
+            f"{data['records'][0]['repeats']} repeats" + ("; independent ran on a sample of the questions, its time "
+                                                          "scaled" if any(r["scaled_by"] != 1 for r in data["records"]) else ""))
     if "compiled_first_run_s" in m:
         head += f"; the first compiled run (its compiles) took {m['compiled_first_run_s']:.1f} s"
     body = table(data["records"]) + (f"\n\n{dtype_table(data['dtypes'])}" if data["dtypes"] else "")
