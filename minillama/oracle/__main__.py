@@ -225,13 +225,13 @@ def _check_writable(out: Path, *beside: Path) -> None:
 
 
 def _check_not_an_input(out: Path, args: argparse.Namespace) -> None:
-    """The record and its manifest are written over none of the files the export reads, nor into its model's
-    folder (a record there would be read as one more shard of weights)."""
+    """The record and its manifest are written over none of the files the export reads: the prompts, the
+    model's file, or a file of its folder (its weights, config or tokenizer)."""
     model = Path(args.model).resolve() if args.model else None
     for f in (out, out.with_suffix(".json")):
         here = f.resolve()
-        if model is not None and model in (here, here.parent):
-            raise BadInput(f"{f}: would be written {'over' if model == here else 'into'} --model {args.model}; "
+        if model is not None and (model == here or (model == here.parent and here.exists())):
+            raise BadInput(f"{f}: would be written over {'' if model == here else 'a file of '}--model {args.model}; "
                            "write the record elsewhere")
         for name in ("prompt_ids", "doc", "questions"):
             given = getattr(args, name)
