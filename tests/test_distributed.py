@@ -606,6 +606,25 @@ def test_distributed_bench_quick(tmp_path):
     assert rows[2]["kv_bytes_per_token_per_rank"] * 2 == rows[1]["kv_bytes_per_token_per_rank"]
 
 
+@pytest.mark.parametrize("args, says", [(["--ranks", "0"], "--ranks must be at least 1, got 0"),
+                                        (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+                                        (["--out", "README.md"], "README.md: exists and is not a folder")])
+def test_the_distributed_bench_refuses_in_one_line_before_it_runs(args, says):
+    """Each was a traceback (a ZeroDivisionError, a StatisticsError, or the output's, after the runs)."""
+    p = subprocess.run([sys.executable, "-m", "minillama.bench.distributed", "--quick", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 2 and p.stderr.splitlines() == [f"error: {says}"], p.stderr[-2000:]
+
+
+def test_the_distributed_bench_takes_a_model_path_relative_to_where_it_is_run(ckpt, tmp_path):
+    """The runs start in the repository: a relative --model was looked for there ("no such file")."""
+    p = subprocess.run([sys.executable, "-m", "minillama.bench.distributed", "--quick", "--repeats", "1", "-m",
+                        os.path.relpath(ckpt, tmp_path), "--out", "out"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "distributed.json").read_text())["data_parallel"]["same_bytes"]
+
+
 @pytest.mark.parametrize("local_rank", [None, "3"])
 def test_a_rank_probes_its_own_gpu(local_rank, monkeypatch):
     """`--device cuda` under torchrun is checked on the rank's own GPU (cuda:LOCAL_RANK, the one it will

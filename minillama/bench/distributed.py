@@ -17,7 +17,6 @@ Writes distributed.json and prints the tables (docs/distributed.md has a run).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..errors import BadInput, OneLineParser, run_command
 from ..files import make_dir, write_file
 from .task import TaskConfig, make_task, plain_prompt_ids
 
@@ -59,8 +59,8 @@ def data_parallel(model: str | None, jobs: Path, threads: int, ranks: int, new_t
             t0 = time.perf_counter()
             p = subprocess.run(cmd, capture_output=True, env=env, cwd=ROOT)
             times[name].append(time.perf_counter() - t0)
-            if p.returncode:
-                raise RuntimeError(f"{name}: exit {p.returncode}: {p.stderr.decode()[-2000:]}")
+            if p.returncode:  # its own one line, as the run's
+                raise BadInput(f"{name}: exit {p.returncode}: " + (p.stderr.decode().strip().splitlines() or [""])[-1])
             outputs.setdefault(name, p.stdout)
             log(f"  repeat {r + 1}: {name} {times[name][-1]:.2f} s")
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -154,7 +154,12 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minillama.bench.distributed", description=__doc__.split("\n")[0])
+    """Exit status: 0, 2 bad input (one line), 130 Ctrl-C (`errors.run_command`)."""
+    return run_command(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    ap = OneLineParser(prog="python -m minillama.bench.distributed", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="two short documents, tiny shapes (CI smoke run)")
     ap.add_argument("-m", "--model", help="checkpoint (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--threads", type=int, default=2, help="the CPU threads both sides get in all (default: 2)")
@@ -164,9 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--questions", type=int, default=64, help="questions per document (default: 64)")
     ap.add_argument("--out", default="bench_results", help="output directory")
     a = ap.parse_args(argv)
+    for name in ("threads", "ranks", "repeats", "docs", "questions"):  # each was a traceback, after minutes
+        if getattr(a, name) < 1:
+            raise BadInput(f"--{name} must be at least 1, got {getattr(a, name)}")
     from ..api import load
     from .shapes import SMOLLM2_SHAPE, TINY_SHAPE
 
+    out = make_dir(a.out)  # an unwritable --out is found now, not after the runs
+    a.model = a.model and str(Path(a.model).resolve())  # the runs start in the repository, not here
     tokenizer = load(a.model).tokenizer
     config = TaskConfig(doc_tokens=64 if a.quick else 512, n_docs=2 if a.quick else a.docs,
                         questions_per_doc=2 if a.quick else a.questions, new_tokens=2 if a.quick else 8)
@@ -180,7 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     degrees = [t for t in (1, 2, 3, 4) if shape.num_key_value_heads % t == 0]
     result = {"data_parallel": dp, "tensor_parallel": tensor_parallel_memory(shape, degrees),
               "meta": {"torch": torch.__version__, "cpus": os.cpu_count(), "quick": a.quick}}
-    out = make_dir(a.out)
     write_file(out / "distributed.json", json.dumps(result, indent=1))
     print(tables(result))
     print(f"wrote {out / 'distributed.json'}")
