@@ -658,9 +658,15 @@ def test_task_bench_at_a_named_shape_runs_llamacpp_on_the_same_random_weights(tm
     (["--random", "tiny", "--shape", "tiny"], "error: --shape tiny runs the shape bench, --random tiny the task"),
     (["--questions", "12,many"], "error: --questions: expected comma-separated integers, got '12,many'"),
     (["--questions", "0"], "error: --questions: expected positive integers, got '0'"),
-    (["--profile-questions", "0"], "error: --profile-questions must be at least 1, got 0"),
+    (["--quick", "--profile", "--profile-questions", "0"], "error: --profile-questions must be at least 1, got 0"),
     # past the context: a traceback after the run began (9000), or no end writing the document out (1e20)
-    (["--profile-questions", str(10**20)], "error: --profile-questions must be at most 4,096, got 1000"),
+    (["--quick", "--profile", "--profile-questions", str(10**20)],
+     "error: --profile-questions must be at most 4,096, got 1000"),
+    # read by --profile alone, or by a run --from-json does not make: passed over without a word
+    (["--shape", "tiny", "--tiny", "--doc-tokens", "3"], "error: --doc-tokens is --profile's: drop it, or add"),
+    (["--quick", "--new-tokens", "3"], "error: --new-tokens is --profile's"),
+    (["--from-json", "results.json", "--repeats", "5"], "error: --from-json renders a saved run and runs nothing: "
+                                                        "drop --repeats"),
     (["--quick", "--profile", "--doc-tokens", str(10**20)], f"error: --doc-tokens {10**20}: the model's context is 1024"),
     (["--quick", "--profile", "--doc-tokens", "1020"], "error: --doc-tokens 1020: a prompt of 10"),
     (["--quick", "--only", "many", "--questions", "7"], "error: --questions 7: the many sweep of preset quick runs 4, "
@@ -724,6 +730,17 @@ def test_profile_marks_every_function_it_names_and_puts_them_back(tmp_path):
         assert any(k.startswith("decode:") for k in run["by_function"])  # _decode marked the decode phase
     assert all(getattr(modules[m], n) is fn for (m, n), fn in before.items())
     assert "| prefill:plan_attention |" in (tmp_path / "profile.md").read_text()
+
+
+def test_quick_profile_takes_the_question_count_given(tmp_path, monkeypatch):
+    """--quick --profile --profile-questions 3 profiled 8 questions, --quick's, without a word."""
+    from minillama.bench import command, main
+
+    seen = []
+    monkeypatch.setattr(command, "_profile_main", lambda ctx, out, doc, questions, *a: seen.append(questions) or 0)
+    for given, want in (([], 8), (["--profile-questions", "3"], 3)):
+        assert main(["--quick", "--profile", *given, "--out", str(tmp_path)]) == 0
+        assert seen.pop() == want
 
 
 def test_a_case_past_the_models_context_is_one_line_before_any_runs(tmp_path, capsys, monkeypatch):

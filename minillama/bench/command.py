@@ -105,13 +105,19 @@ def _check_combination(a: argparse.Namespace) -> None:
                                     ("--only", a.only), ("--methods", a.methods), ("--doc-lengths", a.doc_lengths),
                                     ("--questions", a.questions), ("--profile", a.profile),
                                     ("--no-llamacpp", a.no_llamacpp)) if given]
-    if a.from_json and (a.shape or shape_only or task_only):
-        first = "--shape" if a.shape else (shape_only + task_only)[0]
+    run_only = [o for o, given in (("--repeats", a.repeats is not None), ("--sample", a.sample is not None),
+                                   ("--threads", a.threads is not None), ("--no-hf", a.no_hf)) if given]
+    if a.from_json and (a.shape or shape_only or task_only or run_only):
+        first = "--shape" if a.shape else (shape_only + task_only + run_only)[0]
         raise BadInput(f"--from-json renders a saved run and runs nothing: drop {first}")
     if a.shape and task_only:
         raise BadInput(f"{task_only[0]} is the task bench's, and --shape runs the shape bench: drop one")
     if not a.shape and shape_only:
         raise BadInput(f"{shape_only[0]} is the shape bench's (with --shape): drop it, or add --shape")
+    profile_only = [o for o in ("--doc-tokens", "--profile-questions", "--new-tokens")
+                    if getattr(a, o[2:].replace("-", "_")) is not None]
+    if profile_only and not a.profile:  # read by --profile alone: a shape or task run passed over them
+        raise BadInput(f"{profile_only[0]} is --profile's: drop it, or add --profile")
     if a.profile and (a.only or a.methods or a.doc_lengths or a.questions):
         raise BadInput("--profile runs its own configuration (--doc-tokens, --profile-questions, --new-tokens): "
                        "drop --only, --methods, --doc-lengths and --questions")
@@ -158,9 +164,9 @@ def _main(argv: Sequence[str] | None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="instead of benchmarking: profile parallel and independent at the paper's configuration "
                          "(--doc-tokens to change the document) and write profile.md")
-    ap.add_argument("--doc-tokens", type=int, default=512, help="document length for --profile")
-    ap.add_argument("--profile-questions", type=int, default=64, help="questions for --profile (default: 64)")
-    ap.add_argument("--new-tokens", type=int, default=8, help="new tokens per question for --profile (default: 8)")
+    ap.add_argument("--doc-tokens", type=int, help="document length for --profile (default: 512)")
+    ap.add_argument("--profile-questions", type=int, help="questions for --profile (default: 64; --quick: 8)")
+    ap.add_argument("--new-tokens", type=int, help="new tokens per question for --profile (default: 8)")
     ap.add_argument("--out", default="bench_results", help="output directory")
     d = ap.add_argument_group("random weights at a named shape, on any device, against its roofline (no checkpoint)")
     d.add_argument("--shape", choices=sorted(SHAPES), help="run this benchmark instead of the task one")
@@ -189,9 +195,11 @@ def _main(argv: Sequence[str] | None) -> int:
     _positive("--sample", a.sample, 0)
     _positive("--doc-tokens", a.doc_tokens)
     _positive("--profile-questions", a.profile_questions)
-    if a.profile_questions > MAX_PROFILE_QUESTIONS:  # each one is written out before the run (1e20: never done)
+    if (a.profile_questions or 0) > MAX_PROFILE_QUESTIONS:  # each one is written out before the run (1e20: never)
         raise BadInput(f"--profile-questions must be at most {MAX_PROFILE_QUESTIONS:,}, got {a.profile_questions}")
     _positive("--new-tokens", a.new_tokens)
+    a.doc_tokens, a.new_tokens = a.doc_tokens or 512, a.new_tokens or 8  # --profile's defaults
+    a.profile_questions = a.profile_questions or (8 if a.quick else 64)
     if a.random and a.shape:
         raise BadInput(f"--shape {a.shape} runs the shape bench, --random {a.random} the task bench: choose one")
     if a.random and (a.quick or a.model):
@@ -272,7 +280,7 @@ def _main(argv: Sequence[str] | None) -> int:
     model_name = ("random tiny" if a.quick else f"random {a.random} shape" if a.random
                   else a.model or "SmolLM2-135M-Instruct")
     if a.profile:
-        return _profile_main(ctx, out, a.doc_tokens, 8 if a.quick else a.profile_questions, model_name,
+        return _profile_main(ctx, out, a.doc_tokens, a.profile_questions, model_name,
                              a.new_tokens)
     print(f"minillama bench, preset {name}: {len(cases)} cases, {repeats} repeats, model {model_name} "
           f"(setup {time.perf_counter() - t0:.1f} s)", flush=True)
