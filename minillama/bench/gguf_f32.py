@@ -124,11 +124,17 @@ def f32_gguf(model_path: str | Path | None = None, out: str | Path | None = None
     newest = max((p.stat().st_mtime for p in ([src, *src.iterdir()] if src.is_dir() else [src])), default=0.0)
     if out.is_file() and out.stat().st_mtime >= newest:
         return out
-    if src.suffix == ".gguf":
-        tok: Path | None = src
-    elif src.resolve() == default_model_dir().resolve() and default_gguf_path().is_file():
-        tok = default_gguf_path()
-    else:
-        tok = None
     config, sd = load_state_dict(src)
-    return write_f32_gguf(config, sd, out, tok, name=src.name)
+    return write_f32_gguf(config, sd, out, vocabulary_source(src), name=src.name)
+
+
+def vocabulary_source(model_path: str | Path | None) -> Path | None:
+    """The GGUF file `f32_gguf` takes a checkpoint's vocabulary from: the checkpoint itself if it is one, the
+    default model's original file for the default directory; None where there is none (its file is `no_vocab`,
+    which llama.cpp runs on token ids only: it cannot tokenize text)."""
+    src = Path(model_path) if model_path is not None else default_model_dir()
+    if src.suffix == ".gguf":
+        return src
+    if src.resolve() == default_model_dir().resolve() and default_gguf_path().is_file():
+        return default_gguf_path()
+    return None

@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import LlamaConfig
-from ..errors import BadInput
 from ..generate import shared_prefix_length
 from .cost import CostModel, flop_rates, gemm_rate
 from .hf import hf_batched, hf_prefix
 from .llamacpp import chunks, llamacpp
 from .methods import ADDITIVE, SAMPLED, Context, Measured, _minillama
 from .shapes import random_llama
-from .task import Task, TaskConfig, WordTokenizer, make_task, plain_prompt_ids
+from .task import Task, TaskConfig, WordTokenizer, check_fits, make_task, plain_prompt_ids
 
 
 RUNNERS: dict[str, Callable[..., Measured]] = {
@@ -75,14 +74,13 @@ def _flops(cost: CostModel, method: str, task: Task, idx: list[int]) -> float:
     raise ValueError(f"no cost model for method {method!r}")
 
 
-def run_case(ctx: Context, case: Case, repeats: int, reference: dict[tuple[int, tuple[int, ...]], list[int]],
+def run_case(ctx: Context, case: Case, task: Task, repeats: int, reference: dict[tuple[int, tuple[int, ...]], list[int]],
              gemm: list[float], log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Run every method of the case `repeats` times, round-robin; one record per method (medians).
 
     `reference` maps (new tokens, prompt) to the prompt's `independent` answer; it fills as independent runs
     and is what the identity column is checked against, across cases.
     """
-    task = make_task(ctx.tokenizer, case.task, plain_prompt_ids(ctx.tokenizer))
     cost = CostModel(ctx.model.config)
     g = case.task.new_tokens
     useful = cost.parallel(task.prompts, task.docs, g)
@@ -220,14 +218,12 @@ def run(cases: list[Case], ctx: Context, repeats: int, log: Callable[[str], None
     reference: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     gemm: list[float] = []
     records = []
-    for case in cases:  # every case checked before any runs (a traceback from its first method, hours in)
-        longest = max(map(len, make_task(ctx.tokenizer, case.task, plain_prompt_ids(ctx.tokenizer)).prompts))
-        if longest + case.task.new_tokens > ctx.model.config.max_position_embeddings:
-            raise BadInput(f"the {case.sweep} case {case.label or case.task.doc_tokens}: prompts of up to {longest} "
-                           f"tokens and {case.task.new_tokens} new ones exceed the model's context "
-                           f"({ctx.model.config.max_position_embeddings})")
+    tasks = [make_task(ctx.tokenizer, case.task, plain_prompt_ids(ctx.tokenizer)) for case in cases]
+    for case, task in zip(cases, tasks):  # every case checked before any runs (hours in, in a full sweep)
+        check_fits(task, case.task.new_tokens, ctx.model.config.max_position_embeddings,
+                   f"the {case.sweep} case {case.label or case.task.doc_tokens}")
     # Independent first in each case, so that every later method is checked against it.
-    for case in cases:
+    for case, task in zip(cases, tasks):
         case.methods = tuple(sorted(case.methods, key=lambda m: m != "independent"))
-        records += run_case(ctx, case, repeats, reference, gemm, log)
+        records += run_case(ctx, case, task, repeats, reference, gemm, log)
     return records, gemm

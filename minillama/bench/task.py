@@ -9,6 +9,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..errors import BadInput
+
 ANIMALS = ["cat", "dog", "horse", "rabbit", "fox", "owl", "goat", "sheep", "duck", "mouse", "tiger", "bear",
            "wolf", "deer", "frog", "lion", "camel", "otter", "eagle", "parrot"]
 NAMES = ["Bob", "Alice", "Max", "Luna", "Oscar", "Daisy", "Leo", "Ruby", "Felix", "Rosa", "Hugo", "Nina",
@@ -144,6 +146,15 @@ class WordTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return " ".join(self.words.get(i, f"<{i}>") for i in ids)
+
+
+def check_fits(task: "Task", new_tokens: int, context: int, what: str) -> None:
+    """BadInput naming `what` where the task's longest prompt and its new tokens do not fit the model's
+    context: said before a run, not met as a traceback in its first method."""
+    longest = max(map(len, task.prompts))
+    if longest + new_tokens > context:
+        raise BadInput(f"{what}: prompts of up to {longest} tokens and {new_tokens} new ones exceed the model's "
+                       f"context ({context})")
 
 
 def plain_prompt_ids(tokenizer: Any) -> Callable[[str, str], list[int]]:

@@ -260,10 +260,9 @@ def _openai_backend(args: argparse.Namespace, ref_path: str | None, ref: Record)
     if not args.url:
         raise BadInput("--backend openai needs --url (the server's base URL, e.g. http://127.0.0.1:8000/v1)")
     url, decode, vocab = base_url(args.url), None, None
-    bare = ref_path is not None and Path(ref_path).is_dir() and \
-        not any((Path(ref_path) / f).exists() for f in TOKENIZER_FILES)
-    if ref_path is not None and Path(ref_path).exists() and not bare:  # weights alone: top-k asked by id only
-        tok = load_tokenizer(Path(ref_path))  # the server's top-k come as texts: map them back to ids
+    at = Path(ref_path) if ref_path is not None else None  # a folder of weights alone: top-k asked by id only
+    if at is not None and at.exists() and (not at.is_dir() or any((at / f).exists() for f in TOKENIZER_FILES)):
+        tok = load_tokenizer(at)  # the server's top-k come as texts: map them back to ids
         decode = tok.decode
         vocab = [tok.decode([i]) for i in range(tok.vocab_size)]
     return OpenAIBackend(url, args.backend_model, args.top_k, args.timeout, decode=decode, vocab=vocab,
@@ -367,8 +366,9 @@ def cmd_load(args: argparse.Namespace) -> int:
         _check_writable(Path(args.json))
     if args.reference_model and not Path(args.reference_model).exists():
         raise BadInput(f"--reference-model {args.reference_model}: no such file or directory")
-    path = Path(args.reference_model or ".")  # read before the run, which may take minutes, not after it
-    reference = (_load_reference_model(path, args), load_tokenizer(path)) if args.reference_model else None
+    reference = None  # read before the run, which may take minutes, not after it
+    if args.reference_model:
+        reference = _load_reference_model(Path(args.reference_model), args), load_tokenizer(Path(args.reference_model))
     result = loadcheck.run(args.url, args.model, args.requests, args.clients, args.seed, args.max_tokens,
                            args.prompts, args.timeout)
     text, passed, refused = loadcheck.report(result), True, None

@@ -108,10 +108,10 @@ def _main(argv: Sequence[str] | None) -> int:
     import torch
 
     from .. import api
-    from ..bench.task import TaskConfig, make_task, plain_prompt_ids
+    from ..bench.task import TaskConfig, check_fits, make_task, plain_prompt_ids
     from ..cli import load_checkpoint
     from ..generate import Stats, generate
-    from ..weights import default_model_dir
+    from ..bench.gguf_f32 import vocabulary_source
     from . import identity
     from .servers import llamacpp_available, minillama_server
 
@@ -121,10 +121,7 @@ def _main(argv: Sequence[str] | None) -> int:
     tok = model.tokenizer
     task = make_task(tok, TaskConfig(args.doc_tokens, 1, args.questions, new_tokens=args.new_tokens),
                      plain_prompt_ids(tok))
-    longest = max(map(len, task.prompts))
-    if longest + args.new_tokens > model.context_length:
-        raise BadInput(f"--doc-tokens {args.doc_tokens}: the prompts hold up to {longest} tokens, which with "
-                       f"--new-tokens {args.new_tokens} exceed the model's context ({model.context_length})")
+    check_fits(task, args.new_tokens, model.context_length, f"--doc-tokens {args.doc_tokens}")
     warm_ids = tok.encode("Hello, how are you?")
     generate(model.llama, [warm_ids], api.sampling_params(2))  # first-call set-up, outside the timed pass
     passes = []  # the pass is timed three times (the median is the reference); its answers are the same each time
@@ -154,8 +151,7 @@ def _main(argv: Sequence[str] | None) -> int:
         row["vs_parallel_pass"] = row["tokens_per_s"] / cli_tps
     out["minillama"] = mini
 
-    texts = args.model is None or str(args.model).endswith(".gguf") or \
-        Path(args.model).resolve() == default_model_dir().resolve()  # its GGUF has a vocabulary (gguf_f32)
+    texts = vocabulary_source(args.model) is not None  # llama.cpp's F32 GGUF of it can tokenize the rounds' text
     if args.no_llama_cpp or not llamacpp_available() or not texts:
         out["llama_cpp"] = None
         _say("llama.cpp's server: left out" + ("" if args.no_llama_cpp else

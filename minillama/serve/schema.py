@@ -10,7 +10,6 @@ here, before the request reaches the engine.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,7 +18,7 @@ from ..checks import check_options, fewest_tokens
 from ..options import is_finite, text
 from ..errors import BadInput
 from ..generate import SamplingParams
-from ..tokenizer.base import TokenizerError, Uncontinuable
+from ..tokenizer.base import MARK_CHARS, TokenizerError, Uncontinuable
 from .fields import refusal
 from .logits import RowFilter, row_filter
 
@@ -229,7 +228,7 @@ def _messages(body: dict, tokenizer: Any, limits: Limits) -> tuple[list[int], st
             _text(m["name"], f"messages[{i}].name", "messages")
             if tokenizer.spells_control(m["name"]):
                 raise BadRequest(f"messages[{i}].name must not spell a control token", "messages")
-            if re.search("[\ue000\ue001]", m["name"]):  # what marks where message text goes in a render
+            if MARK_CHARS.search(m["name"]):  # what marks where message text goes in a render
                 raise BadRequest(f"messages[{i}].name must not hold U+E000 or U+E001", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only

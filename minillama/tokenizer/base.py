@@ -164,13 +164,13 @@ class Tokenizer:
                                      f"content whole (role {messages[cut[0]].get('role')!r}): it cuts it, and the "
                                      "text given would be lost")
         specials = self.special_tokens()
-        pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
         if not any(self.spells_control(m.get("content")) for m in messages):
             # a template that rewrites the text (`lower`) may make control tokens of it: then the render holds
             # more of them than the template's own (the skeleton's)
-            if spans is not None or pattern is None or all(
-                    len(pattern.findall(f(text))) == len(pattern.findall(f(skeleton))) for f in (str, self.normalized)):
+            if spans is not None or not specials or all(len(_markers(specials).findall(f(text))) == len(
+                    _markers(specials).findall(f(skeleton))) for f in (str, self.normalized)):
                 return self.encode(text)
+        pattern = _markers(specials)
         if spans is None:  # a template that rewrites the text (`upper`): its control tokens cannot be told apart
             raise TokenizerError(f"{self.template_source}: the template changes the message text; message text with "
                                  "control tokens cannot be kept as text")
@@ -213,7 +213,7 @@ class Tokenizer:
         """The chat rendered with a mark (`_mark(k)`) in place of each message's text. A mark's characters in
         anything else the template writes (a name) would be taken for a message's place: refused."""
         for k, m in enumerate(messages):
-            odd = [f for f, v in m.items() if f != "content" and isinstance(v, str) and re.search("[\ue000\ue001]", v)]
+            odd = [f for f, v in m.items() if f != "content" and isinstance(v, str) and MARK_CHARS.search(v)]
             if odd:
                 raise TokenizerError(f"message {k}'s {odd[0]} holds U+E000 or U+E001, characters that mark where "
                                      "message text goes in the template's output")
@@ -302,6 +302,12 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a sentencepiece (or byte-fallback BPE) byte token
 _MARKS = re.compile("\ue000(\\d+)\ue001")  # every `_mark` in a skeleton, its index captured
+MARK_CHARS = re.compile("[\ue000\ue001]")  # what a mark is made of: in other text a template writes, a false mark
+
+
+def _markers(specials: Sequence[str]) -> re.Pattern:
+    """The control tokens as one pattern, longest first (one that is a prefix of another does not win)."""
+    return re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
 
 
 def _mark(k: int) -> str:

@@ -105,7 +105,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     _check_config(cfg, cfg_path)
     template, template_source = _chat_template(p, cfg)
     eos_ids = _eos_ids_from_configs(p)
-    given = _special_tokens(p, cfg)
+    stm_path = p / "special_tokens_map.json"
+    stm = _read_json(stm_path) if stm_path.exists() else {}
+    given = _special_tokens(cfg, stm, stm_path)
     bos, eos = given.get("bos_token"), given.get("eos_token")
     if (p / "tokenizer.json").exists():
         tok = HFTokenizer.from_file(
@@ -116,7 +118,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     elif (p / "tokenizer.model").exists():
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
                                                add_eos=cfg.get("add_eos_token", False), chat_template=template,
-                                               added=_added_tokens(p, cfg, given))
+                                               added=_added_tokens(p, cfg, stm, given))
         if bos is not None and tok.token_to_id(bos) is not None:
             tok.bos_id = tok.token_to_id(bos)
         extra = [tok.token_to_id(eos)] if eos is not None and tok.token_to_id(eos) is not None else []
@@ -155,17 +157,16 @@ def _read_json(path: Path) -> dict[str, Any]:
     return d
 
 
-def _special_tokens(d: Path, cfg: dict[str, Any]) -> dict[str, str | None]:
-    """bos_token and eos_token as special_tokens_map.json gives them (where older checkpoints keep them), else as
-    tokenizer_config.json does (null: none): the map wins, as HF transformers reads them. A field neither gives
-    is absent."""
-    path = d / "special_tokens_map.json"
-    stm = _read_json(path) if path.exists() else {}
+def _special_tokens(cfg: dict[str, Any], stm: dict[str, Any], path: Path) -> dict[str, str | None]:
+    """bos_token and eos_token as special_tokens_map.json (`stm`, read from `path`) gives them (where older
+    checkpoints keep them), else as tokenizer_config.json does (null: none): the map wins, as HF transformers
+    reads them. A field neither gives is absent."""
     _check_config({k: stm[k] for k in ("bos_token", "eos_token") if k in stm}, path)
     return {k: _token_text(src[k]) for src in (cfg, stm) for k in ("bos_token", "eos_token") if k in src}
 
 
-def _added_tokens(d: Path, cfg: dict[str, Any], given: dict[str, str | None]) -> dict[int, tuple[str, bool]]:
+def _added_tokens(d: Path, cfg: dict[str, Any], stm: dict[str, Any],
+                  given: dict[str, str | None]) -> dict[int, tuple[str, bool]]:
     """The tokens an HF directory adds to its tokenizer.model, id -> (text, special): tokenizer_config.json's
     added_tokens_decoder, and added_tokens.json (older; {text: id}), whose tokens are special where
     special_tokens_map.json lists them or they are BOS or EOS. TokenizerError naming the file and field."""
@@ -179,7 +180,6 @@ def _added_tokens(d: Path, cfg: dict[str, Any], given: dict[str, str | None]) ->
         out[int(key)] = (tok["content"], tok.get("special", False))
     if (d / "added_tokens.json").exists():
         extra = _read_json(d / "added_tokens.json")
-        stm = _read_json(d / "special_tokens_map.json") if (d / "special_tokens_map.json").exists() else {}
         named = {_token_text(t) for t in stm.get("additional_special_tokens") or [] if isinstance(t, (str, dict))}
         for text, i in extra.items():
             if not _is_id(i):
