@@ -201,6 +201,22 @@ def test_shape_bench_runs_on_cpu_against_its_roofline(tmp_path, one_thread):
                                        f"--out {tmp_path}")
 
 
+def test_shape_bench_sample_0_runs_every_question(tmp_path, one_thread, monkeypatch):
+    """--sample 0 is every question, as in the task bench (the shape bench ran 4). A headline of 6 questions
+    at --tiny's sizes (it has 4)."""
+    import dataclasses
+
+    from minillama.bench import device, main
+
+    monkeypatch.setattr(device, "HEADLINE", dataclasses.replace(device.HEADLINE, questions=6 * 16))
+
+    assert main(["--shape", "tiny", "--tiny", "--repeats", "1", "--sample", "0", "--no-hf",
+                 "--out", str(tmp_path)]) == 0
+    ind = next(r for r in json.loads((tmp_path / "shape_results.json").read_text())["records"]
+               if r["label"] == "headline" and r["method"] == "independent")
+    assert ind["questions_run"] == ind["questions"] == 6 and ind["scaled_by"] == 1
+
+
 def test_shape_bench_parity_check_counts_differing_steps(tmp_path, one_thread):
     """--parity: the invariant kernels give the independent run's logits at every step; the plain ones (the
     check's own negative control) do not, and the report says so."""

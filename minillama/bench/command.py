@@ -158,7 +158,8 @@ def _main(argv: Sequence[str] | None) -> int:
     ap.add_argument("--questions", help="comma-separated question counts to keep in the many sweep "
                     f"({','.join(map(str, MANY_QUESTIONS))})")
     ap.add_argument("--repeats", type=int, help="repeats per method (medians are reported)")
-    ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case")
+    ap.add_argument("--sample", type=int, help="questions run by the sampled methods in the headline case "
+                    "(0: every question; --shape's default: 4)")
     ap.add_argument("--threads", type=int, help="torch threads, at most the CPUs this process may use (default: "
                     "torch's choice)")
     ap.add_argument("--profile", action="store_true",
@@ -347,7 +348,7 @@ def _shape_main(a: argparse.Namespace, argv: list[str]) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
-    data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, a.sample or 4, hf,
+    data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, 4 if a.sample is None else a.sample, hf,
                       log=lambda s: print(s, flush=True), tp=a.tp, dtypes=a.compare_dtypes, parity_check=a.parity,
                       compiled=a.compiled)
     if data is None:  # a tensor-parallel rank other than 0: rank 0 reports

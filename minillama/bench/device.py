@@ -220,7 +220,7 @@ def run_task(task: IdTask, model: Any, hf: Any, device: torch.device, methods: t
     config = model.config
     prompts, docs = task.build(config.vocab_size)
     g, n = task.new_tokens, len(prompts)
-    idx = {m: (_sample(n, sample) if m == "independent" else list(range(n))) for m in methods}
+    idx = {m: (_sample(n, sample or n) if m == "independent" else list(range(n))) for m in methods}
 
     def once(m: str) -> tuple[float, list[list[int]]]:
         ps, ds = [prompts[i] for i in idx[m]], [docs[i] for i in idx[m]]
