@@ -103,10 +103,14 @@ class LlamaConfig:
         if rope is not None and not isinstance(rope, dict):  # else its theta and scaling would go unread
             raise ValueError(f"rope_parameters must be an object or null, got {rope!r}")
         if isinstance(rope, dict):
-            if "rope_theta" in rope:
-                out["rope_theta"] = rope["rope_theta"]
-            if rope.get("rope_type", rope.get("type", "default")) != "default":  # "type": as rope_scaling spells it
-                out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+            old, top = d.get("rope_scaling"), d.get("rope_theta", cls.rope_theta)
+            theta = rope.get("rope_theta", top)
+            # Both forms: HF reads rope_scaling and the top-level theta, so they must say what rope_parameters says.
+            if isinstance(old, dict) and (_scaling(old) != _scaling(rope) or theta != top):
+                raise ValueError(f"rope_parameters ({_said(rope, theta)}) and rope_scaling ({_said(old, top)}) "
+                                 "disagree: keep one of them")
+            if isinstance(old, (dict, type(None))):  # (another rope_scaling is refused by the config's check)
+                out["rope_theta"], out["rope_scaling"] = theta, _scaling(rope)
         return cls(**out)
 
     @classmethod
@@ -175,6 +179,19 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """A RoPE dict's scaling as `rope_scaling` holds it: None for the default, "type" spelled "rope_type", no theta."""
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        return None
+    return {("rope_type" if k == "type" else k): v for k, v in rope.items() if k != "rope_theta"}
+
+
+def _said(rope: dict[str, Any], theta: Any) -> str:
+    """A RoPE dict in a few words: its type, factor and theta."""
+    s = _scaling(rope)
+    return (f"{s['rope_type']}, factor {s.get('factor')}" if s else "default") + f", rope_theta {theta}"
 
 
 def _count(name: str, x: Any, lo: int, hi: int = MAX_SIZE, optional: bool = False) -> None:

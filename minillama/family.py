@@ -71,10 +71,12 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _window(d: dict[str, Any], model_type: str) -> int | None:
-    """The one window all layers share, or None. Qwen's layers i >= max_window_layers slide (or
+    """The one window all layers share, or None. Mistral's layers all slide unless `layer_types` says which
+    (HF then runs it as Ministral, layer by layer); Qwen's layers i >= max_window_layers slide (or
     `layer_types` says which); a mix of windowed and full layers is refused."""
     if model_type == "mistral":
-        return d.get("sliding_window")
+        window, kinds = d.get("sliding_window"), d.get("layer_types")
+        return window if window is None or kinds is None else _one_window(kinds, window, "sliding_window", "layer_types")
     use = d.get("use_sliding_window")
     if model_type != "llama" and not (use is None or isinstance(use, bool)):
         raise ValueError(f"use_sliding_window must be true or false, got {use!r}")
@@ -87,17 +89,22 @@ def _window(d: dict[str, Any], model_type: str) -> int | None:
     for name, x in (("num_hidden_layers", n), ("max_window_layers", first)):
         if not isinstance(x, int) or isinstance(x, bool):
             raise ValueError(f"{name} must be an integer, got {x!r}")
-    if kinds is not None and not (isinstance(kinds, list) and all(k in _LAYER_TYPES for k in kinds)):
-        raise ValueError(f"layer_types must be a list of {' or '.join(map(repr, _LAYER_TYPES))}, "
-                         f"got {str(kinds)[:80]}")
     if not kinds:  # layers i >= max_window_layers slide
         kinds = ["sliding_attention"] * (first < n) + ["full_attention"] * (min(first, n) > 0)
+    return _one_window(kinds, window, "use_sliding_window", "max_window_layers / layer_types")
+
+
+def _one_window(kinds: Any, window: int, field: str, source: str) -> int | None:
+    """`window` if every layer of `kinds` (`layer_types`) slides, None if none does; a mix is refused."""
+    if not (isinstance(kinds, list) and all(k in _LAYER_TYPES for k in kinds)):
+        raise ValueError(f"layer_types must be a list of {' or '.join(map(repr, _LAYER_TYPES))}, "
+                         f"got {str(kinds)[:80]}")
     if set(kinds) <= {"full_attention"}:
         return None
     if set(kinds) == {"sliding_attention"}:
         return window
-    raise ValueError("use_sliding_window with windowed and full layers mixed (max_window_layers / layer_types) "
-                     "is not supported: minillama runs one window for every layer")
+    raise ValueError(f"{field} with windowed and full layers mixed ({source}) is not supported: minillama runs "
+                     "one window for every layer")
 
 
 def hf_extra(model_type: str, sliding_window: int | None) -> dict[str, Any]:

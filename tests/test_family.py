@@ -47,6 +47,9 @@ CASES = {
     "mistral-window-64-head-dim": ("MistralConfig", dict(sliding_window=64, head_dim=32)),
     "mistral-window-100-mha": ("MistralConfig", dict(sliding_window=100, num_key_value_heads=4)),
     "mistral-no-window": ("MistralConfig", dict(sliding_window=None)),
+    # layer_types: HF runs it as Ministral, layer by layer (minillama slid every layer)
+    "mistral-layer-types-full": ("MistralConfig", dict(sliding_window=40, layer_types=["full_attention"] * 2)),
+    "mistral-layer-types-sliding": ("MistralConfig", dict(sliding_window=40, layer_types=["sliding_attention"] * 2)),
     "qwen2": ("Qwen2Config", dict()),
     "qwen2-tied-gqa": ("Qwen2Config", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2-window-all-layers": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=33, max_window_layers=0)),
@@ -59,7 +62,7 @@ CASES = {
 
 def hf_checkpoint(name: str, out: Path, seed: int = 0):
     """HF's model for CASES[name], weights redrawn (norms ~1, biases ~0.1, projections ~1/sqrt(fan in)),
-    saved with save_pretrained into `out`. Returns the model (eager attention, float32, eval)."""
+    saved with save_pretrained into `out`. Returns the model HF loads from there (eager attention, float32, eval)."""
     cls, fields = CASES[name]
     kw = {**BASE, **fields}
     if "rope_scaling" in kw:  # transformers 5 spells it rope_parameters
@@ -80,7 +83,9 @@ def hf_checkpoint(name: str, out: Path, seed: int = 0):
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
     model.save_pretrained(out)
-    return model
+    # as people run it: the class HF reads the saved config as (Mistral with layer_types is Ministral's)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
 
 
 def compare(hf_model, path: Path) -> tuple[float, bool]:
@@ -178,6 +183,15 @@ def test_fields_a_model_type_does_not_read_are_ignored_as_hf_ignores_them():
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,
       "num_hidden_layers": 2}, r"use_sliding_window with windowed and full layers mixed"),
     ({"model_type": "mistral", "sliding_window": 0}, r"sliding_window must be a positive integer"),
+    ({"model_type": "mistral", "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+     r"sliding_window with windowed and full layers mixed \(layer_types\)"),
+    ({"model_type": "mistral", "sliding_window": 16, "layer_types": "sliding"}, r"layer_types must be a list"),
+    # both RoPE forms, saying different things (HF reads rope_scaling and the top-level theta; minillama read
+    # rope_parameters)
+    ({"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     r"rope_parameters \(linear, factor 4.0, rope_theta 10000.0\) and rope_scaling \(yarn, .*\) disagree"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     r"rope_parameters \(default, rope_theta 500000.0\) and rope_scaling \(linear, factor 4.0, rope_theta 10000.0"),
     ([1, 2], r"a config must be a JSON object"),
 ])
 def test_what_is_not_implemented_is_refused_in_one_line_naming_the_field(tmp_path, fields, match):
@@ -188,6 +202,14 @@ def test_what_is_not_implemented_is_refused_in_one_line_naming_the_field(tmp_pat
     with pytest.raises(WeightsError, match=match) as e:
         hf_config(p)
     assert "\n" not in str(e.value)
+
+
+def test_both_rope_forms_saying_the_same_are_read():
+    """rope_parameters beside a rope_scaling (and top-level theta) that agree with it: one RoPE, either spelling."""
+    d = {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5e5}, "rope_theta": 5e5,
+         "rope_scaling": {"type": "linear", "factor": 4.0}}
+    c = LlamaConfig.from_dict(family.hf_fields(d))
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0} and c.rope_theta == 5e5
 
 
 def test_llama3_gguf_with_one_frequency_in_the_band(tmp_path):
