@@ -57,7 +57,9 @@ class SamplingParams:
         short="-n", metavar="N", parse=int)
     temperature: float = options.option(
         0.0, "--temperature", "0: greedy (default)", options.NUMBER,
-        options.need(lambda t: options.is_finite(t) and t >= 0, "a finite number >= 0"), metavar="T", parse=float)
+        options.need(lambda t: options.is_finite(t) and t >= 0, "a finite number >= 0"),
+        options.need(lambda t: t == 0 or float(t) > 0, "0 or above 0 as a float (a Fraction or long double too "
+                     "small for one would be greedy)"), metavar="T", parse=float)
     top_k: int = options.option(
         0, "--top-k", "keep the K likeliest tokens (0: off)", options.INTEGER,
         options.need(lambda k: 0 <= k < 2**31, ">= 0 (0: off) and below 2**31"), metavar="K", parse=int)
@@ -90,7 +92,7 @@ class SamplingParams:
         for name, row in options.table(SamplingParams).items():
             setattr(self, name, row.check(name, getattr(self, name)))  # numpy's and torch's integers as Python's
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
-        self.stop_token_ids = tuple(self.stop_token_ids)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)  # a 0-d tensor's hash is its identity
         if not callable(self.stop):
             self.stop = StopStrings(options.strings(self.stop)) if options.strings(self.stop) else None
 
@@ -264,7 +266,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
     prompts, docs, streams, params = _checked(model, prompts, params, docs, streams, stats, eos_ids)
     if not prompts:
         return []
-    eos = set(model.config.eos_token_ids if eos_ids is None else eos_ids)
+    eos = {int(t) for t in (model.config.eos_token_ids if eos_ids is None else eos_ids)}  # as stop_token_ids
     questions = [Question(i, params, eos, on_answer, None if streams is None else streams[i])
                  for i in range(len(prompts))]
     if on_answer is not None:

@@ -227,6 +227,14 @@ def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
     assert generate(llama, [np.array([5, 6, 7])], SamplingParams(max_new_tokens=3, temperature=0.8, seed=np.int64(7)),
                     parallel_size=np.int64(1))[0].token_ids == same
     assert generate(llama, [torch.tensor([5, 6, 7])], sampled, streams=np.array([0]))[0].token_ids == same
+    # and stop at the token they hold (a 0-d tensor hashes by identity: it never stopped; an array raised)
+    free = generate(llama, [[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    for as_int in (np.int64, np.array, torch.tensor):
+        ended = generate(llama, [[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True,
+                                                            stop_token_ids=[as_int(free[1])]))[0]
+        assert ended.token_ids == free[:free.index(free[1]) + 1] and ended.finish_reason == "stop", as_int
+        assert generate(llama, [[5, 6, 7]], SamplingParams(max_new_tokens=6), eos_ids=[as_int(free[1])]
+                        )[0].token_ids == ended.token_ids, as_int
     for kwargs, words in (({"dtype": "bf16"}, "dtype must be one of float32, bfloat16, float16"),
                           ({"dtype": torch.int8}, "dtype must be one of"), ({"device": "gpu"}, "device gpu: not a torch device"),
                           ({"device": "meta"}, "device meta: holds shapes, not numbers"), ({"device": None}, "device must be a str")):
@@ -533,9 +541,9 @@ def test_a_top_p_that_float32_rounds_to_0_keeps_the_likeliest_token(ckpt, inputs
     assert code == 0, capsys.readouterr().err
 
 
-def test_a_top_p_that_is_0_as_a_float_is_refused():
+def test_a_top_p_or_temperature_that_is_0_as_a_float_is_refused():
     """A Fraction or long double above 0 that a float rounds to 0 once passed the check and then sampled
-    token 0 every time (the check ran on the value, the sampler on its float)."""
+    token 0 every time (the check ran on the value, the sampler on its float); a temperature so was greedy."""
     from fractions import Fraction
 
     import numpy as np
@@ -546,6 +554,10 @@ def test_a_top_p_that_is_0_as_a_float_is_refused():
         with pytest.raises(ValueError, match="top_p must be above 0 as a float"):
             SamplingParams(temperature=1.0, top_p=top_p)
     assert SamplingParams(top_p=Fraction(1, 2)).top_p == 0.5
+    for temperature in (Fraction(1, 10**400), np.longdouble("1e-400")):
+        with pytest.raises(ValueError, match="temperature must be 0 or above 0 as a float"):
+            SamplingParams(temperature=temperature)
+    assert SamplingParams(temperature=np.longdouble(0)).temperature == 0 and SamplingParams(temperature=5e-324)
 
 
 def test_every_accepted_top_p_samples_a_token():
