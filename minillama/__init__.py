@@ -7,10 +7,19 @@
 The API lives in `minillama.api`; it is imported lazily so that `python -m minillama.generate` starts clean.
 
 Importing the package chooses how torch's OpenMP threads wait, before anything loads torch (threads.py:
-they sleep at once where other work wants the cores, spin briefly otherwise).
+they sleep at once where other work wants the cores, spin briefly otherwise). Run as `python -m minillama.X`,
+it holds a Ctrl-C that comes while the command imports torch until the command can say "interrupted"
+(interrupts.py).
 """
 
-from .threads import choose_wait_policy
+import sys
+
+from .interrupts import hold_interrupts
+
+if sys.argv[:1] == ["-m"]:  # `python -m minillama.X` is importing its module: a Ctrl-C now waits for the command
+    hold_interrupts()
+
+from .threads import choose_wait_policy  # noqa: E402  (after the handler: any import may be interrupted)
 
 choose_wait_policy()
 

@@ -16,6 +16,8 @@ import importlib
 import sys
 from typing import Sequence
 
+from .interrupts import hold_interrupts
+
 # subcommand -> (module whose main() runs it, what it does)
 COMMANDS = {
     "generate": ("minillama.cli", "answer questions about documents (parallel, independent or seqbatch)"),
@@ -37,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] not in COMMANDS:
         print(f"error: unknown command {args[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    hold_interrupts()  # a Ctrl-C while the tool imports torch: "interrupted", from the tool's run_command
     module = importlib.import_module(COMMANDS[args[0]][0])
     return module.main(args[1:])
 

@@ -20,6 +20,9 @@ thread of a distributed run). In a distributed run rank 0 alone says a one-line 
 the same bad input (and the first rank on each other machine, and a process whose RANK no launcher set:
 `_speaks`), except a `RankRefused` (what the ranks agreed one of them refused, said where it was
 raised) and a `SaidElsewhere` (this rank stops quietly: another has said why).
+
+A Ctrl-C while a command is still importing torch is held until `run_command` can say "interrupted"
+(interrupts.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import os
 import re
 import sys
 from typing import Callable, NoReturn
+
+from .interrupts import release_interrupts
 
 
 class OneLineError(Exception):
@@ -214,6 +219,7 @@ def run_command(body: Callable[[], int]) -> int:
         print("error: standard output is closed; the output would be lost", file=sys.stderr)
         return 2
     try:
+        release_interrupts()
         code = body()
         sys.stdout.flush()  # a closed pipe or a full device shows here, inside the handlers
         return code

@@ -13,6 +13,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -407,3 +408,45 @@ def test_zero_width_spaces_in_a_file_are_refused_from_their_length(ckpt, inputs,
     f.write_text("\u200b" * 300_000)
     code = cli.main(["--model", str(ckpt), "--doc", str(f), "--questions", str(inputs["questions"])])
     assert re.search(r"the prompt has at least \d+ tokens", one_line_error((code, capsys.readouterr().err)))
+
+
+HELD = """
+import os, signal, sys, tempfile, time
+sys.argv = ["-m"]  # as Python has it while `python -m minillama.X` imports the package
+import minillama
+from minillama import errors
+d = tempfile.mkdtemp()
+with open(os.path.join(d, "slow_import.py"), "w") as f:  # a module whose import is Ctrl-C'd, as torch's may be
+    f.write("import os, signal, time\\nos.kill(os.getpid(), signal.SIGINT)\\ntime.sleep(0.2)\\nDONE = True\\n")
+sys.path.insert(0, d)
+import slow_import
+print("imported", slow_import.DONE, flush=True)
+sys.exit(errors.run_command(lambda: print("the body ran") or 0))
+"""
+
+
+def test_a_ctrl_c_during_a_commands_imports_is_said_as_interrupted():
+    """A Ctrl-C while `python -m minillama.X` imports (torch's import takes seconds) was a traceback, or,
+    where a library's import swallowed it, a half-imported numpy failing later as a bug (exit 1): it is held
+    until the command's runner, which says "interrupted" (130) before the body runs."""
+    p = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (p.returncode, p.stdout, p.stderr) == (130, "imported True\n", "interrupted\n"), p.stderr
+    # outside an import it is raised at once, and one the process was started ignoring stays ignored
+    outside = HELD.split("d = tempfile")[0] + "os.kill(os.getpid(), signal.SIGINT); time.sleep(5); print('slept')"
+    p = subprocess.run([sys.executable, "-c", outside], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode != 0 and "KeyboardInterrupt" in p.stderr and "slept" not in p.stdout
+    p = subprocess.run([sys.executable, "-c", outside], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert (p.returncode, p.stdout) == (0, "slept\n"), p.stderr
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0])
+def test_ctrl_c_while_the_command_starts(ckpt, inputs, delay):
+    """The real command, interrupted while it imports or loads: one line and 130, never a traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "minillama.generate", "--model", str(ckpt), "--doc",
+                          str(inputs["doc"]), "--questions", str(inputs["questions"]), "-n", "200"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err and err.startswith("interrupted"), (p.returncode, err)
