@@ -32,7 +32,7 @@ import errno
 import os
 import re
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 from .interrupts import release_interrupts
 
@@ -70,10 +70,34 @@ ENVIRONMENT_ERRNOS = frozenset(getattr(errno, n) for n in (
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one `BadInput` line (argparse prints the usage block, then the error)."""
+    """argparse, but a usage error is one `BadInput` line (argparse prints the usage block, then the error),
+    and an option of one value given twice is refused (argparse kept the last: `--questions a.txt
+    --questions b.txt` answered b's alone, without a word)."""
 
     def error(self, message: str) -> NoReturn:
         raise BadInput(message)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for name in (None, "store"):  # every argument that stores one value, in argument groups too
+            self.register("action", name, _Once)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.given: set[str] = set()  # the options of one value met in this parse (_Once)
+        return super().parse_known_args(args, namespace)
+
+
+class _Once(argparse._StoreAction):
+    """An option of one value: a second of it (under either of its names) is refused."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = parser.__dict__.setdefault("given", set())
+        if self.dest in given:
+            parser.error(f"{'/'.join(self.option_strings)} given twice ({getattr(namespace, self.dest)!r}, then "
+                         f"{values!r}): give it once")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def one_line(s: str) -> str:

@@ -427,14 +427,15 @@ def test_memory_is_bounded_by_waves_and_answers_do_not_change(ckpt, files, capsy
     many = [f"{q} ({k})" for k in range(10) for q in QUESTIONS]
     (d / "many.txt").write_text("\n".join(many))
     base = ["--model", ckpt, "--doc", files["doc"], "--questions", d / "many.txt", "--json", "--logprobs",
-            "-n", "4", "--ignore-eos"]
-    assert cli.main([str(a) for a in base + ["--max-memory", "0.1"]]) == 0
+            "--ignore-eos"]
+    four = base + ["-n", "4"]
+    assert cli.main([str(a) for a in four + ["--max-memory", "0.1"]]) == 0
     bounded, err = capsys.readouterr()
     assert "warning" not in err
     s = json.loads(err.strip().splitlines()[-1])
     assert s["parallel_size"] < len(many) and s["planned_memory_mb"] <= 0.1
     assert 0 < s["peak_kv_mb"] <= s["planned_memory_mb"]
-    assert cli.main([str(a) for a in base + ["--max-memory", "0"]]) == 0
+    assert cli.main([str(a) for a in four + ["--max-memory", "0"]]) == 0
     unbounded, err = capsys.readouterr()
     assert json.loads(err.strip().splitlines()[-1])["parallel_size"] == len(many)
     assert bounded == unbounded
@@ -446,7 +447,7 @@ def test_memory_is_bounded_by_waves_and_answers_do_not_change(ckpt, files, capsy
     assert [re.sub(r"[\d.]+ MiB", "X MiB", line) for line in err if "warning" in line] == [
         "warning: the smallest waves (one question of one document a pass) are estimated at X MiB, more than "
         "--max-memory 1e-09; running them"]
-    assert cli.main([str(a) for a in base + ["--max-memory", "0.1", "--parallel-size", "40"]]) == 0
+    assert cli.main([str(a) for a in four + ["--max-memory", "0.1", "--parallel-size", "40"]]) == 0
     assert "warning: the waves --parallel-size 40 ask for are estimated at" in capsys.readouterr().err
 
 

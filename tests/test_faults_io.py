@@ -272,6 +272,26 @@ def test_a_bug_is_a_traceback_in_every_tool(monkeypatch):
             main([])
 
 
+def test_an_option_of_one_value_given_twice_is_refused_in_every_tool(capsys):
+    """argparse keeps the last: `--questions a.txt --questions b.txt` answered b's questions alone, without a
+    word. Refused, naming the option's names and both values; an option that gathers (--stop) still does."""
+    import minillama.bench.command as bench
+    import minillama.oracle.__main__ as oracle
+    import minillama.serve.cli as serve
+
+    for main, argv, said in (
+            (cli.main, ["--doc", "d", "--questions", "a.txt", "--questions", "b.txt"],
+             "error: --questions given twice ('a.txt', then 'b.txt'): give it once"),
+            (cli.main, ["-n", "1", "--max-new-tokens", "2"], "error: --max-new-tokens/-n given twice (1, then 2)"),
+            (serve.main, ["--port", "1", "--port", "2"], "error: --port given twice"),
+            (bench.main, ["--repeats", "1", "--repeats", "2"], "error: --repeats given twice"),
+            (oracle.main, ["compare", "--backend", "openai", "--backend", "transformers"],
+             "error: --backend given twice")):
+        assert main(argv) == 2, argv
+        assert capsys.readouterr().err.startswith(said), argv
+    assert cli.build_parser().parse_args(["--stop", "a", "--stop", "b"]).stop == ["a", "b"]
+
+
 def test_a_tool_without_its_command_names_the_commands(capsys):
     """It said "the following arguments are required: cmd", the parser's own name for the command."""
     import minillama.oracle.__main__ as oracle
