@@ -62,10 +62,16 @@ def _read_blocks(f: BinaryIO, path: str, what: str, limit: int | None, bound: st
             raise BadInput(f"{what} {path}: longer than {limit:,} bytes, {bound}")
         if b"\0" in block:
             raise BadInput(f"{what} {path}: a binary file, not UTF-8 text")
+        held = decoder.getstate()[0]  # the start of a character the block before ended inside
         try:
             parts.append(decoder.decode(block))
-        except UnicodeDecodeError as e:
-            raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {n + e.start})") from None
+        except UnicodeDecodeError:  # its start counts from the held bytes (or past a BOM): count from the file's
+            try:
+                (held + block).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadInput(f"{what} {path}: not UTF-8 text (invalid byte at offset {n - len(held) + e.start})"
+                               ) from None
+            raise
         n += len(block)
     try:
         parts.append(decoder.decode(b"", final=True))
@@ -153,7 +159,7 @@ def read_jobs(args: argparse.Namespace, context: int | None = None) -> list[tupl
     fits = f"more than fits when the model's context is {context} tokens (at most {BYTES_PER_TOKEN} bytes a token)"
     bound = f"the most read from one file ({FILE_DOCUMENTS} documents' worth of the model's context); split it"
     if args.input is None:
-        doc = read_text(args.doc, "--doc", limit, fits)
+        doc = "\n".join(lines(read_text(args.doc, "--doc", limit, fits)))  # a BOM opening a line dropped, as in questions
         if not doc.strip():
             raise BadInput(f"--doc {args.doc}: the document is empty")
         questions = [q.strip() for q in lines(read_text(args.questions, "--questions", many, bound)) if q.strip()]
@@ -177,8 +183,10 @@ def read_jobs(args: argparse.Namespace, context: int | None = None) -> list[tupl
                 raise BadInput(f'{where}: question {k + 1} must be a non-empty string')
         try:
             check_jobs([(doc, questions)])  # what the API refuses too: text that is not text
-        except BadInput as e:
-            raise BadInput(f"{where}: {str(e).split(': ', 1)[-1]}") from None
+        except BadInput as e:  # "document 1, question 2: ..." is this line's question 2; "document 1: ..." its doc
+            said = str(e).removeprefix("document 1, ")
+            raise BadInput(f"{where}: " + ('"doc"' + said[len("document 1"):] if said.startswith("document 1")
+                                           else said)) from None
         jobs.append((doc, questions))
     if not jobs:
         raise BadInput(f"--input {args.input}: no documents")

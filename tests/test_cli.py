@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from minillama import api, cli, precision
-from minillama.inputs import read_jobs
+from minillama.errors import BadInput
+from minillama.inputs import BLOCK, read_jobs, read_text
 from minillama.weights import load_model, save_hf_dir
 from test_api import DOC, QUESTIONS, tiny_tokenizer
 from tiny import tiny_config, tiny_model
@@ -359,6 +360,21 @@ def test_files_joined_by_cat_lose_their_byte_order_marks(tmp_path):
                                                 for q in QUESTIONS[:2]))
     args = cli.build_parser().parse_args(["--input", str(tmp_path / "j.jsonl")])
     assert read_jobs(args) == [(DOC, [q]) for q in QUESTIONS[:2]]
+    # and the document's, of two files joined (it kept the second mark: 3 more tokens in the prompt)
+    (tmp_path / "d2.txt").write_bytes(bom + b"Part one.\n" + bom + b"Part two.\n")
+    args = cli.build_parser().parse_args(["--doc", str(tmp_path / "d2.txt"), "--questions", str(tmp_path / "q.txt")])
+    assert read_jobs(args)[0][0] == "Part one.\nPart two.\n"
+
+
+@pytest.mark.parametrize("text, at", [
+    (b"a" * (BLOCK - 1) + b"\xe2" + b"x", BLOCK - 1),  # the last byte of a block (said one past it)
+    (b"a" * (BLOCK - 1) + b"\xe2\x82x", BLOCK - 1),  # a character begun in one block, broken in the next
+    (b"\xef\xbb\xbfab\xffc", 5),  # past a byte-order mark (said 3 before it)
+    (b"abc\xff", 3)])
+def test_the_offset_of_a_byte_that_is_not_utf8_is_the_files(tmp_path, text, at):
+    (tmp_path / "d.txt").write_bytes(text)
+    with pytest.raises(BadInput, match=re.escape(f"not UTF-8 text (invalid byte at offset {at})")):
+        read_text(str(tmp_path / "d.txt"), "--doc")
 
 
 def test_lines_split_at_newlines_only(ckpt, files, capsys):

@@ -181,8 +181,9 @@ def test_fetch_into_an_unusable_weights_folder_is_one_line(tmp_path, where):
 
 
 @pytest.mark.parametrize("line,word", [("[" * 100_000, "nested too deeply"),
-                                       ('{"doc": "a \\ud800 b", "questions": ["q"]}', "surrogate U+D800"),
-                                       ('{"doc": "d", "questions": ["\\udfff"]}', "surrogate U+DFFF")])
+                                       ('{"doc": "a \\ud800 b", "questions": ["q"]}', '"doc": a lone surrogate U+D800'),
+                                       ('{"doc": "d", "questions": ["q", "\\udfff"]}',
+                                        "question 2: a lone surrogate U+DFFF")])  # which one (it was not said)
 def test_jsonl_lines_that_are_not_text_are_one_line(ckpt, inputs, capsys, line, word):
     f = inputs["dir"] / "bad.jsonl"
     f.write_text(json.dumps({"doc": DOC, "questions": ["q"]}) + "\n" + line + "\n")
