@@ -32,6 +32,9 @@ USAGE = "usage: minillama {" + ",".join(COMMANDS) + "} [options]  (minillama COM
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["-h"], ["--help"]) and sys.stdout is None:  # started with stdout closed: the help would be lost
+        print("error: standard output is closed; the output would be lost", file=sys.stderr)
+        return 2
     if not args or args[0] in ("-h", "--help"):
         lines = [USAGE, "", *(f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items())]
         print("\n".join(lines), file=sys.stdout if args else sys.stderr)

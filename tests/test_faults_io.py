@@ -130,7 +130,7 @@ def test_answers_to_a_full_stdout_are_one_line(ckpt, inputs):
 
 @pytest.mark.parametrize("tool", [["generate", "--doc", "-", "--questions", "Q"], ["weights", "info", "."],
                                   ["oracle", "compare", "--candidate", "x.jsonl", "--reference", "y"],
-                                  ["bench", "--from-json", "x.json"]])
+                                  ["bench", "--from-json", "x.json"], ["--help"]])  # the last: it exited 0
 def test_a_closed_stdout_is_one_line(tool, tmp_path):
     p = run_tool(*tool, preexec=lambda: os.close(1), stderr=subprocess.PIPE)
     assert one_line_error(p) == "error: standard output is closed; the output would be lost"
