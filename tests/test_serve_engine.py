@@ -644,3 +644,32 @@ def test_the_kernels_cannot_change_while_the_engine_serves(model):
         model.llama.invariant = True  # stopped: free again (and the model as it was, whatever happened above)
     solo = generate(model.llama, [prompt], params, mode="independent", eos_ids=eos_of(model))[0]
     assert [e.token for e in events] == solo.token_ids and [e.logprob for e in events] == solo.logprobs
+
+
+def test_an_echoed_prompt_is_reduced_pass_by_pass_not_held_as_vocabulary_rows(model):
+    """Echo kept every prompt row's log-softmax (a vocabulary of floats per prompt token: SmolLM2's 196 KB,
+    4x its KV) until the prompt was done, outside the memory budget. Each pass's rows are reduced as they
+    come: the choice holds no tensor between passes, and its prompt log-probs, ranks and top-k are those of
+    the whole prompt's rows in one pass."""
+    from minillama.serve.logits import prompt_logprobs
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 300) for _ in range(150)]
+    engine = Engine(model.llama, eos_of(model), max_batch_tokens=40, prefix_cache=False)
+    events: list[Event] = []
+    choice = Choice(prompt, PARAMS, events.append, echo=True, prompt_top_k=3)
+    engine.submit([choice])
+    passes = 0
+    while engine.waiting or engine.running:
+        with engine.lock:
+            engine._admit()
+        engine._step()
+        passes += 1
+        held = [k for k, v in vars(choice).items()
+                if isinstance(v, torch.Tensor) or (isinstance(v, list) and any(isinstance(x, torch.Tensor) for x in v))]
+        assert not held, (passes, held)
+    assert passes > 4  # the prompt took several passes
+    with torch.no_grad():
+        whole = prompt_logprobs(torch.log_softmax(model.llama(torch.tensor(prompt)).float(), -1), prompt, 3)
+    assert events[0].prompt_logprobs == whole
+    _check_solo(model, [prompt], [events])

@@ -32,7 +32,7 @@ from ..tokens import Chosen, Question, choose_tokens, take_tokens
 from ..model import Llama
 from ..step import Pack
 from ..transfer import to_device
-from .logits import PromptLogprob, filtered, prompt_logprobs, top_entries
+from .logits import PromptLogprob, filtered, prompt_row_entries, top_entries
 from .budget import Reservation, planned
 from .prefix import Block, PrefixCache
 
@@ -76,7 +76,7 @@ class Choice:
     segment: int = -1
     tail: list[int] = field(default_factory=list)  # prompt tokens in its own segment
     fed: int = 0  # of them, computed (or scheduled)
-    prompt_rows: list[torch.Tensor] = field(default_factory=list)  # echo: log-softmax rows, in order
+    prompt_entries: list[PromptLogprob] = field(default_factory=list)  # echo: each prompt row's, as it came
     cancelled: bool = False
     finished: bool = False
 
@@ -332,8 +332,9 @@ class Engine:
         for s in decode:
             s.q.next_pos += 1
         for s, first, count in prefilled:
-            if s.echo:  # every prompt row, kept until the prompt is complete
-                s.prompt_rows.append(torch.log_softmax(logits[first:first + count].float(), -1))
+            if s.echo:  # every prompt row, reduced as it comes (its token's log-prob, rank, top-k: not the row)
+                s.prompt_entries += prompt_row_entries(torch.log_softmax(logits[first:first + count].float(), -1),
+                                                       s.prompt, len(s.prompt_entries), s.prompt_top_k)
             if s.fed < len(s.tail):
                 continue
             s.q.next_pos = len(s.prompt)
@@ -425,8 +426,8 @@ class Engine:
         """Echo / prompt_logprobs (logits.prompt_logprobs), from the prompt's rows kept while it was computed."""
         if not s.echo:
             return None
-        rows, s.prompt_rows = torch.cat(s.prompt_rows), []
-        return prompt_logprobs(rows, s.prompt, s.prompt_top_k)
+        entries, s.prompt_entries = s.prompt_entries, []
+        return [(None, None, []), *entries]
 
     def _finish(self, s: Choice, ev: Event | None, quiet: bool = False) -> None:
         """Free the sequence's own segment and its hold on the prefix blocks; send its last event (`quiet`:

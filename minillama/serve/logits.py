@@ -65,17 +65,21 @@ def prompt_logprobs(rows: torch.Tensor, prompt: Sequence[int], top_k: int) -> li
     """Echo / prompt_logprobs: each prompt token's log-prob given the tokens before it and its rank there (1: the
     likeliest; None for the first token), with the top-k at its position. rows: (P, vocab) the prompt's
     log-softmax rows, row t predicting prompt token t + 1."""
-    nxt = torch.tensor(prompt[1:], dtype=torch.long, device=rows.device)
-    picked = rows[:-1].gather(1, nxt[:, None])  # (P - 1, 1)
+    return [(None, None, []), *prompt_row_entries(rows, prompt, 0, top_k)]
+
+
+def prompt_row_entries(rows: torch.Tensor, prompt: Sequence[int], first: int, top_k: int) -> list[PromptLogprob]:
+    """`prompt_logprobs`' entries of the prompt's rows first, first + 1, ... (rows: their log-softmax, (R,
+    vocab)), each row on its own, so a server reduces each pass's rows as they come rather than holding a
+    vocabulary of floats per prompt token: row t gives token t + 1's; the prompt's last row (it predicts the
+    answer) gives none."""
+    rows = rows[:max(0, len(prompt) - 1 - first)]
+    nxt = torch.tensor(prompt[first + 1:first + 1 + len(rows)], dtype=torch.long, device=rows.device)
+    picked = rows.gather(1, nxt[:, None])  # (R, 1)
     chosen = picked[:, 0].tolist()
-    ranks = ((rows[:-1] > picked).sum(dim=1) + 1).tolist()
-    out: list[PromptLogprob] = [(None, None, [])]
-    if top_k and len(nxt):
-        tops = top_entries(rows[:-1], top_k)
-    else:
-        tops = [[] for _ in chosen]
-    out.extend(zip(chosen, ranks, tops))
-    return out
+    ranks = ((rows > picked).sum(dim=1) + 1).tolist()
+    tops = top_entries(rows, top_k) if top_k and len(nxt) else [[] for _ in chosen]
+    return list(zip(chosen, ranks, tops))
 
 
 def top_entries(lp: torch.Tensor, k: int, chunk: int = 64) -> list[list[tuple[int, float]]]:
