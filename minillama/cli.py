@@ -172,11 +172,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
         _ask(model, jobs, share, args, plan, progress, stats, channel)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank; the one that writes says what it wrote
         progress.close()
-        with contextlib.suppress(OSError, ValueError):  # an answer Ctrl-C caught before its flush is written
-            out.flush()
-        if here.world.writes:
-            print(f"interrupted: {writer.written} of {n_questions} answers written", file=sys.stderr)
-        return 130
+        return interrupted(channel, writer, out, n_questions if here.world.writes else None)
     except Exception as e:  # rank 0 must hear of another rank's error before that rank ends
         here.failed(e)
         raise
@@ -293,6 +289,19 @@ def reply_json(r: api.Reply, logprobs: bool) -> dict[str, Any]:
     if logprobs:
         d["logprobs"] = r.logprobs  # Python floats: json writes repr, which round-trips exactly
     return d
+
+
+def interrupted(channel: Any, writer: "AnswerWriter", out: TextIO, n_questions: int | None) -> int:
+    """After Ctrl-C: what is written is flushed and, where this rank writes (`n_questions` given), counted on
+    stderr; exit status 130. The receiving thread's answer in progress is written and counted first, and no
+    other follows (it was flushed here uncounted: "0 of N answers written" after one); a thread stuck writing
+    (a pipe nobody reads) is not waited out."""
+    channel.lock.acquire(timeout=5)
+    with contextlib.suppress(OSError, ValueError):  # an answer Ctrl-C caught before its flush is written
+        out.flush()
+    if n_questions is not None:
+        print(f"interrupted: {writer.written} of {n_questions} answers written", file=sys.stderr)
+    return 130
 
 
 class AnswerWriter:

@@ -5,6 +5,7 @@ Every bad input exits with status 2, one line on stderr and nothing on stdout. P
 runs of the CLI print the same token ids and log-probs, greedy and sampled.
 """
 
+import io
 import json
 import os
 import re
@@ -669,3 +670,36 @@ def test_default_model_answers_the_shipped_example(example_parallel):
 @pytest.mark.slow
 def test_default_model_parallel_equals_independent(example_parallel):
     assert example_parallel == json_lines(run_cli(*EXAMPLE, "--mode", "independent"))
+
+
+def test_ctrl_c_counts_the_answer_another_thread_is_writing(capsys):
+    """Rank 0's receiving thread writes other groups' answers: Ctrl-C in the main thread flushed an answer that
+    thread had written but not yet counted ("interrupted: 0 of 450 answers written" after one, in CI). The
+    count waits for the answer in progress, and no answer follows it."""
+    import threading
+    import time
+
+    from minillama.distributed.dp import Channel
+    from minillama.distributed.world import World
+
+    class SlowOut(io.StringIO):  # an answer's write that takes a while, as a busy machine's may
+        started = threading.Event()
+
+        def write(self, text: str) -> int:
+            self.started.set()
+            time.sleep(0.5)
+            return super().write(text)
+
+    out = SlowOut()
+    args = cli.build_parser().parse_args(["--doc", "d", "--questions", "q", "--json", "-n", "1"])
+    writer = cli.AnswerWriter(out, args, 1, 512, cli.Progress(1, None))
+    world = World(rank=0, size=1, dp=1, tp=1, dp_rank=0, tp_rank=0, tp_group=None, answers=None)
+    channel = Channel(world, [("doc", ["q"])], [(0, 0, 1)], writer)
+    reply = api.Reply("q", "a", [5], [-1.0], "length", [1, 2])
+    thread = threading.Thread(target=channel.on_reply, args=(0, reply))
+    thread.start()
+    SlowOut.started.wait(10)
+    assert cli.interrupted(channel, writer, out, 1) == 130
+    thread.join()
+    assert capsys.readouterr().err == "interrupted: 1 of 1 answers written\n"
+    assert out.getvalue().count("\n") == 1
