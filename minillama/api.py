@@ -31,6 +31,7 @@ from .model import Llama
 from .options import is_int
 from .precision import DTYPES
 from .tokenizer import Tokenizer
+from .tokens import NEEDS_TOKENIZER
 
 # The user turn: document first, so that the questions of one document share the longest possible
 # prefix; instruction and question last. Worded for small instruction-tuned models: SmolLM2-135M
@@ -162,7 +163,7 @@ def sampling_params(max_new_tokens: int = 64, temperature: float = 0.0, top_k: i
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, ignore_eos=ignore_eos, stop=stop, keep_logits=keep_logits)
     if params.stop_strings and tokenizer is None:
-        raise ValueError("stop strings need the tokenizer")
+        raise ValueError(NEEDS_TOKENIZER)
     return params.with_tokenizer(tokenizer)
 
 

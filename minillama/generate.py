@@ -34,7 +34,7 @@ from .cache import KVCache
 from .model import Llama
 from .sampling import sample_rows
 from .step import Pack
-from .tokens import Answer, Chosen, Question, StopStrings, choose_tokens, take_tokens
+from .tokens import NEEDS_TOKENIZER, Answer, Chosen, Question, StopStrings, choose_tokens, take_tokens
 from .transfer import to_device
 
 MODES = ("parallel", "independent", "seqbatch")
@@ -299,7 +299,7 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
                                   + (" (a loaded model's .llama)" if name == "model" else ""))
     params = replace(params)  # checked again: a field set after it was made (p.temperature = nan) was trusted
     if params.stop_strings and params.stop.tokenizer is None:  # else it fails after the prefill
-        raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
+        raise ValueError(NEEDS_TOKENIZER)
     if not isinstance(prompts, (list, tuple)):
         raise options.BadType(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
     vocab, max_pos, out = model.config.vocab_size, model.config.max_position_embeddings, []

@@ -22,6 +22,9 @@ from .tokenizer.base import decoded_after, whole_characters
 from .transfer import Later, to_device
 
 
+NEEDS_TOKENIZER = "stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)"
+
+
 class StopStrings:
     """`SamplingParams.stop` for stop strings: True once the decoded answer holds one of them. Decoding needs
     the tokenizer, which `SamplingParams.with_tokenizer` binds (`api.ask_many` does)."""
@@ -38,7 +41,7 @@ class StopStrings:
         always a tail of the text), so a long answer does not decode all of itself at every token; a character
         not yet whole is not read (`whole_characters`: its U+FFFD once met a stop string "\ufffd")."""
         if self.tokenizer is None:
-            raise ValueError("stop strings need the tokenizer: SamplingParams.with_tokenizer(tokenizer)")
+            raise ValueError(NEEDS_TOKENIZER)
         skip, start = self.skip_special, max(0, len(ids) - 4)
         tail = decoded_after(self.tokenizer, ids, start, skip)
         need, step = len(tail) + max(map(len, self.strings)), 8
