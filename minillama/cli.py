@@ -193,8 +193,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
                "products": precision.describe(args.device, getattr(torch, args.dtype)),
                "parallel_size": min(plan.parallel_size or n_most, n_most),  # a wave holds what there is
                "batch_docs": min(plan.batch_docs or len(jobs), len(jobs)),
-               "max_memory_mb": round(budget / 2**20, 2),
-               "planned_memory_mb": round(plan.bytes / 2**20, 2), **here.summary()}
+               "max_memory_mb": _mib(budget), "planned_memory_mb": _mib(plan.bytes), **here.summary()}
     print(json_text(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
 
@@ -388,6 +387,11 @@ def over_budget(plan: WavePlan, args: argparse.Namespace) -> str:
 def given_budget(args: argparse.Namespace, budget: int) -> str:
     return f"--max-memory {args.max_memory:g}" if args.max_memory is not None else \
         f"the budget --max-memory left unset gives ({budget / 2**20:g} MiB)"
+
+
+def _mib(n: int) -> float:
+    """Bytes in MiB, to 2 places, or 3 figures below 0.01 MiB (a budget of a byte once read 0: "no bound")."""
+    return round(n / 2**20, 2) if n == 0 or n >= 2**20 / 100 else float(f"{n / 2**20:.3g}")
 
 
 def _count(n: int, noun: str) -> str:

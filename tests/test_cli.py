@@ -460,6 +460,7 @@ def test_memory_is_bounded_by_waves_and_answers_do_not_change(ckpt, files, capsy
     assert cli.main([str(a) for a in base + ["--max-memory", "1e-9", "-n", "1"]]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert json.loads(err[-1])["parallel_size"] == 1
+    assert 0 < json.loads(err[-1])["max_memory_mb"] < 1e-5  # a byte's budget, not 0 ("no bound"), as it once read
     # a budget less than the least waves need is run, and said so, once, not passed over in silence
     assert [re.sub(r"[\d.]+ MiB", "X MiB", line) for line in err if "warning" in line] == [
         "warning: the smallest waves (one question of one document a pass) are estimated at X MiB, more than "
