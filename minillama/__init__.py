@@ -12,11 +12,9 @@ it holds a Ctrl-C that comes while the command imports torch until the command c
 (interrupts.py).
 """
 
-import sys
+from .interrupts import hold_interrupts, starting_a_command
 
-from .interrupts import hold_interrupts
-
-if sys.argv[:1] == ["-m"]:  # `python -m minillama.X` is importing its module: a Ctrl-C now waits for the command
+if starting_a_command():  # `python -m minillama.X` is importing its module: a Ctrl-C now waits for the command
     hold_interrupts()
 
 from .threads import choose_wait_policy  # noqa: E402  (after the handler: any import may be interrupted)

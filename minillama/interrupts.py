@@ -2,12 +2,13 @@
 
 Raised inside an import (torch's takes seconds), a Ctrl-C was a traceback, or, where a library's import
 swallowed it, a half-imported numpy that failed later as a bug in minillama. This module imports nothing
-of minillama's and only `signal`, so the package can install the handler before its first other import.
+of minillama's, only `signal` and `sys`, so the package can install the handler before its first other import.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 
 _held: list[int] = []  # a Ctrl-C that came during an import, while hold_interrupts' handler was in place
 
@@ -43,3 +44,10 @@ def release_interrupts() -> None:
     if _held:
         _held.clear()
         raise KeyboardInterrupt
+
+
+def starting_a_command() -> bool:
+    """Whether Python is importing this package to run one of its commands (`python -m minillama...`: while
+    the package is imported, Python's argv[0] is "-m"), not a program of its own that imports it."""
+    argv = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and any(a == "-m" and b.split(".")[0] == "minillama" for a, b in zip(argv, argv[1:]))

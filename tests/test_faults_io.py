@@ -433,9 +433,9 @@ def test_zero_width_spaces_in_a_file_are_refused_from_their_length(ckpt, inputs,
 
 HELD = """
 import os, signal, sys, tempfile, time
-sys.argv = ["-m"]  # as Python has it while `python -m minillama.X` imports the package
 import minillama
-from minillama import errors
+from minillama import errors, interrupts
+interrupts.hold_interrupts()  # as the package does while `python -m minillama.X` imports it
 d = tempfile.mkdtemp()
 with open(os.path.join(d, "slow_import.py"), "w") as f:  # a module whose import is Ctrl-C'd, as torch's may be
     f.write("import os, signal, time\\nos.kill(os.getpid(), signal.SIGINT)\\ntime.sleep(0.2)\\nDONE = True\\n")
@@ -459,6 +459,15 @@ def test_a_ctrl_c_during_a_commands_imports_is_said_as_interrupted():
     p = subprocess.run([sys.executable, "-c", outside], capture_output=True, text=True, cwd=ROOT, timeout=120,
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert (p.returncode, p.stdout) == (0, "slept\n"), p.stderr
+
+
+def test_a_program_importing_minillama_keeps_its_ctrl_c():
+    """Only `python -m minillama...` holds Ctrl-C while it starts; a program that imports the package keeps
+    Python's handler."""
+    p = subprocess.run([sys.executable, "-c", "import signal, minillama; "
+                        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.stdout == "True\n", p.stderr
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.0])
