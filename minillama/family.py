@@ -76,7 +76,9 @@ def _window(d: dict[str, Any], model_type: str) -> int | None:
     `layer_types` says which); a mix of windowed and full layers is refused."""
     if model_type == "mistral":
         window, kinds = d.get("sliding_window"), d.get("layer_types")
-        return window if window is None or kinds is None else _one_window(kinds, window, "sliding_window", "layer_types")
+        if window is None or kinds is None:
+            return window
+        return _one_window(kinds, window, "sliding_window", "layer_types")
     use = d.get("use_sliding_window")
     if model_type != "llama" and not (use is None or isinstance(use, bool)):
         raise ValueError(f"use_sliding_window must be true or false, got {use!r}")

@@ -159,7 +159,8 @@ def read_jobs(args: argparse.Namespace, context: int | None = None) -> list[tupl
     fits = f"more than fits when the model's context is {context} tokens (at most {BYTES_PER_TOKEN} bytes a token)"
     bound = f"the most read from one file ({FILE_DOCUMENTS} documents' worth of the model's context); split it"
     if args.input is None:
-        doc = "\n".join(lines(read_text(args.doc, "--doc", limit, fits)))  # a BOM opening a line dropped, as in questions
+        # a byte-order mark opening a line is dropped, as in the questions
+        doc = "\n".join(lines(read_text(args.doc, "--doc", limit, fits)))
         if not doc.strip():
             raise BadInput(f"--doc {args.doc}: the document is empty")
         questions = [q.strip() for q in lines(read_text(args.questions, "--questions", many, bound)) if q.strip()]

@@ -190,7 +190,8 @@ def test_fields_a_model_type_does_not_read_are_ignored_as_hf_ignores_them():
     # rope_parameters)
     ({"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      r"rope_parameters \(linear, factor 4.0, rope_theta 10000.0\) and rope_scaling \(yarn, .*\) disagree"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"type": "linear", "factor": 4.0}},
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+      "rope_scaling": {"type": "linear", "factor": 4.0}},
      r"rope_parameters \(default, rope_theta 500000.0\) and rope_scaling \(linear, factor 4.0, rope_theta 10000.0"),
     ([1, 2], r"a config must be a JSON object"),
 ])

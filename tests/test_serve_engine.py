@@ -651,7 +651,7 @@ def test_an_echoed_prompt_is_reduced_pass_by_pass_not_held_as_vocabulary_rows(mo
     4x its KV) until the prompt was done, outside the memory budget. Each pass's rows are reduced as they
     come: the choice holds no tensor between passes, and its prompt log-probs, ranks and top-k are those of
     the whole prompt's rows in one pass."""
-    from minillama.serve.logits import prompt_logprobs
+    from minillama.serve.logits import prompt_row_entries
 
     rng = random.Random(3)
     prompt = [rng.randrange(3, 300) for _ in range(150)]
@@ -670,6 +670,6 @@ def test_an_echoed_prompt_is_reduced_pass_by_pass_not_held_as_vocabulary_rows(mo
         assert not held, (passes, held)
     assert passes > 4  # the prompt took several passes
     with torch.no_grad():
-        whole = prompt_logprobs(torch.log_softmax(model.llama(torch.tensor(prompt)).float(), -1), prompt, 3)
-    assert events[0].prompt_logprobs == whole
+        whole = prompt_row_entries(torch.log_softmax(model.llama(torch.tensor(prompt)).float(), -1), prompt, 0, 3)
+    assert events[0].prompt_logprobs == [(None, None, []), *whole]
     _check_solo(model, [prompt], [events])

@@ -348,7 +348,8 @@ def _shape_main(a: argparse.Namespace, argv: list[str]) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     hf = not a.no_hf and importlib.util.find_spec("transformers") is not None
-    data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, 4 if a.sample is None else a.sample, hf,
+    sample = 4 if a.sample is None else a.sample  # 0: every question
+    data = shape_main(a.shape, a.device, a.dtype, a.tiny, a.tables, a.repeats or 3, sample, hf,
                       log=lambda s: print(s, flush=True), tp=a.tp, dtypes=a.compare_dtypes, parity_check=a.parity,
                       compiled=a.compiled)
     if data is None:  # a tensor-parallel rank other than 0: rank 0 reports

@@ -423,7 +423,7 @@ class Engine:
                                         f"{e}); see the server's log"), quiet=True)
 
     def _prompt_logprobs(self, s: Choice) -> list[PromptLogprob] | None:
-        """Echo / prompt_logprobs (logits.prompt_logprobs), from the prompt's rows kept while it was computed."""
+        """Echo / prompt_logprobs: the first token's empty entry, then the prompt rows' (reduced as they came)."""
         if not s.echo:
             return None
         entries, s.prompt_entries = s.prompt_entries, []

@@ -61,18 +61,12 @@ def filtered(filters: Sequence[RowFilter | None], raw: torch.Tensor) -> torch.Te
 PromptLogprob = tuple[float | None, int | None, list[tuple[int, float]]]
 
 
-def prompt_logprobs(rows: torch.Tensor, prompt: Sequence[int], top_k: int) -> list[PromptLogprob]:
-    """Echo / prompt_logprobs: each prompt token's log-prob given the tokens before it and its rank there (1: the
-    likeliest; None for the first token), with the top-k at its position. rows: (P, vocab) the prompt's
-    log-softmax rows, row t predicting prompt token t + 1."""
-    return [(None, None, []), *prompt_row_entries(rows, prompt, 0, top_k)]
-
-
 def prompt_row_entries(rows: torch.Tensor, prompt: Sequence[int], first: int, top_k: int) -> list[PromptLogprob]:
-    """`prompt_logprobs`' entries of the prompt's rows first, first + 1, ... (rows: their log-softmax, (R,
-    vocab)), each row on its own, so a server reduces each pass's rows as they come rather than holding a
-    vocabulary of floats per prompt token: row t gives token t + 1's; the prompt's last row (it predicts the
-    answer) gives none."""
+    """Echo / prompt_logprobs of the prompt's rows first, first + 1, ... (rows: their log-softmax, (R, vocab)):
+    row t gives prompt token t + 1's log-prob given the tokens before it, its rank there (1: the likeliest)
+    and the top-k at its position; the prompt's last row (it predicts the answer) gives none. Each row on its
+    own, so a server reduces each pass's rows as they come rather than holding a vocabulary of floats per
+    prompt token (the first token's entry, (None, None, []), is the caller's)."""
     rows = rows[:max(0, len(prompt) - 1 - first)]
     nxt = torch.tensor(prompt[first + 1:first + 1 + len(rows)], dtype=torch.long, device=rows.device)
     picked = rows.gather(1, nxt[:, None])  # (R, 1)
