@@ -30,7 +30,7 @@ except ImportError:
     resource = None  # type: ignore[assignment]
 
 from . import api
-from . import distributed, precision, step
+from . import distributed, interrupts, precision, step
 from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as check_api_options, flag, too_long
 from .errors import BadInput, OneLineParser, check_cpu_env, check_device, one_line, run_command
 from .files import json_text
@@ -292,9 +292,8 @@ def reply_json(r: api.Reply, logprobs: bool) -> dict[str, Any]:
 
 def interrupted(channel: Any, writer: "AnswerWriter", out: TextIO, n_questions: int | None) -> int:
     """After Ctrl-C: what is written is flushed and, where this rank writes (`n_questions` given), counted on
-    stderr; exit status 130. The receiving thread's answer in progress is written and counted first, and no
-    other follows (it was flushed here uncounted: "0 of N answers written" after one); a thread stuck writing
-    (a pipe nobody reads) is not waited out."""
+    stderr; exit 130. The receiving thread's answer in progress is written and counted first, no other follows
+    (AnswerWriter keeps write and count together); a thread stuck writing (a pipe nobody reads) is not waited out."""
     channel.lock.acquire(timeout=5)
     with contextlib.suppress(OSError, ValueError):  # an answer Ctrl-C caught before its flush is written
         out.flush()
@@ -321,8 +320,9 @@ class AnswerWriter:
             return
         self.progress.clear()
         while self.written in self.waiting:
-            self._write(self.waiting.pop(self.written))
-            self.written += 1
+            with interrupts.together():  # a Ctrl-C between an answer's write and its count made them disagree
+                self._write(self.waiting.pop(self.written))
+                self.written += 1
         self.out.flush()
 
     def _write(self, r: api.Reply) -> None:

@@ -2,13 +2,15 @@
 
 Raised inside an import (torch's takes seconds), a Ctrl-C was a traceback, or, where a library's import
 swallowed it, a half-imported numpy that failed later as a bug in minillama. This module imports nothing
-of minillama's, only `signal` and `sys`, so the package can install the handler before its first other import.
+of minillama's, only the standard library's, so the package can install the handler before its first other import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+from typing import Iterator
 
 _held: list[int] = []  # a Ctrl-C that came during an import, while hold_interrupts' handler was in place
 
@@ -51,3 +53,33 @@ def starting_a_command() -> bool:
     the package is imported, Python's argv[0] is "-m"), not a program of its own that imports it."""
     argv = getattr(sys, "orig_argv", [])
     return sys.argv[:1] == ["-m"] and any(a == "-m" and b.split(".")[0] == "minillama" for a, b in zip(argv, argv[1:]))
+
+
+@contextlib.contextmanager
+def together() -> Iterator[None]:
+    """Hold a Ctrl-C until the block is done, so that what it writes and what it counts agree (an answer and
+    the count of answers written: "0 of N written" after one). A second Ctrl-C is raised at once (a write
+    blocked on a reader that does not read still ends); outside the main thread, or where SIGINT is not
+    Python's own handler's, the block runs as it is."""
+    got: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        if got:
+            raise KeyboardInterrupt
+        got.append(signum)
+
+    try:
+        held = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if held:
+            signal.signal(signal.SIGINT, hold)
+    except ValueError:  # not the main thread: signals are not this thread's
+        held = False
+    if not held:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if got:
+        raise KeyboardInterrupt

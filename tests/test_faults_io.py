@@ -480,3 +480,16 @@ def test_ctrl_c_while_the_command_starts(ckpt, inputs, delay):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in err and err.startswith("interrupted"), (p.returncode, err)
+
+
+def test_a_ctrl_c_between_an_answers_write_and_its_count_waits_for_both():
+    """The count said "0 of N answers written" after one: Ctrl-C came between the answer's write and its count.
+    Held until both are done; a second Ctrl-C is raised at once (a write blocked on a reader that does not read)."""
+    code = ("import os, signal\nfrom minillama import interrupts\nwritten = 0\ntry:\n"
+            "    with interrupts.together():\n        os.kill(os.getpid(), signal.SIGINT)\n        written += 1\n"
+            "except KeyboardInterrupt:\n    print('interrupted after', written)\n"
+            "try:\n    with interrupts.together():\n        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n        written += 1\n"
+            "except KeyboardInterrupt:\n    print('twice: interrupted at', written)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.stdout == "interrupted after 1\ntwice: interrupted at 1\n", p.stderr
