@@ -339,3 +339,20 @@ def test_a_top_level_pretraining_length_wins_as_in_transformers(tmp_path, rope):
     ids = torch.randint(3, 101, (100,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(build_model(config, sd)(ids), ref(ids[None]).logits[0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("extra, want", [
+    ({"llama.rope.scale_linear": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, {"rope_type": "linear", "factor": 1.0}),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scale_linear": 4.0}, None),
+])
+def test_gguf_rope_scaling_reads_as_llama_cpp_reads_it(tmp_path, extra, want):
+    """A GGUF's factor with no scaling type is linear, and an explicit type "none" never scales, whatever
+    factor stands beside it (a factor of 0 is no scaling): as llama.cpp, whose format it is, runs the file.
+    An explicit "none" beside a factor was scaled linearly before."""
+    config = LlamaConfig(**BASE)
+    sd = {k: torch.ones(s) for k, s in expected_shapes(config).items()}
+    got, _ = load_state_dict(write_gguf(tmp_path / "m.gguf", config, sd, None, extra=extra))
+    assert got.rope_scaling == want

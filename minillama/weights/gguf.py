@@ -123,11 +123,10 @@ def _gguf_rope_scaling(key: Any, rope_factors: np.ndarray | None, head_dim: int,
             raise ValueError(f"{name} must be {'an integer' if kind is numbers.Integral else 'a number'}, got {x!r}")
         return x
 
-    kind = key("rope.scaling.type", "none")
     factor = number("rope.scaling.factor") if key("rope.scaling.factor") is not None else number("rope.scale_linear")
-    factor = 1.0 if factor is None else factor
-    if kind == "none" and factor != 1.0:  # older files: rope.scale_linear alone
-        kind = "linear"
+    factor = 1.0 if factor is None or factor == 0 else factor  # 0: unscaled, as llama.cpp reads it
+    # As llama.cpp reads it too: no type is linear (older files: rope.scale_linear alone); "none" never scales.
+    kind = key("rope.scaling.type", "linear" if factor != 1.0 else "none")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
