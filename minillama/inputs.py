@@ -101,7 +101,7 @@ def model_context(path: str | None) -> int:
         if p.is_file():
             from .weights.gguf import gguf_metadata, open_gguf
 
-            meta = gguf_metadata(open_gguf(p))
+            meta = gguf_metadata(open_gguf(p), p)
             arch = meta.get("general.architecture")
             return min(int(meta[f"{arch}.context_length"]), MAX_CONTEXT)
     except Exception:  # noqa: BLE001 - any fault of the checkpoint is the loader's to report, in its words

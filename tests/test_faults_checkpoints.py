@@ -423,6 +423,30 @@ def test_the_cli_names_a_gguf_tokenizer_id_past_the_tokens(tmp_path, gguf_values
     assert "m.gguf: tokenizer.ggml.bos_token_id 100000 is not a token id" in _cli_error(capsys, path, inputs)
 
 
+
+@pytest.mark.parametrize("field, text", [("tokenizer.ggml.tokens", b"<|im_start|>"), ("general.name", b"NAMEMARK")])
+def test_a_gguf_string_that_is_not_utf8_is_one_line_naming_the_key(tmp_path, inputs, capsys, field, text):
+    """gguf-py decodes a string when it is read, strictly: a byte that is no UTF-8 was a UnicodeDecodeError
+    traceback from loading, from the tokenizer alone and from `weights info`."""
+    from minillama.tokenizer import TokenizerError, load_tokenizer
+
+    tok = _bpe_tok()
+    config = tiny_config(vocab=len(tok["tokens"]))
+    path = write_gguf(tmp_path / "m.gguf", config, random_state_dict(config), tok, extra={"general.name": "NAMEMARK"})
+    data = bytearray(path.read_bytes())
+    data[data.index(text, data.index(field.encode()))] = 0xFF
+    path.write_bytes(data)
+    says = f"{path}: field {field} is not valid UTF-8"
+    with pytest.raises(WeightsError) as e:
+        load_model(path)
+    assert _one_line(e).startswith(says)
+    assert says in _weights_error(capsys, "info", str(path))
+    assert says in _cli_error(capsys, path, inputs)
+    if field.startswith("tokenizer."):
+        with pytest.raises(TokenizerError) as e:
+            load_tokenizer(path)
+        assert _one_line(e, "(string 1: b'\\xff|im_start|>')").startswith(says)
+
 # --- a chat_template.jinja that is not UTF-8 text -------------------------------------------------------
 
 

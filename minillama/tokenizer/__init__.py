@@ -17,11 +17,11 @@ markers are control tokens: "<|im_end|>" written in a document is text, it canno
 
 from .base import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer, TokenizerError
 from .bpe import BPE_PRE_TOKENIZERS, HFTokenizer, byte_bpe_tokenizer
-from .load import load_tokenizer, read_gguf_tokenizer_metadata, tokenizer_from_gguf_metadata
+from .load import gguf_values, load_tokenizer, read_gguf_tokenizer_metadata, tokenizer_from_gguf_metadata
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
 __all__ = [
     "BYTE", "CONTROL", "NORMAL", "UNKNOWN", "UNUSED", "USER_DEFINED", "Tokenizer", "TokenizerError",
-    "BPE_PRE_TOKENIZERS", "HFTokenizer", "byte_bpe_tokenizer", "load_tokenizer", "read_gguf_tokenizer_metadata",
-    "tokenizer_from_gguf_metadata", "SentencePieceTokenizer", "sentencepiece_proto",
+    "BPE_PRE_TOKENIZERS", "HFTokenizer", "byte_bpe_tokenizer", "gguf_values", "load_tokenizer",
+    "read_gguf_tokenizer_metadata", "tokenizer_from_gguf_metadata", "SentencePieceTokenizer", "sentencepiece_proto",
 ]

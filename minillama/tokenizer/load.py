@@ -144,7 +144,32 @@ def read_gguf_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
         reader = GGUFReader(str(path))
     except Exception as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from None
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    return gguf_values(reader, str(path), "tokenizer.")
+
+
+def gguf_values(reader: Any, source: str, prefix: str = "") -> dict[str, Any]:
+    """The metadata of a `gguf.GGUFReader` whose keys start with `prefix`, key -> value. gguf-py decodes
+    strings as strict UTF-8 when asked for them: a string that is not is TokenizerError naming the key."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not key.startswith(prefix):
+            continue
+        try:
+            out[key] = field.contents()
+        except UnicodeDecodeError:
+            parts = [bytes(field.parts[i]) for i in field.data]  # one string, or each string of an array
+            k, bad = next((k, b) for k, b in enumerate(parts) if not _utf8(b))
+            where = f" (string {k}: {bad[:40]!r})" if len(parts) > 1 else f" ({bad[:40]!r})"
+            raise TokenizerError(f"{source}: field {key} is not valid UTF-8{where}") from None
+    return out
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _read_json(path: Path) -> dict[str, Any]:

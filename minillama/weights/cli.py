@@ -29,7 +29,7 @@ def info(path: str | Path) -> dict[str, Any]:
     kinds: dict[str, int] = {}
     if fmt == "gguf":
         reader = open_gguf(p)
-        meta = gguf_metadata(reader)
+        meta = gguf_metadata(reader, p)
         for t in reader.tensors:
             kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
         check_gguf_types(reader, p)  # what loading would refuse, in its order, as an HF directory's info does

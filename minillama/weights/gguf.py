@@ -54,8 +54,14 @@ def open_gguf(path: str | Path) -> Any:
     return reader
 
 
-def gguf_metadata(reader: Any) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items()}
+def gguf_metadata(reader: Any, source: str | Path = "GGUF file") -> dict[str, Any]:
+    """Every metadata key of the file, key -> value; a string that is not UTF-8 is WeightsError naming the key."""
+    from minillama.tokenizer import TokenizerError, gguf_values
+
+    try:
+        return gguf_values(reader, str(source))
+    except TokenizerError as e:
+        raise WeightsError(str(e)) from None
 
 
 def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str | Path,
@@ -244,7 +250,7 @@ def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConf
     from gguf.quants import dequantize
 
     reader = open_gguf(path)
-    meta = gguf_metadata(reader)
+    meta = gguf_metadata(reader, path)
     check_gguf_types(reader, path)
     config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)
     check_gguf_layout(reader, path, config)  # every whole shape, before any tensor is read or cut

@@ -121,7 +121,7 @@ def read_config(path: str | Path) -> LlamaConfig:
     if fmt == "meta":
         return meta_config(Path(path))
     reader = open_gguf(path)
-    return _checked_gguf_config(gguf_metadata(reader), {t.name for t in reader.tensors}, path, reader)
+    return _checked_gguf_config(gguf_metadata(reader, path), {t.name for t in reader.tensors}, path, reader)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
