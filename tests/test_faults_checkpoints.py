@@ -364,6 +364,12 @@ BAD_GGUF = {  # tokenizer values, metadata written in place of the writer's, ext
                                "tokenizer.ggml.token_type holds '3', not a token type (0 to 6)"),
     "a token type past the last": ("sp", {"types": lambda t: t[:-1] + [99]}, {}, {},
                                    "tokenizer.ggml.token_type holds 99, not a token type (0 to 6)"),
+    "gpt2 merges a number": ("bpe", {}, {"tokenizer.ggml.merges": (5, "UINT32")}, {},
+                             "tokenizer.ggml.merges must be a list, got 5"),
+    "tokens a string": ("sp", {}, {"tokenizer.ggml.tokens": ("abc", "STRING")}, {},
+                        "tokenizer.ggml.tokens must be a list, got 'abc'"),
+    "scores as strings": ("sp", {"scores": lambda t: [str(x) for x in t]}, {}, {},
+                          "tokenizer.ggml.scores holds '0.0', not a number"),
 }
 
 

@@ -194,6 +194,32 @@ def test_unknown_vocabulary_kinds_are_refused():
         tokenizer_from_gguf_metadata({}, "x.gguf")
 
 
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("field, value, says", [
+    ("merges", 5, "merges must be a list, got 5"),
+    ("merges", ["a b", 7], "merges holds 7, not a string (\"a b\")"),
+    ("tokens", 5, "tokens must be a list, got 5"),
+    ("tokens", "abc", "tokens must be a list, got 'abc'"),  # once taken as three tokens
+    ("token_type", 5, "token_type must be a list, got 5"),
+    ("token_type", [True] * 6, "token_type holds True, not a token type (0 to 6)"),
+    ("scores", 5, "scores must be a list, got 5"),
+    ("scores", ["0.5"] * 6, "scores holds '0.5', not a number"),
+    ("pre", ["gpt-2"], "pre must be a string, got ['gpt-2']"),
+])
+def test_gguf_tokenizer_fields_of_another_type_are_named(kind, field, value, says):
+    """A field of another type than llama.cpp writes was a TypeError or ValueError from deep in the build
+    (merges as a number, scores as strings, pre as a list), or taken as something else (a string as tokens)."""
+    meta = {"tokenizer.ggml.model": kind, "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": ["<unk>", "a", "b", "ab", "<s>", "</s>"],
+            "tokenizer.ggml.token_type": [2, 1, 1, 1, 3, 3], "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 1.0, 0.0, 0.0], "tokenizer.ggml.bos_token_id": 4}
+    tokenizer_from_gguf_metadata(meta, "x.gguf")  # as written, it loads
+    with pytest.raises(TokenizerError) as e:
+        tokenizer_from_gguf_metadata({**meta, f"tokenizer.ggml.{field}": value}, "x.gguf")
+    assert str(e.value) == f"x.gguf: tokenizer.ggml.{says}"
+
+
 # --------------------------------------------------------------------------------------------------
 # Saving, HF directories, chat templates
 

@@ -5,8 +5,9 @@ end-of-sequence ids), a single tokenizer file, or a GGUF file's `tokenizer.ggml.
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -18,16 +19,11 @@ from .spm import SentencePieceTokenizer, sentencepiece_proto
 def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF file") -> Tokenizer:
     """The tokenizer a GGUF file describes. `meta` maps keys (`tokenizer.ggml.tokens`, ...) to values."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind is None or "tokenizer.ggml.tokens" not in meta:
+    if kind is None or meta.get("tokenizer.ggml.tokens") is None:
         raise TokenizerError(f"{source}: no tokenizer in the metadata (tokenizer.ggml.model/tokens missing)")
+    _check_gguf_types(meta, source)  # each field's type, before any is used
     tokens = list(meta["tokenizer.ggml.tokens"])
-    if not all(isinstance(t, str) for t in tokens):
-        raise TokenizerError(f"{source}: tokenizer.ggml.tokens must be a list of strings")
     types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    bad = next((t for t in types if not (_is_id(t) and t <= MAX_TOKEN_TYPE)), None)
-    if bad is not None:  # a string or unknown type would leave a special token ordinary text
-        raise TokenizerError(f"{source}: tokenizer.ggml.token_type holds {bad!r}, not a token type (0 to "
-                             f"{MAX_TOKEN_TYPE})")
     for key, values in (("token_type", types), ("scores", meta.get("tokenizer.ggml.scores"))):
         if values is not None and len(values) != len(tokens):
             raise TokenizerError(f"{source}: tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} tokens")
@@ -78,6 +74,32 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
 
 
 MAX_TOKEN_TYPE = 6  # GGUF token types: undefined, normal, unknown, control, user-defined, unused, byte
+
+# What each item of a `tokenizer.ggml.*` list must be (a test, and its words for the message): a string, a
+# number, or a wrong token type would be a TypeError deep in the library, or leave a special token plain text.
+GGUF_LISTS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tokens": (lambda x: isinstance(x, str), "a string"),
+    "token_type": (lambda x: _is_id(x) and x <= MAX_TOKEN_TYPE, f"a token type (0 to {MAX_TOKEN_TYPE})"),
+    "scores": (lambda x: isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)), "a number"),
+    "merges": (lambda x: isinstance(x, str), 'a string ("a b")'),
+}
+
+
+def _check_gguf_types(meta: dict[str, Any], source: str) -> None:
+    """Each `tokenizer.ggml.*` list a list of what GGUF_LISTS says ("abc" is no list of three tokens), `pre` a
+    string; TokenizerError naming the field otherwise."""
+    for key, (ok, what) in GGUF_LISTS.items():
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is None:
+            continue
+        if not isinstance(values, (list, tuple)):
+            raise TokenizerError(f"{source}: tokenizer.ggml.{key} must be a list, got {repr(values)[:80]}")
+        bad = next((x for x in values if not ok(x)), ok)  # `ok` itself: no item is bad
+        if bad is not ok:
+            raise TokenizerError(f"{source}: tokenizer.ggml.{key} holds {repr(bad)[:80]}, not {what}")
+    pre = meta.get("tokenizer.ggml.pre")
+    if not (pre is None or isinstance(pre, str)):
+        raise TokenizerError(f"{source}: tokenizer.ggml.pre must be a string, got {repr(pre)[:80]}")
 
 
 def _flag(meta: dict[str, Any], key: str, default: bool, source: str) -> bool:
