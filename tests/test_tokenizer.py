@@ -130,6 +130,22 @@ def test_add_bos_token_from_gguf_adds_bos():
     assert tok.encode("hi", add_special=True) == [1, *tok.encode("hi")]
 
 
+
+@pytest.mark.parametrize("add_bos", [False, True])
+@pytest.mark.parametrize("add_eos", [False, True])
+def test_gguf_gpt2_vocabulary_adds_bos_and_eos_each_as_its_flag_says(tmp_path, add_bos, add_eos):
+    """add_eos_token was dropped where add_bos_token was true too: the post-processor built for BOS added
+    only BOS (llama.cpp adds each on its own). A saved directory loads in transformers alike."""
+    from transformers import AutoTokenizer
+
+    meta = {**gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer())), "tokenizer.ggml.add_bos_token": add_bos,
+            "tokenizer.ggml.add_eos_token": add_eos}
+    tok = tokenizer_from_gguf_metadata(meta)
+    ids = tok.encode("hi there")
+    assert tok.encode("hi there", add_special=True) == [1] * add_bos + ids + [2] * add_eos
+    tok.save(tmp_path)
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).encode("hi there") == [1] * add_bos + ids + [2] * add_eos
+
 def test_add_bos_token_from_tokenizer_config_when_tokenizer_json_has_no_post_processor():
     tok = HFTokenizer(byte_bpe_tokenizer(), bos_token="<|im_start|>", eos_tokens=["<|im_end|>"], add_bos=True)
     assert tok.encode("hi", add_special=True) == [1, *tok.encode("hi")]

@@ -146,9 +146,10 @@ def trained_byte_bpe(texts: Sequence[str], vocab_size: int = 300, chat_template:
 
 
 def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequence[int], pre: str,
-                       *, bos_id: int | None, add_bos: bool) -> Any:
+                       *, bos_id: int | None, add_bos: bool, eos_id: int | None = None, add_eos: bool = False) -> Any:
     """A `tokenizers.Tokenizer` for a GGUF `gpt2` vocabulary: BPE over byte-level symbols, text split
-    as llama.cpp splits it for this `pre` type, control tokens matched whole as special tokens."""
+    as llama.cpp splits it for this `pre` type, control tokens matched whole as special tokens; BOS and EOS
+    added around a sequence by its post-processor as the `add_*` flags say (llama.cpp adds each on its own)."""
     from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as _Tok
 
@@ -176,8 +177,10 @@ def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequ
                             for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == USER_DEFINED])
-    if add_bos and bos_id is not None:
-        bos = tokens[bos_id]
+    ends = [(tokens[i], i) for i, add in ((bos_id, add_bos), (eos_id, add_eos)) if add and i is not None]
+    if ends:
+        bos = f"{tokens[bos_id]} " if add_bos and bos_id is not None else ""
+        eos = f" {tokens[eos_id]}" if add_eos and eos_id is not None else ""
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+            single=f"{bos}$A{eos}", pair=f"{bos}$A{eos} {bos}$B{eos}", special_tokens=list(dict.fromkeys(ends)))
     return tok

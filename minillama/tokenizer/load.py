@@ -55,7 +55,7 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
         except TokenizerError as e:
             raise TokenizerError(f"{source}: {e}") from None
     if kind == "gpt2":
-        add_bos = _flag(meta, "add_bos_token", False, source)
+        add_bos, add_eos = _flag(meta, "add_bos_token", False, source), _flag(meta, "add_eos_token", False, source)
         if "tokenizer.ggml.pre" not in meta:  # older files: llama.cpp then splits its own "default" way
             raise TokenizerError(f"{source}: tokenizer.ggml.pre missing: which pre-tokenizer splits the text is not "
                                  "said (llama.cpp guesses 'default'); convert the model again with a current llama.cpp")
@@ -64,12 +64,12 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
                                  "needs its merges")
         try:
             tok = byte_bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges") or [], types,
-                                     meta["tokenizer.ggml.pre"], bos_id=bos_id, add_bos=add_bos)
+                                     meta["tokenizer.ggml.pre"], bos_id=bos_id, add_bos=add_bos,
+                                     eos_id=meta.get("tokenizer.ggml.eos_token_id"), add_eos=add_eos)
         except TokenizerError as e:
             raise TokenizerError(f"{source}: {e}") from None
         return HFTokenizer(tok, bos_token=tokens[bos_id] if bos_id is not None else None,
-                           extra_eos_ids=eos_ids, chat_template=template, add_bos=add_bos,
-                           add_eos=_flag(meta, "add_eos_token", False, source))
+                           extra_eos_ids=eos_ids, chat_template=template, add_bos=add_bos, add_eos=add_eos)
     raise TokenizerError(f"{source}: unsupported tokenizer type {kind!r} (supported: llama, gpt2)")
 
 
