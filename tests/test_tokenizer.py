@@ -332,6 +332,33 @@ def test_special_tokens_map_is_read_as_transformers_reads_it(tmp_path, given):
     assert tok.eos_ids == [ref.eos_token_id]
 
 
+@pytest.mark.parametrize("decoder", [False, True], ids=["map read", "map not read"])
+def test_templates_see_every_named_special_token_as_transformers(tmp_path, decoder):
+    """Templates saw bos_token and eos_token only: "{{ pad_token }}" rendered nothing where HF renders "<pad>"
+    (HF passes every named token, and any other "..._token" the config gives). HF reads special_tokens_map.json
+    only where tokenizer_config.json has no added_tokens_decoder; its eos_token was taken whatever the config held."""
+    from transformers import AutoTokenizer
+
+    byte_bpe_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    template = "|".join("{{ %s }}" % n for n in ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                                                 "cls_token", "mask_token", "image_token", "additional_special_tokens"])
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "image_token": "<|im_start|>",
+           "pad_token": {"__type": "AddedToken", "content": "<|endoftext|>"}, "split_special_token": False,
+           "additional_special_tokens": ["<|im_start|>"], "chat_template": template}
+    if decoder:
+        cfg["added_tokens_decoder"] = {"0": {"content": "<|endoftext|>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    stm = {"eos_token": "<|endoftext|>", "unk_token": "<|im_start|>", "mask_token": {"content": "<|im_end|>"}}
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(stm))
+    chat = [{"role": "user", "content": "hi"}]
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    rendered = ref.apply_chat_template(chat, tokenize=False)
+    assert tok.apply_chat_template(chat) == rendered and rendered.count("<") == 5 - decoder * 2
+    assert tok.eos_ids[0] == ref.eos_token_id
+    (tmp_path / "again").mkdir()
+    tok.save(tmp_path / "again")
+    assert load_tokenizer(tmp_path / "again").apply_chat_template(chat) == rendered
+
 def test_a_sentencepiece_directorys_templates_see_the_tokens_its_config_gives(tmp_path):
     """A tokenizer.model directory's templates saw the model's own <s> and </s> whatever tokenizer_config.json
     gave (null, or another token), where HF renders the config's."""

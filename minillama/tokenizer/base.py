@@ -46,6 +46,7 @@ class Tokenizer:
     eos_token: str | None
     add_bos: bool | None  # what encode(text, add_special=True) adds
     add_eos: bool | None
+    named_tokens: dict[str, str] = {}  # the other special tokens a template sees by name ("pad_token": "<pad>")
     source: str = "the tokenizer"  # the file it was read from, for messages
     template_source: str = "the chat template"  # the file and field the chat template was read from
 
@@ -135,8 +136,9 @@ class Tokenizer:
         template = check_template(self.chat_template, self.template_source)
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   range=_bounded_range(), **{"tools": None, "documents": None, **variables})
+                                   range=_bounded_range(), **{**self.named_tokens, "bos_token": self.bos_token or "",
+                                                              "eos_token": self.eos_token or "", "tools": None,
+                                                              "documents": None, **variables})
         except Exception as e:  # noqa: BLE001 - the template is the user's program: whatever it raises is its fault
             raise TokenizerError(f"{self.template_source}: the template failed: "
                                  f"{' '.join(str(e).split()) or type(e).__name__}") from None
@@ -246,7 +248,7 @@ class Tokenizer:
     def _config_json(self) -> dict[str, Any]:
         """tokenizer_config.json, in the keys HF transformers reads."""
         return {
-            "bos_token": self.bos_token, "eos_token": self.eos_token,
+            "bos_token": self.bos_token, "eos_token": self.eos_token, **self.named_tokens,
             "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
             "clean_up_tokenization_spaces": False,
             "chat_template": self.chat_template,

@@ -153,6 +153,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if bos is not None and cfg.get("add_bos_token") and tok.token_to_id(bos) is None:
         raise TokenizerError(f'{cfg_path}: "bos_token" {bos!r} is not a token of the tokenizer, and '
                              f'"add_bos_token" is true: no BOS could be added')
+    tok.named_tokens = {k: v for k, v in given.items() if k not in ("bos_token", "eos_token") and v is not None}
     if template is not None:
         tok.template_source = template_source
         check_template(template, template_source)  # a syntax error is found now, before any work
@@ -204,12 +205,27 @@ def _read_json(path: Path) -> dict[str, Any]:
     return d
 
 
+# The special tokens HF transformers names (`SPECIAL_TOKENS_ATTRIBUTES`); each is a variable of the chat template.
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def _special_tokens(cfg: dict[str, Any], stm: dict[str, Any], path: Path) -> dict[str, str | None]:
-    """bos_token and eos_token as special_tokens_map.json (`stm`, read from `path`) gives them (where older
-    checkpoints keep them), else as tokenizer_config.json does (null: none): the map wins, as HF transformers
-    reads them. A field neither gives is absent."""
-    _check_config({k: stm[k] for k in ("bos_token", "eos_token") if k in stm}, path)
-    return {k: _token_text(src[k]) for src in (cfg, stm) for k in ("bos_token", "eos_token") if k in src}
+    """The named special tokens, name -> text (None: none), as HF transformers reads them: NAMED_TOKENS and any
+    other "..._token" given as a token (a model's own, "image_token"), from tokenizer_config.json (`cfg`), and
+    from special_tokens_map.json (`stm`, read from `path`; older checkpoints keep them there), whose tokens win,
+    but which HF reads only where the config has no added_tokens_decoder. A token neither gives is absent."""
+    if "added_tokens_decoder" in cfg:
+        stm = {}
+    _check_config({k: stm[k] for k in NAMED_TOKENS if k in stm}, path)
+    return {k: _token_text(src[k]) for src in (cfg, stm) for k in src
+            if k in NAMED_TOKENS or (k.endswith("_token") and _is_token(src[k], src is stm))}
+
+
+def _is_token(value: Any, in_map: bool) -> bool:
+    """Whether a "..._token" field that HF does not name holds a token: a string, or an AddedToken object (in
+    tokenizer_config.json marked "__type": "AddedToken", as HF writes it there; add_bos_token is a flag)."""
+    return isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str) and
+                                      (in_map or value.get("__type") == "AddedToken"))
 
 
 def _added_tokens(d: Path, cfg: dict[str, Any], stm: dict[str, Any],
@@ -232,7 +248,7 @@ def _added_tokens(d: Path, cfg: dict[str, Any], stm: dict[str, Any],
             if not _is_id(i):
                 raise TokenizerError(f"{d / 'added_tokens.json'}: must map token texts to ids, got "
                                      f"{json.dumps({text: i})[:80]}")
-            out.setdefault(i, (text, text in named or text in given.values()))
+            out.setdefault(i, (text, text in named or text in [given.get(k) for k in NAMED_TOKENS]))
     return out
 
 
@@ -251,7 +267,7 @@ def _check_config(cfg: dict[str, Any], path: Path) -> None:
     def bad(field: str, what: str) -> TokenizerError:
         return TokenizerError(f'{path}: "{field}" must be {what}, got {json.dumps(cfg[field])[:80]}')
 
-    for field in ("bos_token", "eos_token"):
+    for field in NAMED_TOKENS:
         v = cfg.get(field)
         if not (v is None or isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))):
             raise bad(field, 'a string, an AddedToken object {"content": "..."} or null')
