@@ -359,6 +359,35 @@ def test_templates_see_every_named_special_token_as_transformers(tmp_path, decod
     tok.save(tmp_path / "again")
     assert load_tokenizer(tmp_path / "again").apply_chat_template(chat) == rendered
 
+def test_added_tokens_decoder_overrides_a_tokenizer_json_as_transformers(tmp_path):
+    """tokenizer_config.json's added_tokens_decoder was read beside a tokenizer.model only: a token tokenizer.json
+    lists as ordinary and the config as special (or lstrip) stayed ordinary, and a named special token that is no
+    added token was not made one, where HF adds each (decode skips them; a message's "<x>" must stay text)."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    lib = byte_bpe_tokenizer()
+    lib.add_tokens([AddedToken("<x>", special=False, normalized=False), "zebra"])
+    lib.save(str(tmp_path / "tokenizer.json"))
+    pad, fox = sorted(t for t in lib.get_vocab() if t.isalpha() and len(t) > 2)[:2]  # words of the vocabulary
+    x = {"content": "<x>", "special": True, "lstrip": True, "rstrip": False, "normalized": False, "single_word": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": pad,
+        "additional_special_tokens": ["zebra", fox], "added_tokens_decoder": {str(lib.token_to_id("<x>")): x},
+        "chat_template": CHATML}))
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    hf_special = [t.content for t in ref.backend_tokenizer.get_added_tokens_decoder().values() if t.special]
+    assert sorted(tok.special_tokens()) == sorted(hf_special) and {"<x>", pad, fox} <= set(hf_special)
+    for text in ["a <x> b", f"the{pad}{fox} zebra<|im_end|>", f"<x><x> {fox}", "plain text"] + TEXTS[:20]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "user", "content": "say <x> and more"}]
+    assert tok.token_to_id("<x>") not in tok.encode_chat(chat)
+    assert tok.encode_chat([{"role": "user", "content": "hi there"}], False) == ref.apply_chat_template(
+        [{"role": "user", "content": "hi there"}], tokenize=True)["input_ids"]
+
 def test_a_sentencepiece_directorys_templates_see_the_tokens_its_config_gives(tmp_path):
     """A tokenizer.model directory's templates saw the model's own <s> and </s> whatever tokenizer_config.json
     gave (null, or another token), where HF renders the config's."""

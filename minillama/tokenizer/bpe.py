@@ -30,14 +30,7 @@ class HFTokenizer(Tokenizer):
 
     @classmethod
     def from_file(cls, path: str | Path, **kwargs: Any) -> "HFTokenizer":
-        from tokenizers import Tokenizer as _Tok
-
-        try:
-            with utf8_name(path) as name:
-                tok = _Tok.from_file(name)
-        except Exception as e:
-            raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
-        out = cls(tok, **kwargs)
+        out = cls(read_tokenizer_json(path), **kwargs)
         out.source = str(path)
         return out
 
@@ -101,6 +94,17 @@ class HFTokenizer(Tokenizer):
         if cfg["add_bos_token"] is None:
             del cfg["add_bos_token"], cfg["add_eos_token"]  # the post-processor in tokenizer.json decides
         write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_tokenizer_json(path: str | Path) -> Any:
+    """The `tokenizers.Tokenizer` of a tokenizer.json, or TokenizerError naming the file."""
+    from tokenizers import Tokenizer as _Tok
+
+    try:
+        with utf8_name(path) as name:
+            return _Tok.from_file(name)
+    except Exception as e:
+        raise TokenizerError(f"{path}: not a readable tokenizer.json ({e})") from None
 
 
 def _unique(ids: Sequence[int]) -> list[int]:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
-from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer
+from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer, read_tokenizer_json
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
 
@@ -132,10 +132,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     given = _special_tokens(cfg, stm, stm_path)
     bos, eos = given.get("bos_token"), given.get("eos_token")
     if (p / "tokenizer.json").exists():
-        tok = HFTokenizer.from_file(
-            p / "tokenizer.json", bos_token=bos, eos_tokens=[eos] if eos else [],
-            extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
-            add_bos=cfg.get("add_bos_token"), add_eos=cfg.get("add_eos_token"))
+        lib = read_tokenizer_json(p / "tokenizer.json")
+        lib.add_tokens(_config_added_tokens(cfg, stm, given, cfg_path, lib))
+        tok = HFTokenizer(lib, bos_token=bos, eos_tokens=[eos] if eos else [],
+                          extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
+                          add_bos=cfg.get("add_bos_token"), add_eos=cfg.get("add_eos_token"))
+        tok.source = str(p / "tokenizer.json")
         tok.eos_token = eos  # what templates see: the config's text, none when it gives none (as HF renders)
     elif (p / "tokenizer.model").exists():
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
@@ -235,12 +237,8 @@ def _added_tokens(d: Path, cfg: dict[str, Any], stm: dict[str, Any],
     special_tokens_map.json lists them or they are BOS or EOS. TokenizerError naming the file and field."""
     out: dict[int, tuple[str, bool]] = {}
     path = d / "tokenizer_config.json"
-    for key, tok in (cfg.get("added_tokens_decoder") or {}).items():
-        if not (isinstance(key, str) and key.isdigit() and isinstance(tok, dict) and isinstance(tok.get("content"), str)
-                and isinstance(tok.get("special", False), bool)):
-            raise TokenizerError(f'{path}: "added_tokens_decoder" must map ids to {{"content": "...", "special": '
-                                 f"true/false}}, got {json.dumps({key: tok})[:80]}")
-        out[int(key)] = (tok["content"], tok.get("special", False))
+    for i, tok in _decoder_entries(cfg, path).items():
+        out[i] = (tok["content"], tok.get("special", False))
     if (d / "added_tokens.json").exists():
         extra = _read_json(d / "added_tokens.json")
         named = {_token_text(t) for t in stm.get("additional_special_tokens") or [] if isinstance(t, (str, dict))}
@@ -250,6 +248,44 @@ def _added_tokens(d: Path, cfg: dict[str, Any], stm: dict[str, Any],
                                      f"{json.dumps({text: i})[:80]}")
             out.setdefault(i, (text, text in named or text in [given.get(k) for k in NAMED_TOKENS]))
     return out
+
+
+ADDED_TOKEN_FLAGS = ("special", "lstrip", "rstrip", "normalized", "single_word")
+
+
+def _decoder_entries(cfg: dict[str, Any], path: Path) -> dict[int, dict[str, Any]]:
+    """tokenizer_config.json's added_tokens_decoder, id -> {"content": ..., "special": ..., ...}, each checked:
+    TokenizerError naming the file and the field."""
+    out: dict[int, dict[str, Any]] = {}
+    for key, tok in (cfg.get("added_tokens_decoder") or {}).items():
+        if not (isinstance(key, str) and key.isdigit() and isinstance(tok, dict) and isinstance(tok.get("content"), str)
+                and all(isinstance(tok.get(f, False), bool) for f in ADDED_TOKEN_FLAGS)):
+            raise TokenizerError(f'{path}: "added_tokens_decoder" must map ids to {{"content": "...", "special": '
+                                 f"true/false}}, got {json.dumps({key: tok})[:80]}")
+        out[int(key)] = tok
+    return out
+
+
+def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[str, str | None], path: Path,
+                         lib: Any) -> list[Any]:
+    """The tokens HF transformers adds to a tokenizer.json's tokenizer `lib` when it loads the directory, in its
+    order (`TokenizersBackend.__init__`): every entry of added_tokens_decoder with the flags the config gives (a
+    token the file has as ordinary, the config may make special), then as special each named special token
+    (`given`) and additional_special_tokens entry (`stm`'s where HF reads the map) that is neither an added token
+    of the file nor among those. Adding a token the tokenizer has changes only its flags. One that is no token of
+    the vocabulary is left out: HF appends it with a new id, past the vocabulary the model was trained with."""
+    from tokenizers import AddedToken
+
+    entries = [AddedToken(t["content"], **{f: t[f] for f in ADDED_TOKEN_FLAGS if f in t})
+               for _, t in sorted(_decoder_entries(cfg, path).items())]
+    extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
+    stm = {} if "added_tokens_decoder" in cfg else stm
+    extra = [*(extra if isinstance(extra, list) else []), *(stm.get("additional_special_tokens") or [])]
+    order = [*NAMED_TOKENS, *given]  # HF's named tokens first, a model's own after
+    texts = [given[k] for k in sorted(given, key=order.index)] + [_token_text(t) for t in extra]
+    have = {t.content for t in lib.get_added_tokens_decoder().values()} | {e.content for e in entries}
+    return entries + [AddedToken(t, special=True) for t in dict.fromkeys(texts)
+                      if isinstance(t, str) and t not in have and lib.token_to_id(t) is not None]
 
 
 def _token_text(tok: Any) -> str | None:
