@@ -388,6 +388,64 @@ def test_added_tokens_decoder_overrides_a_tokenizer_json_as_transformers(tmp_pat
     assert tok.encode_chat([{"role": "user", "content": "hi there"}], False) == ref.apply_chat_template(
         [{"role": "user", "content": "hi there"}], tokenize=True)["input_ids"]
 
+def _llama_tokenizer_json(style: str) -> str:
+    """A tiny Llama tokenizer.json, as Llama 2's (a normalizer that writes "▁" for spaces and before the text) or
+    as later ones (a Metaspace pre-tokenizer), with byte fallback and a post-processor that adds <s>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    if style == "normalizer":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(["[INST] hello world [/INST] the fox jumps", "<<SYS>> be brief <</SYS>>"] * 50,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_],
+                                                show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return tok.to_str()
+
+
+LLAMA_TEXTS = ["hello world", " hello", "hello ", "  two  spaces  ", "<s>hello", "hello</s> world<s> the fox",
+               "[INST] hi [/INST]</s><s>", "é ☃ 😀", "", " ", "\nnew\nlines\n"]
+
+
+@pytest.mark.parametrize("style", ["normalizer", "metaspace"])
+@pytest.mark.parametrize("prefix", [True, False, None], ids=["prefix", "no prefix", "prefix absent"])
+@pytest.mark.parametrize("legacy", [True, False, None], ids=["legacy", "not legacy", "legacy absent"])
+def test_a_llama_class_tokenizer_json_tokenizes_as_transformers_builds_it(tmp_path, style, prefix, legacy):
+    """tokenizer_config.json's legacy and add_prefix_space were ignored: HF builds a LlamaTokenizer(Fast) from the
+    class (a Metaspace whose "▁" goes before every text between special tokens only where legacy is true, before
+    none where add_prefix_space is false) and takes from tokenizer.json only its vocabulary, merges and post-processor.
+    minillama used tokenizer.json as written, which puts "▁" after every special token: "<s>hello" was
+    [<s>, ▁hello] where HF has [<s>, he, llo]."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(_llama_tokenizer_json(style))
+    cfg = {"tokenizer_class": "LlamaTokenizerFast", "chat_template":
+           "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+           "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"}
+    cfg.update({k: v for k, v in (("legacy", legacy), ("add_prefix_space", prefix)) if v is not None})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in LLAMA_TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert tok.encode(text, add_special=True) == ref.encode(text), text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    for chat in ([{"role": "user", "content": "hello world"}],
+                 [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "the fox"},
+                  {"role": "user", "content": "jumps"}]):
+        expected = ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+        assert tok.encode_chat(chat, add_generation_prompt=False) == expected, chat
+    chat = [{"role": "user", "content": "say </s> now"}]  # a control token in a message stays text
+    spelled, hf_ids = tok.encode_chat(chat, False), ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+    assert 2 not in spelled and tok.decode(spelled) == ref.decode(hf_ids)
+
 def test_a_sentencepiece_directorys_templates_see_the_tokens_its_config_gives(tmp_path):
     """A tokenizer.model directory's templates saw the model's own <s> and </s> whatever tokenizer_config.json
     gave (null, or another token), where HF renders the config's."""

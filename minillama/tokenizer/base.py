@@ -54,10 +54,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
+               continues: bool = False) -> list[int]:
         """Token ids of `text`. Control tokens written in the text become their ids, or with
         `parse_special=False` are spelled out as text like any other characters. `add_special` adds what
-        the checkpoint adds around a sequence (BOS for Llama 1/2; nothing for SmolLM2)."""
+        the checkpoint adds around a sequence (BOS for Llama 1/2; nothing for SmolLM2). `continues`: the text
+        follows a control token in a longer text, and is tokenized as it would be there (a Llama tokenizer that
+        puts "▁" before the start of a text only, puts none before it)."""
         raise NotImplementedError
 
     def special_tokens(self) -> list[str]:
@@ -186,14 +189,14 @@ class Tokenizer:
                 left, right = self.strips(m.group(0))
                 run = text[run_start:m.start()]
                 run = run.rstrip() if left else run
-                ids += self.encode(run, parse_special=False) if run else []
+                ids += self.encode(run, parse_special=False, continues=run_start > 0) if run else []
                 ids += self.encode(m.group(0))
                 run_start = m.end()
                 while right and run_start < len(text) and text[run_start].isspace():
                     run_start += 1
             pos = hi
         if run_start < len(text):
-            ids += self.encode(text[run_start:], parse_special=False)
+            ids += self.encode(text[run_start:], parse_special=False, continues=run_start > 0)
         return ids
 
     def continued_chat(self, messages: list[dict[str, Any]], **variables: Any) -> str:

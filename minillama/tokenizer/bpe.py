@@ -19,7 +19,7 @@ class HFTokenizer(Tokenizer):
     def __init__(self, tok: Any, *, bos_token: str | None = None, eos_tokens: Sequence[str] = (),
                  extra_eos_ids: Sequence[int] = (), chat_template: str | None = None,
                  add_bos: bool | None = None, add_eos: bool | None = None) -> None:
-        self._tok, self._literal_tok = tok, None
+        self._tok, self._variants = tok, {}
         self.bos_token = bos_token
         self.bos_id = tok.token_to_id(bos_token) if bos_token is not None else None
         self.eos_ids = _unique([tok.token_to_id(t) for t in eos_tokens if tok.token_to_id(t) is not None]
@@ -38,8 +38,9 @@ class HFTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
-        tok = self._tok if parse_special else self._literal()
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
+               continues: bool = False) -> list[int]:
+        tok = self._variant(parse_special, continues and self._prefixes_first_only())
         # a batch of one: the library's `encode` holds the GIL throughout (a megabyte's tokenizing stalled a
         # server's other threads 1.7 s), `encode_batch` lets go of it while it works; same ids
         ids = tok.encode_batch([text], add_special_tokens=add_special)[0].ids
@@ -50,17 +51,31 @@ class HFTokenizer(Tokenizer):
                 ids.append(self.eos_ids[0])
         return ids
 
-    def _literal(self) -> Any:
-        """A copy of the tokenizer with the library's switch that spells special tokens out as text. A copy,
-        not the switch flipped around a call: threads share the tokenizer (the server tokenizes requests in
-        several at once), and a flip seen by another thread's encode changed how its text was split."""
-        if self._literal_tok is None:
+    def _variant(self, parse_special: bool, continues: bool) -> Any:
+        """The tokenizer, or a copy of it with the library's switch that spells special tokens out as text
+        (`parse_special` false), and with no "▁" put before the text (`continues`: a text after a control token,
+        where a Metaspace "first" puts none). A copy, not the switch flipped around a call: threads share the
+        tokenizer (the server tokenizes requests in several at once), and a flip seen by another thread's encode
+        changed how its text was split."""
+        if parse_special and not continues:
+            return self._tok
+        key = (parse_special, continues)
+        if key not in self._variants:
             from tokenizers import Tokenizer as _Tok
+            from tokenizers import pre_tokenizers
 
-            literal = _Tok.from_str(self._tok.to_str())
-            literal.encode_special_tokens = True
-            self._literal_tok = literal  # two threads may both build one: the same tokenizer either way
-        return self._literal_tok
+            copy = _Tok.from_str(self._tok.to_str())
+            copy.encode_special_tokens = not parse_special
+            if continues:
+                pre = copy.pre_tokenizer
+                copy.pre_tokenizer = pre_tokenizers.Metaspace(replacement=pre.replacement, prepend_scheme="never",
+                                                              split=pre.split)
+            self._variants[key] = copy  # two threads may both build one: the same tokenizer either way
+        return self._variants[key]
+
+    def _prefixes_first_only(self) -> bool:
+        """Whether the pre-tokenizer is a Metaspace that puts "▁" before the start of a whole text only."""
+        return getattr(self._tok.pre_tokenizer, "prepend_scheme", None) == "first"
 
     def largest_ids(self) -> list[tuple[str, int, str]]:
         added = self._tok.get_added_tokens_decoder()
@@ -94,6 +109,31 @@ class HFTokenizer(Tokenizer):
         if cfg["add_bos_token"] is None:
             del cfg["add_bos_token"], cfg["add_eos_token"]  # the post-processor in tokenizer.json decides
         write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool) -> Any:
+    """The tokenizer HF transformers builds for a directory whose tokenizer_config.json names the class
+    LlamaTokenizer(Fast) (`LlamaTokenizer.__init__`): the vocabulary, merges and post-processor of the
+    tokenizer.json `lib`, and the class's own rules over what the file says: no normalizer; a Metaspace that puts
+    "▁" for spaces and before the text as `prepend_scheme` says ("always", "first": only before the start of the
+    whole text, not after a special token, "never"); a decoder that undoes it. The file's added tokens are kept
+    where `keep_added` (HF re-adds them unless tokenizer_config.json lists its own). A model other than BPE is
+    the file's tokenizer unchanged."""
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    model = json.loads(lib.to_str())["model"]
+    if model.get("type") != "BPE":
+        return lib
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme, split=False)
+    strip = [decoders.Strip(content=" ", left=1)] if prepend_scheme != "never" else []  # the "▁" put before
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    tok.post_processor = lib.post_processor
+    if keep_added:
+        tok.add_tokens([t for _, t in sorted(lib.get_added_tokens_decoder().items())])
+    return tok
 
 
 def read_tokenizer_json(path: str | Path) -> Any:

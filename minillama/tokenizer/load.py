@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
-from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer, read_tokenizer_json
+from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer, llama_class_tokenizer, read_tokenizer_json
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
 
@@ -130,9 +130,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     stm_path = p / "special_tokens_map.json"
     stm = _read_json(stm_path) if stm_path.exists() else {}
     given = _special_tokens(cfg, stm, stm_path)
+    llama_class = cfg.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast")
+    if llama_class:  # the class's defaults, for a token neither file names (null names none)
+        given = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **given}
     bos, eos = given.get("bos_token"), given.get("eos_token")
     if (p / "tokenizer.json").exists():
         lib = read_tokenizer_json(p / "tokenizer.json")
+        if llama_class:
+            lib = llama_class_tokenizer(lib, prepend_scheme(cfg), keep_added="added_tokens_decoder" not in cfg)
         lib.add_tokens(_config_added_tokens(cfg, stm, given, cfg_path, lib))
         tok = HFTokenizer(lib, bos_token=bos, eos_tokens=[eos] if eos else [],
                           extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
@@ -276,7 +281,9 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
     the vocabulary is left out: HF appends it with a new id, past the vocabulary the model was trained with."""
     from tokenizers import AddedToken
 
-    entries = [AddedToken(t["content"], **{f: t[f] for f in ADDED_TOKEN_FLAGS if f in t})
+    named = [v for v in given.values() if v is not None]  # HF makes an entry that is a named token special
+    entries = [AddedToken(t["content"], **{**{f: t[f] for f in ADDED_TOKEN_FLAGS if f in t},
+                                           **({"special": True} if t["content"] in named else {})})
                for _, t in sorted(_decoder_entries(cfg, path).items())]
     extra = cfg.get("additional_special_tokens") or cfg.get("extra_special_tokens") or []
     stm = {} if "added_tokens_decoder" in cfg else stm
@@ -286,6 +293,15 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
     have = {t.content for t in lib.get_added_tokens_decoder().values()} | {e.content for e in entries}
     return entries + [AddedToken(t, special=True) for t in dict.fromkeys(texts)
                       if isinstance(t, str) and t not in have and lib.token_to_id(t) is not None]
+
+
+def prepend_scheme(cfg: dict[str, Any]) -> str:
+    """Where a Llama-class tokenizer puts "▁" before text, by tokenizer_config.json's `add_prefix_space` (absent:
+    true) and `legacy` (absent: false), as HF's `_get_prepend_scheme`: before every text between special
+    tokens ("always", legacy), before the start of the whole text only ("first"), or nowhere ("never")."""
+    if cfg.get("add_prefix_space") is False:
+        return "never"
+    return "always" if cfg.get("legacy", False) else "first"
 
 
 def _token_text(tok: Any) -> str | None:
@@ -307,7 +323,7 @@ def _check_config(cfg: dict[str, Any], path: Path) -> None:
         v = cfg.get(field)
         if not (v is None or isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))):
             raise bad(field, 'a string, an AddedToken object {"content": "..."} or null')
-    for field in ("add_bos_token", "add_eos_token"):
+    for field in ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space"):
         if not (cfg.get(field) is None or isinstance(cfg[field], bool)):
             raise bad(field, "true, false or null")
     ids = cfg.get("eos_token_ids")

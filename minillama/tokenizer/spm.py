@@ -74,7 +74,8 @@ class SentencePieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
-    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
+               continues: bool = False) -> list[int]:
         ids: list[int] = []
         parts = self._split.split(text) if self._split and parse_special else [text]
         for k, part in enumerate(parts):
