@@ -241,14 +241,19 @@ def test_gguf_tokenizer_fields_of_another_type_are_named(kind, field, value, say
 
 
 def test_saved_directories_load_back_the_same(tmp_path):
+    # A sentencepiece model is saved as HF's LlamaTokenizer class with legacy true, and loads back as HF loads that:
+    # a text that starts with a space gets no second "▁" (as sentencepiece and llama.cpp give it)
     for tok, name in [(tokenizer_from_gguf_metadata(gguf_meta(gguf_tokenizer_metadata(byte_bpe_tokenizer()))), "bpe"),
-                      (SentencePieceTokenizer(sentencepiece_model(), chat_template=CHATML), "sp")]:
+                      (SentencePieceTokenizer(sentencepiece_model(), chat_template=CHATML), "sp"),
+                      (SentencePieceTokenizer(sentencepiece_model(), chat_template=CHATML, prepend_scheme="always"),
+                       "sp as HF")]:
         d = tmp_path / name
         d.mkdir()
         tok.save(d)
         back = load_tokenizer(d)
         assert type(back) is type(tok)
-        assert [back.encode(s, add_special=True) for s in TEXTS] == [tok.encode(s, add_special=True) for s in TEXTS]
+        texts = [s for s in TEXTS if not (name == "sp" and s.startswith(" "))]
+        assert [back.encode(s, add_special=True) for s in texts] == [tok.encode(s, add_special=True) for s in texts]
         assert (back.bos_id, back.eos_ids, back.chat_template) == (tok.bos_id, tok.eos_ids, tok.chat_template)
 
 
@@ -445,6 +450,37 @@ def test_a_llama_class_tokenizer_json_tokenizes_as_transformers_builds_it(tmp_pa
     chat = [{"role": "user", "content": "say </s> now"}]  # a control token in a message stays text
     spelled, hf_ids = tok.encode_chat(chat, False), ref.apply_chat_template(chat, tokenize=True)["input_ids"]
     assert 2 not in spelled and tok.decode(spelled) == ref.decode(hf_ids)
+
+@pytest.mark.parametrize("prefix", [True, False, None], ids=["prefix", "no prefix", "prefix absent"])
+@pytest.mark.parametrize("legacy", [True, False, None], ids=["legacy", "not legacy", "legacy absent"])
+def test_a_llama_class_tokenizer_model_tokenizes_as_transformers_builds_it(sp, tmp_path, legacy, prefix):
+    """The same for a tokenizer.model beside a config naming LlamaTokenizer: each text between control tokens got
+    sentencepiece's "▁" ("<s>hello" was [<s>, ▁hello], " hi" [▁, ▁hi]). HF reads the model with protobuf, which
+    the tests do without: the reference is HF's class built from what its reader takes from the model (pieces as
+    the vocabulary, merges from their order, control pieces special, user-defined ones added tokens)."""
+    from tokenizers import AddedToken
+    from transformers import LlamaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    (tmp_path / "tokenizer.model").write_bytes(sentencepiece_model())
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    cfg = {"tokenizer_class": "LlamaTokenizer", "chat_template": template}
+    cfg.update({k: v for k, v in (("legacy", legacy), ("add_prefix_space", prefix)) if v is not None})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    added = [AddedToken(p, normalized=False, special=sp.is_control(i)) for p, i in vocab.items()
+             if sp.is_control(i) or p == "<sep>"]  # <sep>: the model's user-defined piece
+    assert not sp.is_control(vocab["<sep>"])
+    ref = LlamaTokenizer(vocab=vocab, merges=generate_merges(vocab), additional_special_tokens=added,
+                         **{k: v for k, v in cfg.items() if k != "tokenizer_class"})
+    tok = load_tokenizer(tmp_path)
+    for text in LLAMA_TEXTS + ["x <sep> y<sep>z", "<unk>a", "<s>"] + TEXTS[:40]:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "user", "content": " hi there "}]
+    assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
 
 def test_a_sentencepiece_directorys_templates_see_the_tokens_its_config_gives(tmp_path):
     """A tokenizer.model directory's templates saw the model's own <s> and </s> whatever tokenizer_config.json

@@ -120,7 +120,7 @@ def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool) -> An
     where `keep_added` (HF re-adds them unless tokenizer_config.json lists its own). A model other than BPE is
     the file's tokenizer unchanged."""
     from tokenizers import Tokenizer as _Tok
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import models, pre_tokenizers
 
     model = json.loads(lib.to_str())["model"]
     if model.get("type") != "BPE":
@@ -128,12 +128,20 @@ def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool) -> An
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
     tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme, split=False)
-    strip = [decoders.Strip(content=" ", left=1)] if prepend_scheme != "never" else []  # the "▁" put before
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    tok.decoder = llama_class_decoder(prepend_scheme)
     tok.post_processor = lib.post_processor
     if keep_added:
         tok.add_tokens([t for _, t in sorted(lib.get_added_tokens_decoder().items())])
     return tok
+
+
+def llama_class_decoder(prepend_scheme: str) -> Any:
+    """The decoder of HF's LlamaTokenizer class: "▁" back to spaces, byte pieces to bytes, and the one space
+    before the whole text off where the Metaspace puts "▁" there."""
+    from tokenizers import decoders
+
+    strip = [decoders.Strip(content=" ", left=1)] if prepend_scheme != "never" else []
+    return decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
 
 
 def read_tokenizer_json(path: str | Path) -> Any:

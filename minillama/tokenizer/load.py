@@ -147,7 +147,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     elif (p / "tokenizer.model").exists():
         tok = SentencePieceTokenizer.from_file(p / "tokenizer.model", add_bos=cfg.get("add_bos_token", True),
                                                add_eos=cfg.get("add_eos_token", False), chat_template=template,
-                                               added=_added_tokens(p, cfg, stm, given))
+                                               added=_added_tokens(p, cfg, stm, given),
+                                               prepend_scheme=prepend_scheme(cfg) if llama_class else None)
         if bos is not None and tok.token_to_id(bos) is not None:
             tok.bos_id = tok.token_to_id(bos)
         extra = [tok.token_to_id(eos)] if eos is not None and tok.token_to_id(eos) is not None else []

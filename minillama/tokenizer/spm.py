@@ -12,24 +12,31 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..files import write_file
-from .base import BYTE, CONTROL, USER_DEFINED, Tokenizer, TokenizerError
+from .base import BYTE, CONTROL, NORMAL, USER_DEFINED, Tokenizer, TokenizerError
+from .bpe import llama_class_decoder
 
 
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece model. Text is split on control tokens first (sentencepiece itself would spell
     "<s>" as pieces), and each piece of text between them is encoded on its own, which is how HF's
-    Llama tokenizers treat special tokens in text."""
+    Llama tokenizers treat special tokens in text. Each piece gets sentencepiece's own "▁" before it (its dummy
+    prefix), as llama.cpp puts a space after every special token; or, with a `prepend_scheme`, the rule of HF's
+    LlamaTokenizer class: "▁" before a piece that does not start with a space, before every piece ("always"),
+    the first of the whole text only ("first") or none ("never"), and HF's decoder."""
 
     def __init__(self, model_proto: bytes, *, bos_id: int | None = None, eos_ids: Sequence[int] | None = None,
                  add_bos: bool = True, add_eos: bool = False, chat_template: str | None = None,
-                 added: dict[int, tuple[str, bool]] | None = None) -> None:
+                 added: dict[int, tuple[str, bool]] | None = None, prepend_scheme: str | None = None) -> None:
         """`added`: tokens an HF directory adds to the model (id -> (text, special)), from tokenizer_config.json's
         added_tokens_decoder or added_tokens.json; they become pieces of the model (`with_added_pieces`)."""
         self._sp = self._load(model_proto)
         if added:
             model_proto = with_added_pieces(self._sp, model_proto, added)
             self._sp = self._load(model_proto)
-        self._proto = model_proto
+        self._proto, self.prepend_scheme = model_proto, prepend_scheme
+        if prepend_scheme is not None:
+            self._bare = self._load(model_proto + _pb(3, _pb(3, False)))  # no dummy prefix (a normalizer_spec
+            self._decoder = llama_class_decoder(prepend_scheme)  # written again merges into the first)
         n = self._sp.get_piece_size()
         self.bos_id = bos_id if bos_id is not None else _none_if_negative(self._sp.bos_id())
         self.eos_ids = list(eos_ids) if eos_ids is not None else [i for i in [self._sp.eos_id()] if i >= 0]
@@ -42,9 +49,10 @@ class SentencePieceTokenizer(Tokenizer):
         self.eos_token = self._sp.id_to_piece(self.eos_ids[0]) if self.eos_ids else None
         self._special = {self._sp.id_to_piece(i): i for i in range(n)
                          if self._sp.is_control(i) or self._sp.is_unknown(i)}
-        # Longest first, so that a control token that is a prefix of another does not win.
-        names = sorted(self._special, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        # HF's class makes user-defined pieces added tokens, not special ones: they split the text too, in any text
+        types = piece_types(model_proto) if prepend_scheme is not None else []
+        user = [self._sp.id_to_piece(i) for i, kind in enumerate(types) if kind == USER_DEFINED]
+        self._split, self._split_literal = _pattern([*self._special, *user]), _pattern(user)
 
     @staticmethod
     def _load(model_proto: bytes) -> Any:
@@ -77,12 +85,12 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
                continues: bool = False) -> list[int]:
         ids: list[int] = []
-        parts = self._split.split(text) if self._split and parse_special else [text]
-        for k, part in enumerate(parts):
-            if k % 2:  # odd parts are the control tokens the split captured
-                ids.append(self._special[part])
+        split = self._split if parse_special else self._split_literal
+        for k, part in enumerate(split.split(text) if split else [text]):
+            if k % 2:  # odd parts are the tokens the split captured
+                ids.append(self._sp.piece_to_id(part))
             elif part:
-                ids.extend(self._sp.encode(part, out_type=int))
+                ids.extend(self._encode_text(part, first=k == 0 and not continues))
         if add_special:
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)
@@ -90,7 +98,18 @@ class SentencePieceTokenizer(Tokenizer):
                 ids.append(self.eos_ids[0])
         return ids
 
+    def _encode_text(self, text: str, first: bool) -> list[int]:
+        """A text between control tokens; `first`: at the start of the whole text."""
+        if self.prepend_scheme is None:
+            return self._sp.encode(text, out_type=int)
+        prefix = self.prepend_scheme == "always" or (self.prepend_scheme == "first" and first)
+        return self._bare.encode(" " + text if prefix and not text.startswith(" ") else text, out_type=int)
+
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        if self.prepend_scheme is not None:  # as HF's class decodes: every piece, control ones too, through it
+            n = self._sp.get_piece_size()
+            return self._decoder.decode([self._sp.id_to_piece(i) for i in map(int, ids) if 0 <= i < n and not (
+                skip_special and (self._sp.is_control(i) or self._sp.is_unknown(i)))])
         out: list[str] = []
         run: list[int] = []
         pieces = self._sp.get_piece_size()
@@ -124,7 +143,9 @@ class SentencePieceTokenizer(Tokenizer):
     def save(self, out_dir: str | Path) -> None:
         out = Path(out_dir)
         write_file(out / "tokenizer.model", self._proto)
-        cfg = {"tokenizer_class": "LlamaTokenizer", "legacy": True, **self._config_json()}
+        scheme = {"first": {"legacy": False}, "never": {"add_prefix_space": False}}.get(self.prepend_scheme or "",
+                                                                                         {"legacy": True})
+        cfg = {"tokenizer_class": "LlamaTokenizer", **scheme, **self._config_json()}
         write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -148,6 +169,12 @@ def with_added_pieces(sp: Any, model_proto: bytes, added: dict[int, tuple[str, b
                                                                                USER_DEFINED)) for i in new)
 
 
+def _pattern(pieces: Sequence[str]) -> re.Pattern | None:
+    """The pieces as one capturing pattern, longest first (one that is a prefix of another does not win)."""
+    names = sorted(pieces, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+
 def _none_if_negative(i: int) -> int | None:
     return i if i >= 0 else None
 
@@ -156,6 +183,49 @@ def _looks_like_tiktoken(data: bytes) -> bool:
     # tiktoken files are lines "<base64 token> <rank>"; a sentencepiece model is a binary protobuf.
     head = data[:200].split(b"\n")[0].split(b" ")
     return len(head) == 2 and head[1].isdigit() and re.fullmatch(rb"[A-Za-z0-9+/=]+", head[0]) is not None
+
+
+def piece_types(model_proto: bytes) -> list[int]:
+    """Each piece's type (NORMAL, CONTROL, USER_DEFINED, ...), read from the serialized `ModelProto` (its field 1,
+    one `SentencePiece` each, whose field 3 is the type): the sentencepiece library tells user-defined pieces from
+    normal ones only there."""
+    types = []
+    for field, value in _pb_fields(model_proto):
+        if field == 1:
+            types.append(next((v for f, v in _pb_fields(value) if f == 3), NORMAL))
+    return types
+
+
+def _pb_fields(data: bytes) -> list[tuple[int, Any]]:
+    """The top-level (field number, value) pairs of a protobuf message: varints as ints, length-delimited
+    fields as bytes, fixed-width ones as their bytes."""
+    out, pos = [], 0
+
+    def varint() -> int:
+        nonlocal pos
+        n, shift = 0, 0
+        while True:
+            b = data[pos]
+            pos, n, shift = pos + 1, n | (b & 0x7F) << shift, shift + 7
+            if not b & 0x80:
+                return n
+
+    while pos < len(data):
+        key = varint()
+        wire = key & 7
+        if wire == 0:
+            out.append((key >> 3, varint()))
+        elif wire == 2:
+            size = varint()
+            out.append((key >> 3, data[pos:pos + size]))
+            pos += size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            out.append((key >> 3, data[pos:pos + size]))
+            pos += size
+        else:
+            raise TokenizerError(f"not a sentencepiece model (protobuf wire type {wire})")
+    return out
 
 
 def _pb_varint(n: int) -> bytes:
