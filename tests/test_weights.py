@@ -314,6 +314,25 @@ def test_convert_to_hf_dir_keeps_model_and_tokenizer(tmp_path, bpe, fmt):
     assert (t1.bos_id, t1.eos_ids, t1.chat_template) == (t2.bos_id, t2.eos_ids, t2.chat_template)
 
 
+def test_convert_writes_a_meta_head_that_shares_the_embeddings_memory_as_two_tensors(tmp_path):
+    """A Meta checkpoint saved with output.weight the very tensor tok_embeddings.weight is (one storage in the
+    .pth): the config is untied (output.weight is stored), so both are written, as HF's converter does, each with
+    bytes of its own (safetensors refuses tensors that share memory), and the conversion gives the same logits."""
+    config = tiny_config(vocab=512)
+    d = write_meta_dir(tmp_path / "meta", config, random_state_dict(config, seed=7), sentencepiece_model())
+    part = torch.load(d / "consolidated.00.pth")
+    part["output.weight"] = part["tok_embeddings.weight"]
+    torch.save(part, d / "consolidated.00.pth")
+    out = weights.convert(d, tmp_path / "hf")
+    (c1, sd1), (c2, sd2) = load_state_dict(d), load_state_dict(out)
+    assert c1 == c2 and not c2.tie_word_embeddings and sd1.keys() == sd2.keys()
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert torch.equal(sd2["lm_head.weight"], sd2["model.embed_tokens.weight"])
+    (m1, tok), (m2, _) = load_model(d), load_model(out)
+    ids = tok.encode(TEXT, add_special=True)
+    assert torch.equal(ours(m1, ids), ours(m2, ids))
+
+
 # --------------------------------------------------------------------------------------------------
 # Broken inputs: WeightsError naming the file and the problem
 

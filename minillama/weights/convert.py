@@ -104,8 +104,8 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
     check_state_dict(config, {k: v for k, v in state_dict.items()
                               if not (config.tie_word_embeddings and k == "lm_head.weight")}, given)
     out = _named(given)
-    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-               for k, v in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    tensors = _unshared({k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+                         for k, v in state_dict.items() if not (config.tie_word_embeddings and k == "lm_head.weight")})
     stored = {str(v.dtype).removeprefix("torch.") for v in tensors.values() if v.is_floating_point()}
     try:
         make_dir(out.parent)
@@ -131,6 +131,19 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return given
+
+
+def _unshared(tensors: StateDict) -> StateDict:
+    """Each tensor with bytes of its own: one that shares memory with a tensor before it (a Meta checkpoint whose
+    output.weight is its tok_embeddings.weight) is copied. safetensors stores every name's bytes once and refuses
+    tensors that overlap; an untied config keeps its two tensors, as HF's converter writes both."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen and v.numel() else v
+        seen.add(ptr)
+    return out
 
 
 def _named(out: Path) -> Path:
