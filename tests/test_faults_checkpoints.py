@@ -219,6 +219,17 @@ def _hf_copy(ckpt: Path, tmp_path: Path, change: dict) -> Path:
     return d
 
 
+def test_a_corrupt_safetensors_header_under_tp_is_one_line_naming_the_file(ckpt, tmp_path, inputs, capsys):
+    """`--tp` reads the config (and a tie's tensors) before any rank starts: a header that is a JSON list was an
+    AttributeError traceback there, where one process says the file is corrupt."""
+    d = _hf_copy(ckpt, tmp_path, {})
+    (d / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"[]")
+    code = cli.main([str(a) for a in ["--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"],
+                                      "-n", "2", "--tp", "2", "--procs", "2"]])
+    err = one_line_error((code, capsys.readouterr().err))
+    assert f"{d / 'model.safetensors'}: truncated or corrupt safetensors file" in err, err
+
+
 @pytest.mark.parametrize("case", list(BAD_HF))
 def test_every_bad_family_or_rope_field_is_refused_at_load_naming_it(ckpt, tmp_path, case):
     change, word = BAD_HF[case]

@@ -421,6 +421,43 @@ def test_a_header_whose_offsets_lie_is_refused_however_the_file_is_read(tmp_path
     assert torch.equal(load_state_dict(d, {q: (0, 0, 4)})[1][q], sd[q][:4])
 
 
+def _header(text: bytes, n: int | None = None) -> bytes:
+    return (len(text) if n is None else n).to_bytes(8, "little") + text
+
+
+BAD_HEADERS = {
+    "a list": _header(b"[]"),
+    "a length past the file": _header(b"{}", 1 << 36),
+    "shorter than the length": b"\x02\0\0",
+    "not UTF-8": _header(b"{\"\xff\": 1}"),
+    "nested past recursion": _header(b"[" * 100_000),
+    "an entry not an object": _header(b'{"model.norm.weight": 5}'),
+    "a dimension not a number": _header(b'{"model.norm.weight": {"dtype": "F32", "shape": ["a"], '
+                                        b'"data_offsets": [0, 0]}}'),
+    "a dimension past torch": _header(b'{"model.norm.weight": {"dtype": "F32", "shape": [0, 1180591620717411303424], '
+                                      b'"data_offsets": [0, 0]}}'),
+    "one offset": _header(b'{"model.norm.weight": {"dtype": "F32", "shape": [0], "data_offsets": [0]}}'),
+    "a dtype not a string": _header(b'{"model.norm.weight": {"dtype": [], "shape": [0], "data_offsets": [0, 0]}}'),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADERS))
+def test_a_corrupt_safetensors_header_is_one_line_however_the_file_is_read(tmp_path, hf_tok, case):
+    """The header a tensor-parallel rank parses itself (shard.safetensors_index), and reads a tie's two tensors
+    by (read_config), is refused as one process's safetensors library refuses it: one line naming the file,
+    where a list or a malformed entry raised AttributeError or TypeError, and a length past the file's size
+    was read into memory (a false "out of memory")."""
+    for tied in (True, False):
+        config = tiny_config(vocab=320, tied=tied)
+        d = write_hf_dir(tmp_path / f"hf{tied}", config, random_state_dict(config), hf_tok)
+        (d / "model.safetensors").write_bytes(BAD_HEADERS[case])
+        says = re.escape(str(d / "model.safetensors")) + ": truncated or corrupt safetensors file"
+        _raises(says, load_state_dict, d)  # one process: the library's refusal
+        _raises(says, load_state_dict, d, {"model.embed_tokens.weight": (0, 0, 4)})  # a rank's parts
+        if tied:  # the tie is decided from the header before any rank starts
+            _raises(says, weights.read_config, d)
+
+
 def test_wrong_gguf_magic(tmp_path):
     p = tmp_path / "bad.gguf"
     p.write_bytes(b"GGML" + bytes(100))

@@ -15,7 +15,7 @@ from minillama.family import hf_fields
 from minillama.files import utf8_name
 
 from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes, map_name
-from .shard import Slices, read_tensor, safetensors_index
+from .shard import CORRUPT, Slices, read_tensor, safetensors_index
 
 
 def _is_hf_dir(d: Path) -> bool:
@@ -114,9 +114,7 @@ def _read_slices(f: Path, slices: Slices, config: LlamaConfig) -> StateDict:
                                        f"{want.get(key)} (config and weights do not match)")
                 sd[key] = read_tensor(fh, offset, shape, dtype, slices.get(key))
             return sd
-    except WeightsError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError) as e:
+    except CORRUPT as e:
         raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
 
 
@@ -127,19 +125,21 @@ def hf_dir_config(d: Path) -> LlamaConfig:
     config = hf_config(d / "config.json")
     if not config.tie_word_embeddings:
         return config
-    where = {}
+    where, sd = {}, {}
     for f in _hf_files(d):
         try:
             with open(f, "rb") as fh:
                 where.update({k: (f, *v) for k, v in safetensors_index(fh).items()
                               if k in ("lm_head.weight", "model.embed_tokens.weight")})
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except CORRUPT as e:
             raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
     if len(where) == 2:
-        sd = {}
         for key, (f, offset, shape, dtype) in where.items():
-            with open(f, "rb") as fh:
-                sd[key] = read_tensor(fh, offset, shape, dtype)
+            try:
+                with open(f, "rb") as fh:
+                    sd[key] = read_tensor(fh, offset, shape, dtype)
+            except CORRUPT as e:
+                raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
         _untie_if_head_differs(config, sd, d)
     return config
 

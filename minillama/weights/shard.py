@@ -78,30 +78,49 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
+# What reading a .safetensors file may raise for a file that is cut short or not one (the callers' one line)
+CORRUPT = (OSError, ValueError, EOFError)
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
+
+
 def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
     """Each tensor of an open .safetensors file: (offset in the file, shape, dtype). The format: an 8-byte
-    little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the data."""
+    little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the data. A file
+    that is not one raises ValueError (OSError where it cannot be read), as the library refuses it."""
     import json
 
     f.seek(0)
-    n = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(n))
+    head, total = f.read(8), os.fstat(f.fileno()).st_size
+    n = int.from_bytes(head, "little")
+    if len(head) < 8 or n > min(total - 8, MAX_HEADER_BYTES):  # checked before the header is read into memory
+        raise ValueError(f"a header of {n} bytes in a file of {total}" if len(head) == 8
+                         else f"a file of {total} bytes, shorter than its header's length")
+    try:
+        header = json.loads(f.read(n))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
     out, spans = {}, []
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        if t["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name} has dtype {t['dtype']}, which minillama does not read")
-        shape, dtype = tuple(int(d) for d in t["shape"]), SAFETENSORS_DTYPES[t["dtype"]]
-        begin, end = (int(x) for x in t["data_offsets"])
-        if end - begin != math.prod(shape) * dtype.itemsize or min(shape, default=1) < 0:
+        if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("data_offsets"), list)
+                and all(_count(x) for x in t["shape"] + t["data_offsets"]) and len(t["data_offsets"]) == 2):
+            raise ValueError(f"tensor {name}: not an entry of dtype, shape and data_offsets ({str(t)[:80]})")
+        if not isinstance(t.get("dtype"), str) or t["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {t.get('dtype')}, which minillama does not read")
+        shape, dtype = tuple(t["shape"]), SAFETENSORS_DTYPES[t["dtype"]]
+        begin, end = t["data_offsets"]
+        if end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"tensor {name}: data_offsets {begin}..{end} do not hold its shape {list(shape)} "
                              f"of {t['dtype']}")
         out[name] = (8 + n + begin, shape, dtype)
         spans.append((begin, end, name))
     # as the safetensors library reads a file: the tensors' bytes one after another, the data and no more
     # (offsets that overlap would load one tensor's bytes as another's)
-    at, size = 0, os.fstat(f.fileno()).st_size - 8 - n
+    at, size = 0, total - 8 - n
     for begin, end, name in sorted(spans):
         if begin != at:
             raise ValueError(f"invalid offset for tensor {name} ({begin}, where {at} was due)")
@@ -109,3 +128,9 @@ def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torc
     if at != size:
         raise ValueError(f"the tensors hold {at} bytes of data, the file {size}")
     return out
+
+
+def _count(x: object) -> bool:
+    """A JSON whole number a shape's dimension or an offset may be: 0 to 2**63 - 1, as torch sizes a tensor
+    (not a float, not true or false)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
