@@ -212,6 +212,26 @@ def test_meta_dir_loads_to_the_hf_layout(tmp_path, shards, vocab_dim):
     torch.testing.assert_close(ours(model, ids), hf_logits(hf_model(config, sd), ids), atol=1e-5, rtol=0)
 
 
+def test_meta_shards_in_torch_saves_older_format_load(tmp_path):
+    """consolidated.NN.pth written by torch.save before its zip format (PyTorch < 1.6, or
+    _use_new_zipfile_serialization=False) cannot be memory-mapped: they are read whole, where they were
+    reported "truncated or corrupt". The same tensors as the zip files, whole and as a rank's parts; a cut
+    file of either format is still refused in one line."""
+    config = tiny_config(vocab=512)
+    sd = random_state_dict(config, seed=2)
+    d = write_meta_dir(tmp_path / "meta", config, sd, sentencepiece_model(), shards=2)
+    for f in sorted(d.glob("consolidated.*.pth")):
+        torch.save(torch.load(f, weights_only=True), f, _use_new_zipfile_serialization=False)
+        assert f.read_bytes()[:4] != b"PK\x03\x04"
+    assert weights.read_config(d) == config
+    got_config, got = load_state_dict(d)
+    assert got_config == config and got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert_parts(d, rank_slices(config, 0, 2))
+    f = d / "consolidated.01.pth"
+    f.write_bytes(f.read_bytes()[:5000])
+    _raises(re.escape(str(f)) + ": truncated or corrupt PyTorch checkpoint", load_state_dict, d)
+
+
 def test_meta_dir_without_output_weight_is_tied(tmp_path):
     config = tiny_config(vocab=512, tied=True)
     sd = random_state_dict(config, seed=3)

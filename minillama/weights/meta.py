@@ -57,7 +57,7 @@ def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Ten
     parts: list[dict[str, torch.Tensor]] = []
     for f in shards:
         try:
-            parts.append(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+            parts.append(torch.load(f, map_location="cpu", weights_only=True, mmap=_is_zip(f)))
         except Exception as e:
             raise WeightsError(f"{f}: truncated or corrupt PyTorch checkpoint ({e})") from None
         _check_shard(f, parts[-1])
@@ -102,6 +102,13 @@ def _open_meta_dir(d: Path) -> tuple[LlamaConfig, dict[str, tuple[list[torch.Ten
     except TokenizerError:
         config.bos_token_id = config.eos_token_id = None
     return config, raw
+
+
+def _is_zip(f: Path) -> bool:
+    """Whether a .pth is in torch.save's zip format (since PyTorch 1.6), the only one torch.load can memory-map;
+    an older file is read whole into memory. The test torch.load makes itself: a zip file's first bytes."""
+    with open(f, "rb") as fh:
+        return fh.read(4) == b"PK\x03\x04"
 
 
 def _check_shard(f: Path, part: object) -> None:
