@@ -863,6 +863,20 @@ def test_a_rank_reads_the_parts_of_every_format(tmp_path, bpe, hf_tok, fmt):
             assert_parts(path, rank_slices(config, rank, ranks))
 
 
+def test_a_rank_reads_fp8_safetensors_as_a_whole_load_does(tmp_path, hf_tok):
+    """FP8 tensors (F8_E4M3, F8_E5M2) load whole, through the safetensors library, and are cast to the model's
+    dtype like any other (`build_model`, and a rank's `load_model` with `shard`); a rank's reader refused them as
+    a corrupt file. Its parts equal the whole tensors', bit for bit, in their stored dtype."""
+    config = tiny_config(vocab=320, heads=4, kv_heads=4, hidden=128, ffn=256)
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    sd = {k: v.to(fp8[i % 2]) if v.dim() == 2 else v for i, (k, v) in enumerate(random_state_dict(config).items())}
+    path = write_hf_dir(tmp_path / "hf", config, sd, hf_tok)
+    assert {v.dtype for v in load_state_dict(path)[1].values()} == {torch.float32, *fp8}
+    for ranks in (2, 4):
+        for rank in range(ranks):
+            assert_parts(path, rank_slices(config, rank, ranks))
+
+
 def test_a_rank_reads_kquant_columns_off_block_boundaries(tmp_path, bpe):
     """K-quant blocks hold 256 values: a column part of 128 starts inside a block, so whole rows are read and
     dequantized a block of rows at a time; the part is still the whole tensor's bits."""

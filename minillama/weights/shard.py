@@ -73,7 +73,11 @@ def read_tensor(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.d
     return out.t()
 
 
+# The safetensors library's names for the dtypes it loads into torch (FP8 included: a whole load reads them,
+# and loading casts every floating tensor to the model's dtype, so a rank's parts must read them too)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+                      "F8_E5M2": torch.float8_e5m2, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 
