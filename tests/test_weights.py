@@ -632,6 +632,33 @@ def test_convert_force_replaces_an_earlier_conversion_only(tmp_path, config, sd,
     assert convert_cli(capsys, src, tmp_path / "empty")[0] == 0  # an empty directory is fine
 
 
+def test_convert_follows_a_symlink_to_a_directory(tmp_path, config, sd, bpe, capsys):
+    """A symlink to an empty directory (or, with --force, to an earlier conversion) is written through: the
+    conversion lands in the directory it names and the link still names it; it was refused as "exists and is
+    not a directory". A link to a file or to nothing is still refused."""
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    target, link = tmp_path / "target", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    for extra in ([], ["--force"]):  # an empty directory, then the conversion just written
+        code, err = convert_cli(capsys, src, link, *extra)
+        assert code == 0, err
+        assert link.is_symlink() and link.resolve() == target.resolve()
+        assert sorted(p.name for p in target.iterdir()) == files
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "m.gguf", "target"]  # nothing left beside
+    assert torch.equal(load_state_dict(link)[1]["model.norm.weight"], load_state_dict(src)[1]["model.norm.weight"])
+    code, err = convert_cli(capsys, src, link)
+    assert code == 2 and "already holds a conversion" in err
+    (tmp_path / "file").write_text("data")
+    for name, to, says in (("to_file", tmp_path / "file", "exists and is not a directory"),
+                           ("to_nothing", tmp_path / "nothing", "a symlink to nothing")):
+        (tmp_path / name).symlink_to(to)
+        code, err = convert_cli(capsys, src, tmp_path / name)
+        assert code == 2 and says in err and "\n" not in err, err
+    assert (tmp_path / "file").read_text() == "data" and not (tmp_path / "nothing").exists()
+
+
 def test_a_full_disk_leaves_the_earlier_conversion_as_it_was(tmp_path, config, sd, bpe, capsys, monkeypatch):
     import errno
 

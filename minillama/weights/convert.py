@@ -77,9 +77,11 @@ def is_conversion(d: Path) -> bool:
 
 
 def check_output_dir(out: Path, replace: bool = False) -> None:
-    """Raise unless `out` may be written: absent, an empty directory, or (with replace) a conversion.
-    Nothing that minillama did not write is ever replaced."""
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    """Raise unless `out` may be written: absent, an empty directory, or (with replace) a conversion; a symlink
+    to a directory stands for that directory. Nothing that minillama did not write is ever replaced."""
+    if out.is_symlink() and not out.exists():
+        raise WeightsError(f"{out}: a symlink to nothing (or a loop of links); choose a new directory to write to")
+    if out.exists() and not out.is_dir():
         raise WeightsError(f"{out}: exists and is not a directory; choose a new directory to write to")
     if not out.exists() or not any(out.iterdir()):
         return
@@ -148,9 +150,9 @@ def _unshared(tensors: StateDict) -> StateDict:
 
 def _named(out: Path) -> Path:
     """`out` as an absolute path whose last part names the directory itself: `.`, `..` and `sub/..` resolved,
-    so that the directories written beside it (in its parent) are not inside it. A last part that is a link
-    is kept (check_output_dir refuses it)."""
-    return out.resolve() if out.name in ("", "..") else out.parent.resolve() / out.name
+    so that the directories written beside it (in its parent) are not inside it. A symlink to a directory is
+    followed: the conversion goes into the directory it names, and the link keeps naming it."""
+    return out.resolve() if out.name in ("", "..") or out.is_symlink() else out.parent.resolve() / out.name
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
