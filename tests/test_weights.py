@@ -699,12 +699,13 @@ def test_convert_into_the_working_directory_given_as_dot(tmp_path, config, sd, b
 
 
 def test_a_failed_rename_leaves_nothing_beside_the_output(tmp_path, config, sd, bpe, capsys, monkeypatch):
-    """When moving the earlier directory aside failed, the directory made to hold it was left beside it."""
+    """When moving the earlier conversion aside failed (--force), the directory made to hold it was left beside it."""
     import errno
 
     src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
     out = tmp_path / "hf"
-    out.mkdir()
+    assert convert_cli(capsys, src, out)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     replace = os.replace
 
     def busy(a, b):
@@ -713,9 +714,53 @@ def test_a_failed_rename_leaves_nothing_beside_the_output(tmp_path, config, sd, 
         return replace(a, b)
 
     monkeypatch.setattr(os, "replace", busy)
-    code, err = convert_cli(capsys, src, out)
+    code, err = convert_cli(capsys, src, out, "--force")
     assert code == 2 and "Device or resource busy" in err and "hf is unchanged" in err and "\n" not in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"] and not any(out.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_convert_into_an_empty_directory_never_renames_it(tmp_path, config, sd, bpe, capsys, monkeypatch):
+    """An empty output directory may be a mount point, which cannot be renamed (EBUSY): the conversion is
+    written inside it and its files renamed in, config.json last; renaming the directory aside failed every
+    time. Simulated: renaming the directory itself raises EBUSY (nothing is mounted). A killed in-place
+    write's leftover inside it does not make it non-empty and is removed; a failed move leaves it empty."""
+    import errno
+
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    replace, moved = os.replace, []
+
+    def mount_point(a, b):
+        if Path(a) == mnt or Path(b) == mnt:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        moved.append(Path(b).name)
+        return replace(a, b)
+
+    monkeypatch.setattr(os, "replace", mount_point)
+    code, err = convert_cli(capsys, src, mnt)
+    assert code == 0, err
+    assert sorted(p.name for p in mnt.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                    "tokenizer_config.json"]
+    assert moved[-1] == "config.json"  # a reader finds a checkpoint only once every file is there
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "mnt"]  # nothing beside it
+    assert torch.equal(load_state_dict(mnt)[1]["model.norm.weight"], load_state_dict(src)[1]["model.norm.weight"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / f".empty.minillama-tmp-{dead_pid()}-x1y2").mkdir()  # a killed run's, written in place
+
+    def fails_at_config(a, b):
+        if Path(b) == empty / "config.json":
+            raise OSError(errno.EIO, "Input/output error")
+        return replace(a, b)
+
+    monkeypatch.setattr(os, "replace", fails_at_config)
+    code, err = convert_cli(capsys, src, empty)
+    assert code == 2 and "Input/output error" in err and "empty is unchanged" in err
+    assert not any(empty.iterdir())
+    monkeypatch.setattr(os, "replace", replace)
+    assert convert_cli(capsys, src, empty)[0] == 0
 
 
 def dead_pid() -> int:

@@ -50,13 +50,18 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _is_leftover(p: Path, stem: str = "") -> bool:
+    """A temporary file or directory (of output `stem`, or any) whose writer is no longer running."""
+    m = _LEFTOVER.match(p.name)
+    return m is not None and (not stem or m.group(1) == stem) and not _pid_alive(int(m.group(2)))
+
+
 def _remove_leftovers(folder: Path, stem: str = "") -> None:
     """Remove temporary files and directories in `folder` whose writer is no longer running."""
     if not folder.is_dir():
         return
     for p in folder.iterdir():
-        m = _LEFTOVER.match(p.name)
-        if m is None or (stem and m.group(1) != stem) or _pid_alive(int(m.group(2))):
+        if not _is_leftover(p, stem):
             continue
         _say(f"removing {p}, left by an interrupted run")
         if p.is_dir() and not p.is_symlink():
@@ -83,7 +88,7 @@ def check_output_dir(out: Path, replace: bool = False) -> None:
         raise WeightsError(f"{out}: a symlink to nothing (or a loop of links); choose a new directory to write to")
     if out.exists() and not out.is_dir():
         raise WeightsError(f"{out}: exists and is not a directory; choose a new directory to write to")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or not any(not _is_leftover(p) for p in out.iterdir()):  # a killed run's files don't count
         return
     if not is_conversion(out):
         raise WeightsError(f"{out}: not empty and not a minillama conversion; refusing to replace it "
@@ -96,9 +101,10 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
                 out_dir: str | Path, dtype: torch.dtype | None = None, replace: bool = False) -> Path:
     """Write an HF directory (config.json, model.safetensors, tokenizer files) that minillama and HF
     transformers both load. `out_dir` must be new or empty; with `replace`, it may also be an earlier
-    conversion (`check_output_dir`). The directory is written beside and renamed into place, so a reader
-    never sees half of one, and a failed write (a full disk) leaves `out_dir` as it was. `dtype` casts
-    floating tensors (default: keep them)."""
+    conversion (`check_output_dir`). The directory is written beside and renamed into place (into an empty
+    directory: written inside it and its files renamed in, config.json last), so a reader never sees half of
+    one, and a failed write (a full disk) leaves `out_dir` as it was. `dtype` casts floating tensors (default:
+    keep them)."""
     from safetensors.torch import save_file
 
     given = Path(out_dir)
@@ -112,7 +118,11 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
     try:
         make_dir(out.parent)
         _remove_leftovers(out.parent, out.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{TEMPORARY}-tmp-{os.getpid()}-", dir=out.parent))
+        _remove_leftovers(out)
+        # An empty directory stays and is written inside: it may be a mount point, which cannot be renamed, and
+        # its parent may be on another filesystem, where a rename is a copy
+        home = out if out.is_dir() and not any(out.iterdir()) else out.parent
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{TEMPORARY}-tmp-{os.getpid()}-", dir=home))
     except (OSError, CannotWrite) as e:
         raise WeightsError(f"{given}: cannot write ({getattr(e, 'strerror', None) or e})") from None
     try:
@@ -156,8 +166,21 @@ def _named(out: Path) -> Path:
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished directory `tmp` to `out`. An earlier `out` (empty, or a conversion the caller
-    may replace) is first renamed aside and removed only once the new one is in place."""
+    """Rename the finished directory `tmp` to `out`. An earlier `out` (a conversion the caller may replace) is
+    first renamed aside and removed only once the new one is in place. A `tmp` inside `out` (which is empty) has
+    its files renamed into `out` instead, config.json last: a reader finds a checkpoint only once it is whole."""
+    if tmp.parent == out:
+        names = sorted((p.name for p in tmp.iterdir()), key=lambda n: n == "config.json")
+        moved = []
+        try:
+            for name in names:
+                os.replace(tmp / name, out / name)
+                moved.append(name)
+        except OSError:
+            for name in moved:  # `out` was empty: what is in it now is this conversion's
+                (out / name).unlink(missing_ok=True)
+            raise
+        return
     if not out.exists():
         os.replace(tmp, out)
         return
