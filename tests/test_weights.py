@@ -787,6 +787,30 @@ def test_leftovers_of_a_killed_conversion_are_removed(tmp_path, config, sd, bpe,
     assert all((p / "data.txt").read_text() == "precious" for p in mine)
 
 
+def test_a_conversion_moved_aside_by_a_killed_force_run_is_put_back(tmp_path, config, sd, bpe, capsys):
+    """A --force run killed between renaming the earlier conversion aside and renaming the new one into place
+    leaves no OUT, the earlier one in .OUT.minillama-old-PID-.../OUT and the new one, maybe half written, in
+    .OUT.minillama-tmp-PID-...: the next run put neither back and removed both as leftovers. The earlier one is
+    put back, so a run without --force refuses to replace it, and one with --force replaces it."""
+    src = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.Q4_0)
+    other = write_gguf(tmp_path / "o.gguf", config, random_state_dict(config, seed=5), gguf_tokenizer_metadata(bpe),
+                       Q.F32)
+    out = tmp_path / "hf"
+    assert convert_cli(capsys, src, out)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    pid = dead_pid()
+    (tmp_path / f".hf.minillama-old-{pid}-a1b2").mkdir()
+    os.replace(out, tmp_path / f".hf.minillama-old-{pid}-a1b2" / "hf")
+    (tmp_path / f".hf.minillama-tmp-{pid}-c3d4").mkdir()
+    (tmp_path / f".hf.minillama-tmp-{pid}-c3d4" / "model.safetensors").write_bytes(b"\0" * 100)
+    code, err = convert_cli(capsys, other, out)
+    assert code == 2 and "already holds a conversion; --force replaces it" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert convert_cli(capsys, other, out, "--force")[0] == 0
+    assert torch.equal(load_state_dict(out)[1]["model.norm.weight"], load_state_dict(other)[1]["model.norm.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf", "o.gguf"]  # the leftovers gone
+
+
 def test_download_failure_shows_pips_error(tmp_path, monkeypatch):
     (tmp_path / "links").mkdir()
     monkeypatch.setenv("MINILLAMA_WEIGHTS_DIR", str(tmp_path / "w"))

@@ -70,6 +70,31 @@ def _remove_leftovers(folder: Path, stem: str = "") -> None:
             p.unlink(missing_ok=True)
 
 
+def _put_back(out: Path) -> None:
+    """A --force run killed between renaming the earlier conversion aside and renaming the new one into place
+    left `out` missing and the earlier one in ".NAME.minillama-old-PID-.../NAME": put it back, before the
+    leftovers are removed (which would leave neither)."""
+    if out.exists() or not out.parent.is_dir():
+        return
+    for p in sorted(out.parent.iterdir()):
+        kept = p / out.name
+        aside = p.name.startswith(f".{out.name}.{TEMPORARY}-old-") and _is_leftover(p, out.name)
+        if aside and kept.is_dir() and not kept.is_symlink():
+            _say(f"restoring {out} from {kept}, left by an interrupted run")
+            os.replace(kept, out)
+            return
+
+
+def _ready(given: Path, replace: bool) -> None:
+    """Raise unless `given` may be written (`check_output_dir`), once an interrupted run's conversion is back."""
+    try:
+        _put_back(_named(given))
+    except OSError as e:
+        raise WeightsError(f"{given}: cannot restore the conversion an interrupted run moved aside "
+                           f"({e.strerror or e})") from None
+    check_output_dir(given, replace)
+
+
 # What `save_hf_dir` writes: a directory holding only these is a conversion it may replace.
 CONVERSION_FILES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
                               "tokenizer_config.json"})
@@ -108,7 +133,7 @@ def save_hf_dir(config: LlamaConfig, state_dict: StateDict, tokenizer: Tokenizer
     from safetensors.torch import save_file
 
     given = Path(out_dir)
-    check_output_dir(given, replace)
+    _ready(given, replace)
     check_state_dict(config, {k: v for k, v in state_dict.items()
                               if not (config.tie_word_embeddings and k == "lm_head.weight")}, given)
     out = _named(given)
@@ -203,7 +228,7 @@ def convert(src: str | Path, out_dir: str | Path, replace: bool = False) -> Path
     src, out = given_path(src, "source path"), given_path(out_dir, "output directory path", "a new or empty directory")
     if src.exists() and out.exists() and (src.resolve() == out.resolve() or out.resolve() in src.resolve().parents):
         raise WeightsError(f"{out}: holds the source {src}; write the conversion to another directory")
-    check_output_dir(out, replace)  # before the slow part
+    _ready(out, replace)  # before the slow part
     config, sd = load_state_dict(src)
     tok = load_tokenizer(src)
     fits(tok, config)  # a conversion loads: a token id past the model's vocabulary is refused now, not then
