@@ -96,6 +96,16 @@ def load(path: str | Path | None = None, device: str | torch.device = "cpu",
     return LoadedModel(llama, tokenizer)
 
 
+def llama_and_tokenizer(model: Any) -> tuple[Llama, Tokenizer] | None:
+    """The model and tokenizer of what `ask` takes as its model: what minillama.load returns, or a
+    (Llama, Tokenizer) pair; None for anything else."""
+    if isinstance(model, LoadedModel):
+        return model.llama, model.tokenizer
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], Llama) and isinstance(model[1], Tokenizer):
+        return model[0], model[1]
+    return None
+
+
 def messages(doc: str, question: str, system: str | None = None) -> list[dict[str, str]]:
     """The chat of one question: an optional system turn, then one user turn with document and question
     (their surrounding whitespace trimmed: the template places them). With no system turn the
@@ -137,9 +147,15 @@ def prompt_ids(tokenizer: Tokenizer | LoadedModel, doc: str, question: str, syst
                chat_template: bool = True) -> list[int]:
     """The token ids of one question's complete stand-alone prompt. Document, question and system
     prompt are the user's text: a control token written in them ("<|im_end|>") is spelled out as text;
-    only the chat template's own markers are control tokens. Each is checked as `ask` checks it."""
-    if isinstance(tokenizer, LoadedModel):
-        tokenizer = tokenizer.tokenizer  # what minillama.load returns holds the tokenizer
+    only the chat template's own markers are control tokens. Each is checked as `ask` checks it. `tokenizer`
+    may also be what `ask` takes as its model (`minillama.load`'s, a (Llama, tokenizer) pair), or a tokenizer
+    of one's own (`encode` and `chat_template`, as the benchmark's words)."""
+    model = llama_and_tokenizer(tokenizer)
+    if model is not None:
+        tokenizer = model[1]
+    elif not (callable(getattr(tokenizer, "encode", None)) and hasattr(tokenizer, "chat_template")):
+        raise BadType(f"tokenizer must be a Tokenizer, what minillama.load returns or a (Llama, tokenizer) pair, "
+                      f"got {type(tokenizer).__name__}")
     check_jobs([(doc, [question])])
     check_options(system=system, chat_template=chat_template)
     return _prompt_ids(tokenizer, doc, question, system, chat_template)
@@ -215,11 +231,11 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], para
     the bad one; PromptTooLong when a prompt does not fit in the context, found from the text's length
     where it can be (one pass over the input, not a tokenization of every question's prompt).
     """
-    if not (isinstance(model, LoadedModel) or (isinstance(model, tuple) and len(model) == 2
-                                               and isinstance(model[0], Llama) and isinstance(model[1], Tokenizer))):
+    pair = llama_and_tokenizer(model)
+    if pair is None:
         raise BadType(f"model must be what minillama.load returns (or a (Llama, tokenizer) pair), got "
                       f"{type(model).__name__}")
-    llama, tok = model
+    llama, tok = pair
     check_options(mode=mode, system=system, chat_template=chat_template, parallel_size=parallel_size,
                   batch_docs=batch_docs, prefill_chunk=prefill_chunk)
     unknown = sorted(set(sampling) - set(SAMPLING_OPTIONS))

@@ -335,6 +335,17 @@ def test_prompt_ids_checks_its_text_and_takes_a_loaded_model(model):
         api.prompt_ids(model.tokenizer, DOC, "q", system=b"x")
 
 
+def test_prompt_ids_takes_what_ask_takes_and_refuses_the_rest(model):
+    """prompt_ids((llama, tok), ...), as ask takes it, and prompt_ids(llama or None, ...) raised AttributeError
+    ("'tuple' object has no attribute 'chat_template'") from deep inside."""
+    want = api.prompt_ids(model.tokenizer, DOC, "Why?")
+    assert api.prompt_ids((model.llama, model.tokenizer), DOC, "Why?") == want
+    for bad in (model.llama, None, (model.llama, None), "tok"):
+        with pytest.raises(TypeError, match=r"^tokenizer must be a Tokenizer, what minillama.load returns or a "
+                                            rf"\(Llama, tokenizer\) pair, got {type(bad).__name__}$"):
+            api.prompt_ids(bad, DOC, "Why?")
+
+
 BAD_JOBS = [
     ([(b"bytes doc", ["q"])], TypeError, "bytes; decode"), ([("", ["q"])], ValueError, "document 1 is empty"),
     ([("  \n", ["q"])], ValueError, "empty"), ([(DOC, [])], ValueError, "no questions"),
