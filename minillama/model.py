@@ -273,10 +273,11 @@ class Llama(nn.Module):
         With no cache, the tokens are one fresh sequence at positions 0 .. N-1. The new tokens are written
         into the cache; each token attends to what the segment rule lets it see, this call's tokens included.
         What it cannot run raises before the cache changes: TypeError for inputs that are not integer tensors,
-        ValueError for shapes that differ, no segments for a cache that holds some, a token id outside the
-        vocabulary (ids on the host), a position past the context, logits_rows outside the pass, another model's
-        cache, or positions that do not continue their segments (KVCache.append, which raises KeyError for a
-        segment the cache does not hold).
+        ValueError for shapes that differ, no segments for a cache that holds some (or with positions other than
+        0 .. N-1: the tokens are then one new sequence, whose segment is made once every check passed), a token
+        id outside the vocabulary (ids on the host), a position past the context, logits_rows outside the pass,
+        another model's cache, or positions that do not continue their segments (KVCache.append, which raises
+        KeyError for a segment the cache does not hold).
         """
         given = (("tokens", tokens), ("positions", positions), ("segments", segments), ("logits_rows", logits_rows))
         for name, t in given:  # before anything reads them (a list once failed on its missing .dim())
@@ -293,20 +294,22 @@ class Llama(nn.Module):
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be 1-D (packed), got shape {tuple(tokens.shape)}")
         n = tokens.shape[0]
-        if cache is None:
-            cache = self.new_cache(n + 2)
-        if segments is None:
-            if cache.segments:
-                raise ValueError("segments are required with a cache that already holds segments")
-            segments = torch.full((n,), cache.new_segment(), dtype=torch.long)
+        if segments is None and cache is not None and cache.segments:
+            raise ValueError("segments are required with a cache that already holds segments")
         if positions is None:
             positions = torch.arange(n)
-        if positions.shape != tokens.shape or segments.shape != tokens.shape:
+        if positions.shape != tokens.shape or (segments is not None and segments.shape != tokens.shape):
             raise ValueError("tokens, positions and segments must have the same shape (N,)")
+        if segments is None and not torch.equal(positions.cpu(), torch.arange(n)):  # a new root segment's
+            raise ValueError(f"without segments the tokens are one new sequence, at positions 0 .. {n - 1}, got "
+                             f"{repr(positions.tolist())[:80]}")
         if n and int(positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
-        self._check_pass(tokens, positions, segments, cache, logits_rows)
+        cache = self.new_cache(n + 2) if cache is None else cache
+        self._check_pass(tokens, positions, cache, logits_rows)
+        if segments is None:  # every check passed: only now does the cache change
+            segments = torch.full((n,), cache.new_segment(), dtype=torch.long)
 
         bound = self.tiles.attention.at_once
         if self.steps.compiled and bound and n > 1 and self.at_once_bytes(positions) > bound:
@@ -315,7 +318,7 @@ class Llama(nn.Module):
                             buckets=self.steps.bucketed(self.device), at_once=self.steps.compiled)
         return self.steps.run(self.run_step, cache, step)
 
-    def _check_pass(self, tokens: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor, cache: KVCache,
+    def _check_pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     logits_rows: torch.Tensor | None) -> None:
         """What a pass would fail on, or get wrong, once the cache has given its tokens slots: refused before it
         has (ValueError; `forward` has refused what is not an integer tensor). Token ids are checked where they

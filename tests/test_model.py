@@ -193,6 +193,35 @@ def test_a_bad_pass_is_refused_before_the_cache_changes(case):
     assert torch.equal(again, model(torch.tensor([0, 1, 2, 5, 6, 7]))[3:])
 
 
+FIRST_PASSES = {  # a cache's first pass, given no segments: what it is refused with, before it makes its segment
+    "a token past the vocabulary": ({"tokens": torch.tensor([1, 200])}, "token id 200 is outside the vocabulary"),
+    "a position past the context": ({"tokens": torch.ones(17, dtype=torch.long)}, "position 16 is beyond"),
+    "positions that do not start at 0": ({"positions": torch.arange(3, 5)}, r"at positions 0 \.\. 1, got \[3, 4\]"),
+    "a logits row past the pass": ({"logits_rows": torch.tensor([2])}, "logits_rows must be rows of this pass"),
+    "a cache of another model": ({"cache": "one layer"}, "is not this model's"),
+}
+
+
+@pytest.mark.parametrize("case", list(FIRST_PASSES))
+def test_a_bad_first_pass_without_segments_leaves_the_cache_empty(case):
+    """With a cache and no segments the pass makes its tokens' segment: it did so before its checks, so a
+    refused pass left an empty segment behind, and the same pass given right then was refused as "segments are
+    required with a cache that already holds segments"."""
+    from minillama.cache import KVCache
+
+    model = tiny_model(tiny_config(max_pos=16))
+    given = {"tokens": torch.tensor([1, 2]), "positions": None, "cache": model.new_cache(), "logits_rows": None}
+    change, says = FIRST_PASSES[case]
+    given.update(change)
+    if given["cache"] == "one layer":
+        given["cache"] = KVCache(tiny_config(layers=1, max_pos=16), 16)
+    with pytest.raises(ValueError, match=says):
+        model(**given)
+    assert given["cache"].segments == {}
+    cache = model.new_cache()
+    assert torch.equal(model(torch.tensor([1, 2]), cache=cache), model(torch.tensor([1, 2])))
+
+
 def test_invariant_takes_a_bool_only():
     model = tiny_model(tiny_config())
     for bad in ("False", [0], 0):
