@@ -31,6 +31,7 @@ import torch
 
 from . import options
 from .cache import KVCache
+from .errors import check_device
 from .model import Llama
 from .sampling import sample_rows
 from .step import Pack
@@ -297,6 +298,8 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
         if not isinstance(v, kind):
             raise options.BadType(f"{name} must be a {kind.__name__}, got {type(v).__name__}"
                                   + (" (a loaded model's .llama)" if name == "model" else ""))
+    # A model moved where it cannot compute (`model.to("meta")`) as load(device=...) refuses it, not deep in a pass
+    check_device(str(next((t.device for t in model.parameters() if t.is_meta), model.device)), "model device")
     params = replace(params)  # checked again: a field set after it was made (p.temperature = nan) was trusted
     if params.stop_strings and params.stop.tokenizer is None:  # else it fails after the prefill
         raise ValueError(NEEDS_TOKENIZER)

@@ -335,6 +335,21 @@ def test_prompt_ids_checks_its_text_and_takes_a_loaded_model(model):
         api.prompt_ids(model.tokenizer, DOC, "q", system=b"x")
 
 
+def test_a_model_on_the_meta_device_is_refused_in_one_line():
+    """load(device="meta") is refused; a loaded model moved there (`llama.to("meta")`), or one that holds a meta
+    weight, met a RuntimeError deep in the first pass."""
+    from minillama.generate import SamplingParams, generate
+
+    moved = tiny_loaded()
+    moved.llama.to("meta")
+    with pytest.raises(ValueError, match=r"^model device meta: holds shapes, not numbers; choose cpu or an acc"):
+        api.ask(moved, DOC, QUESTIONS[:1], max_new_tokens=2)
+    part = tiny_loaded()
+    part.llama.model.norm.to("meta")
+    with pytest.raises(ValueError, match=r"^model device meta: holds shapes"):
+        generate(part.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=2))
+
+
 def test_prompt_ids_takes_what_ask_takes_and_refuses_the_rest(model):
     """prompt_ids((llama, tok), ...), as ask takes it, and prompt_ids(llama or None, ...) raised AttributeError
     ("'tuple' object has no attribute 'chat_template'") from deep inside."""
