@@ -144,6 +144,26 @@ def test_questions_must_be_a_list(model):
         api.ask(model, DOC, "Who built the bridge?")
 
 
+def test_submodules_are_attributes_of_the_package_once_named():
+    """The README spells `minillama.generate.SamplingParams`: after `import minillama` alone it raised
+    AttributeError (the package's __getattr__ served only the API's names). Run in a fresh interpreter, where
+    nothing has imported the submodule yet; importing the package still loads no torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import sys, minillama\n"
+             "cheap = 'torch' not in sys.modules\n"
+             "p = minillama.generate.SamplingParams(max_new_tokens=3)\n"
+             "assert p.max_new_tokens == 3 and minillama.api.ask is minillama.ask\n"
+             "assert minillama.tokenizer.Tokenizer and minillama.model.Llama\n"
+             "assert not hasattr(minillama, 'no_such_module') and not hasattr(minillama, '__wrapped__')\n"
+             "print(cheap)\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr.strip().splitlines()[-1:]
+
+
 def test_unpacks_as_model_and_tokenizer(model):
     llama, tok = model
     assert llama is model.llama and tok is model.tokenizer
