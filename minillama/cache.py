@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import LlamaConfig
+from .options import BadType, is_int
 
 PAD_SLOT = 0
 SPILL_SLOT = 1  # written by padding tokens, read by nobody
@@ -70,8 +71,13 @@ class KVCache:
 
     @staticmethod
     def shape(config: LlamaConfig, capacity: int, kv_heads: int) -> tuple[int, int, int, int]:
-        """(L, Hkv, S, D) of a cache of `capacity` slots (at least the two held back)."""
-        return config.num_hidden_layers, kv_heads, max(capacity, SPILL_SLOT + 2), config.head_dim
+        """(L, Hkv, S, D) of a cache of `capacity` slots (at least the two held back). A capacity that is not an
+        integer >= 0 is refused here, before any storage is made (BadType, ValueError)."""
+        if not is_int(capacity):
+            raise BadType(f"capacity must be an integer >= 0 (cache slots), got {capacity!r}")
+        if capacity < 0:
+            raise ValueError(f"capacity must be an integer >= 0 (cache slots), got {capacity!r}")
+        return config.num_hidden_layers, kv_heads, max(int(capacity), SPILL_SLOT + 2), config.head_dim
 
     @staticmethod
     def holds(storage: torch.Tensor, shape: tuple[int, int, int, int]) -> bool:
@@ -81,11 +87,14 @@ class KVCache:
 
     # --- the segment tree -------------------------------------------------------------------------
     def new_segment(self, parent: int | None = None) -> int:
+        """A new empty segment, a root or a child of `parent` (a segment id); returns its id."""
+        if parent is not None and not is_int(parent):
+            raise BadType(f"parent must be a segment id (an integer) or None, got {parent!r}")
         if parent is not None and parent not in self.segments:
             raise KeyError(f"parent segment {parent} does not exist")
         sid = self._next_id
         self._next_id += 1
-        self.segments[sid] = Segment(parent)
+        self.segments[sid] = Segment(None if parent is None else int(parent))
         return sid
 
     def chain(self, sid: int) -> list[int]:

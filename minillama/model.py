@@ -254,8 +254,8 @@ class Llama(nn.Module):
         return self.model.layers[0].self_attn.n_kv if len(self.model.layers) else self.config.num_key_value_heads
 
     def new_cache(self, capacity: int = 256) -> KVCache:
-        """An empty cache of at least `capacity` slots: on the spare storage of a finished one where its graphs
-        can be replayed (step.py: a GPU's captured steps outlive a generate call), else a new one."""
+        """An empty cache of at least `capacity` slots (an integer >= 0): on the spare storage of a finished one
+        where its graphs can be replayed (step.py: a GPU's captured steps outlive a generate call), else a new one."""
         kv_heads = self.kv_heads
         spare = self.steps.take_spare(KVCache.shape(self.config, capacity, kv_heads), self.dtype, self.device)
         cache = KVCache(self.config, capacity, device=self.device, dtype=self.dtype, kv_heads=kv_heads,

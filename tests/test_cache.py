@@ -83,3 +83,31 @@ def test_a_bad_token_late_in_a_call_leaves_the_cache_as_it_was():
     # The same tokens without the bad one go in, starting where the failed calls would have.
     assert cache.append(torch.tensor([doc, doc, q]), torch.tensor([3, 4, 5])).numel() == 3
     assert cache.segments[q].start == 5 and cache.segments[doc].children == 1
+
+
+@pytest.mark.parametrize("capacity, error", [(10.5, TypeError), ("8", TypeError), (True, TypeError), (None, TypeError),
+                                             (2.5, TypeError), (-5, ValueError)])
+def test_a_capacity_that_is_not_a_count_of_slots_is_refused_in_one_line(capacity, error):
+    """new_cache(10.5) met torch's unpacking error, new_cache("8") a '>' between str and int, and -5 or 2.5 were
+    taken without a word: one line naming capacity, from the model and from KVCache alike."""
+    from tiny import tiny_model
+
+    for make in (tiny_model(tiny_config()).new_cache, lambda c: KVCache(tiny_config(), c)):
+        with pytest.raises(error, match=rf"^capacity must be an integer >= 0 \(cache slots\), got {capacity!r}$"):
+            make(capacity)
+    assert KVCache(tiny_config(), 0).k.shape[2] == 3 and KVCache(tiny_config(), torch.tensor(8)).k.shape[2] == 8
+
+
+def test_a_parent_that_is_not_a_segment_id_is_refused_naming_parent():
+    """new_segment("0") said 'parent segment 0 does not exist' (a KeyError) though segment 0 did; a bool was
+    taken as the segment id 0 or 1."""
+    import numpy as np
+
+    cache = KVCache(tiny_config(), capacity=8)
+    root = cache.new_segment()
+    for bad in ("0", True, 0.0, [0]):
+        with pytest.raises(TypeError, match=r"^parent must be a segment id \(an integer\) or None, got "):
+            cache.new_segment(bad)
+    assert cache.segments.keys() == {root}
+    child = cache.new_segment(np.int64(root))
+    assert cache.segments[child].parent == root and type(cache.segments[child].parent) is int
