@@ -328,8 +328,12 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
         if ids is not None and (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")
                                 or not all(options.is_int(t) for t in ids)):
             raise options.BadType(f"{name} must be a list of integer token ids, got {repr(ids)[:80]}")
-        if name == "stop_token_ids" and not all(0 <= t < vocab for t in ids):  # an EOS id past it never comes
+        if name == "stop_token_ids" and not all(0 <= t < vocab for t in ids):
             raise ValueError(f"{name} must be in 0 .. {vocab - 1} (the model's vocabulary), got {repr(ids)[:80]}")
+        # An EOS id past the vocabulary never comes, and is let be: a tokenizer may list one beside an id inside
+        # it (Tokenizer.check_fits), and its callers pass the tokenizer's ids. A negative id is no token at all.
+        if name == "eos_ids" and ids is not None and not all(t >= 0 for t in ids):
+            raise ValueError(f"{name} must be token ids >= 0, got {repr(ids)[:80]}")
     return (out, [0] * len(out) if docs is None else list(docs), None if streams is None else list(map(int, streams)),
             params)
 

@@ -256,6 +256,9 @@ def test_generate_and_load_refuse_their_arguments_by_name(ckpt, model):
         api.ask(model, DOC, QUESTIONS[:1], max_new_tokens=1, stop_token_ids=[10**9])
     with pytest.raises(TypeError, match="eos_ids must be a list of integer token ids, got '2'"):
         generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), eos_ids="2")
+    with pytest.raises(ValueError, match=r"^eos_ids must be token ids >= 0, got \[2, -5\]$"):
+        generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), eos_ids=[2, -5])  # once taken silently
+    assert generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), eos_ids=[2, 10**9])  # never comes
     with pytest.raises(TypeError, match="docs must name each prompt's document"):
         generate(model.llama, [[5, 6, 7]], SamplingParams(max_new_tokens=1), docs=[[0]])
 
