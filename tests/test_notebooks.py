@@ -4,7 +4,10 @@ The notebooks assert what they teach (parallel answers bit-equal to independent 
 to recomputation, ...), so a broken claim fails here, not only a broken cell. The real-model notebooks load
 the default model (fetched and converted on first use), hence `slow`: it still runs in CI.
 
-The committed notebooks carry their outputs. To refresh them after a change, run this file:
+The committed notebooks carry their outputs. A code cell tagged `same-output` prints the same text on every
+machine (a configuration, a shape: no timing, no float bits of this machine's kernels); when the notebook is run
+here, what it prints must be what the committed notebook shows, so a stale print fails. To refresh them after a
+change, run this file:
 
     python tests/test_notebooks.py                 # every notebook
     python tests/test_notebooks.py 06_bit_parity   # some of them
@@ -25,6 +28,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT_S = 900
+SAME_OUTPUT = "same-output"  # the tag of a code cell whose printed text is the same on every machine
 
 
 def execute(path: Path) -> nbformat.NotebookNode:
@@ -41,6 +45,22 @@ def test_notebooks_exist():
 
 def code_cells(path: Path) -> list[nbformat.NotebookNode]:
     return [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
+def stdout(cell: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.get("name") == "stdout")
+
+
+def same_output(cell: nbformat.NotebookNode) -> bool:
+    return SAME_OUTPUT in cell.metadata.get("tags", [])
+
+
+def test_cells_tagged_same_output_print_something():
+    """The check of `test_notebook_runs` has cells to compare: each tagged cell prints (its stdout committed), and
+    notebook 06's first cell, which prints the CPU tiles, is one (its print once went stale: no `long_rows`)."""
+    tagged = {(p.stem, i) for p in PATHS for i, c in enumerate(code_cells(p)) if same_output(c)}
+    assert ("06_bit_parity", 0) in tagged
+    assert all(stdout(code_cells(NOTEBOOKS / f"{stem}.ipynb")[i]) for stem, i in tagged)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
@@ -87,7 +107,13 @@ def test_first_cell_finds_the_checkout_from_any_folder_in_it(path: Path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_notebook_runs(path: Path):
-    execute(path)
+    """It runs, and each cell tagged `same-output` prints what the committed notebook shows."""
+    committed = code_cells(path)
+    ran = [c for c in execute(path).cells if c.cell_type == "code"]
+    stale = [i for i, (old, new) in enumerate(zip(committed, ran), 1)
+             if same_output(old) and stdout(old) != stdout(new)]
+    assert not stale, (f"{path.name}: code cells {stale} print other text than the committed notebook shows: refresh "
+                       f"it (python tests/test_notebooks.py {path.stem})")
 
 
 def main(names: list[str]) -> int:
