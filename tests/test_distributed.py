@@ -422,6 +422,21 @@ def test_an_error_one_tensor_parallel_rank_alone_meets_ends_the_run_at_once(ckpt
         assert p.stderr.strip().splitlines()[-1] == said[0], p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("kind", ["oom", "refusal"])
+def test_an_error_on_another_data_parallel_rank_is_one_line(ckpt, jobs, kind):
+    """Two data-parallel ranks, rank 1 failing in its third forward pass: rank 0 says rank 1's line, and rank 1
+    ends quietly. Out of memory was said twice: rank 1 sent its line to rank 0, then said it again itself
+    through the one error runner (which says out of memory on any rank)."""
+    args = ["generate", "--model", ckpt, "--input", jobs, "--json", "-n", "6", "--mode", "independent",
+            "--procs", "2"]
+    p = subprocess.run([sys.executable, "tests/_dist_rank_fault.py", kind, *map(str, args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    planted = "planted: rank 1's device is out of memory"
+    said = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert said == [f"error: rank 1: {f'out of memory ({planted})' if kind == 'oom' else planted}"], p.stderr[-3000:]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
 def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
     """Under torchrun every rank reads the input itself. Where rank 1 read less of it (a file that changed, as
     a pipe given as /dev/stdin gave each rank a part), every rank stops before any work, one line saying what

@@ -73,11 +73,12 @@ class Here:
             oom = out_of_memory(error)  # this rank's device: the machine's refusal, not a bug
             message = memory_cause(error) if oom else message
             code = 2 if isinstance(error, OneLineError) or oom else 1
+            if code == 1:  # a bug: its traceback, then the line
+                traceback.print_exception(error)
             if not self._channel.error(message, code):
-                if code == 1:  # a bug: its traceback, then the line
-                    traceback.print_exception(error)
                 print(f"error: rank {self.world.rank}: {message}", file=sys.stderr, flush=True)
-                os._exit(code)
+            sys.stderr.flush()
+            os._exit(code)  # said, here or by rank 0: `end` would say an out-of-memory error a second time
         end(error)
 
     def finish(self, channel: Channel, stats: Stats) -> Stats:
