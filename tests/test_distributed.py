@@ -186,11 +186,20 @@ def test_a_rank_that_rank_0_takes_nothing_from_says_why(ckpt, tmp_path):
 def test_an_omp_thread_count_that_is_no_count_is_passed_over(ckpt, jobs, one):
     """OMP_NUM_THREADS=abc (or 0, or 1.5), which OpenMP passes over with a warning, ended every --procs rank with a
     traceback (int("abc")); the ranks now share the cores out as they do with it unset."""
-    for value in ("abc", "0"):
+    for value in ("abc", "0", "²"):
         p = subprocess.run([sys.executable, "-m", "minillama", "generate", *map(str, common(ckpt, jobs)), "--procs",
                             "2"], cwd=ROOT, capture_output=True, text=True, timeout=400,
                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": value})
         assert p.returncode == 0 and p.stdout == one[None], p.stderr[-3000:]
+
+
+def test_each_ranks_thread_count_is_a_count_or_the_default():
+    """"²" is a digit to str.isdigit but no number to int: it ended the launcher with a traceback."""
+    from minillama.distributed.launch import _thread_count
+
+    for given, want in ((None, "3"), ("", "3"), ("abc", "3"), ("0", "3"), ("²", "3"), ("1²", "3"), ("٣", "3"),
+                        ("1.5", "3"), (" 2 ", "2"), ("4", "4")):
+        assert _thread_count(given, 3) == want, given
 
 
 def test_ctrl_c_under_torchrun_is_said_once_by_the_rank_that_writes(ckpt, tmp_path):

@@ -75,8 +75,10 @@ def check_procs(args: argparse.Namespace) -> None:
 
 def _thread_count(given: str | None, default: int) -> str:
     """OMP_NUM_THREADS for each rank: the one given where it is a count (>= 1), else `default` (the machine's
-    cores shared out); "abc" or "0", which OpenMP passes over with a warning, once ended every rank."""
-    return given.strip() if given and given.strip().isdigit() and int(given) > 0 else str(default)
+    cores shared out); "abc", "0" or "²" (a digit to str.isdigit, no number to int), which OpenMP passes over with
+    a warning, once ended every rank."""
+    count = (given or "").strip()
+    return count if count.isascii() and count.isdigit() and int(count) > 0 else str(default)
 
 
 def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
