@@ -446,6 +446,18 @@ def test_an_error_on_another_data_parallel_rank_is_one_line(ckpt, jobs, kind):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
+def test_a_data_parallel_rank_that_stops_answering_ends_the_run_with_status_2(ckpt, jobs):
+    """Rank 1 hangs in its third forward pass: rank 0's receiving thread gives up at --dist-timeout and says so
+    in one line. It exited 1, the status of a bug, where a tensor-parallel group's lost peer exits 2."""
+    args = ["generate", "--model", ckpt, "--input", jobs, "--json", "-n", "6", "--mode", "independent",
+            "--procs", "2", "--dist-timeout", "5"]
+    p = subprocess.run([sys.executable, "tests/_dist_rank_fault.py", "hang", *map(str, args)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    said = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith("error: lost contact with another rank ("), p.stderr[-3000:]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
 def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
     """Under torchrun every rank reads the input itself. Where rank 1 read less of it (a file that changed, as
     a pipe given as /dev/stdin gave each rank a part), every rank stops before any work, one line saying what

@@ -178,7 +178,7 @@ class Channel:
                 else:
                     self.fail(text, index, heard=src)
         except RuntimeError as e:  # a peer closed its end or the group's timeout passed
-            self.fail(f"lost contact with another rank ({first_line(e)}); the answers written so far are complete", 1)
+            self.fail(f"lost contact with another rank ({first_line(e)}); the answers written so far are complete", 2)
 
     def _write(self, index: int, reply: Reply) -> None:
         """Write an answer from this thread; when writing fails (the reader of stdout went away, a full disk)
