@@ -458,6 +458,34 @@ def test_a_data_parallel_rank_that_stops_answering_ends_the_run_with_status_2(ck
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("kind, launcher, rank", [("slow-load", "procs", 1), ("slow-load", "procs", 0),
+                                                 ("oom-load", "procs", 1), ("oom-load", "torchrun", 1)])
+def test_a_rank_that_fails_to_start_ends_the_run_in_one_line(ckpt, jobs, kind, launcher, rank):
+    """A rank slower than --dist-timeout to load the model, or out of memory while loading: the exchange in which
+    the ranks agree raised gloo's error, a traceback from each rank (exit 1). Now a rank out of memory is a
+    refusal, said by rank 0 for it; a rank that does not come is said once, after the grace a peer has to say
+    its own error (dp.lost_contact: by rank 1, naming itself, when rank 0 is the slow one); exit 2."""
+    args = ["generate", "--model", ckpt, "--input", jobs, "--json", "-n", "4", "--dist-timeout", "2"]
+    script = ["tests/_dist_rank_fault.py", kind, *map(str, args)]
+    env = {"FAULT_RANK": str(rank)}
+    if launcher == "torchrun":
+        p = torchrun(2, *script, timeout=200, env=env)
+    else:
+        p = subprocess.run([sys.executable, *script, "--procs", "2"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=200, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    said = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    ours = p.stderr.split("distributed/elastic/")[0]  # torchrun's report of a failed rank is a traceback of its own
+    assert "Traceback" not in ours and "minillama/" not in p.stderr and p.stdout == "", p.stderr[-3000:]
+    if kind == "oom-load":
+        assert said == ["error: rank 1: out of memory (planted: rank 1 ran out of host memory while loading)"], \
+            p.stderr[-3000:]
+    else:
+        lost = f"error: {'rank 1: ' * (rank == 0)}lost contact with another rank while the ranks started ("
+        assert len(said) == 1 and said[0].startswith(lost), p.stderr[-3000:]
+        assert said[0].endswith("needs a larger one"), said
+    assert p.returncode == (1 if launcher == "torchrun" else 2), p.stderr[-3000:]
+
+
 def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
     """Under torchrun every rank reads the input itself. Where rank 1 read less of it (a file that changed, as
     a pipe given as /dev/stdin gave each rank a part), every rank stops before any work, one line saying what

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 import traceback
 from dataclasses import asdict
 from typing import Any, Callable, NoReturn, Sequence
@@ -26,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ..api import Reply
-from ..errors import OneLineError, RankRefused, SaidElsewhere, first_line, one_line, report
+from ..errors import (OneLineError, RankRefused, SaidElsewhere, first_line, memory_cause, one_line, out_of_memory,
+                      report)
 from .world import World
 
 ANSWER, DONE, ERROR = 1, 2, 3
 HEADER, PAYLOAD, HEARD = 1, 2, 3  # message tags
+PEER_GRACE_S = 5.0  # how long a rank leaves another (or the launcher) to say an error first
 
 
 Piece = tuple[int, int, int]  # (document, first question, past its last question): a run of one document's questions
@@ -202,6 +205,15 @@ def end(error: BaseException) -> NoReturn:
     os._exit(code)
 
 
+def lost_contact(world: World, message: str) -> NoReturn:
+    """A collective failed: another rank has ended (it, or its launcher, says why, and the launcher ends this
+    rank) or stopped answering. Still here PEER_GRACE_S later, rank 0 says `message` and ends (status 2); any
+    other rank waits as long again, for rank 0 to say it, and then says it naming itself (rank 0 may be the
+    one that stopped)."""
+    time.sleep(PEER_GRACE_S if world.rank == 0 else 2 * PEER_GRACE_S)
+    end(RankRefused(message if world.rank == 0 else f"rank {world.rank}: {message}"))
+
+
 def input_key(jobs: Sequence[tuple[str, Sequence[str]]]) -> tuple[int, int, str]:
     """What the ranks compare of the input each read: documents, questions and a digest of all of it."""
     digest = hashlib.sha256(json.dumps(jobs, ensure_ascii=False).encode("utf-8", "surrogatepass")).hexdigest()
@@ -214,18 +226,28 @@ def agree(world: World, prepare: Callable[[], Any], same: Callable[[Any], Any] |
     once rather than at the process group's timeout. Rank 0 says every refusal (one line; a message that
     every rank gave, once, as one process would); a refusing rank on another machine says its own there;
     every other rank stops quietly. `same(result)`: what must be equal on every rank (`input_key`: the input
-    each read, which differs where they read a changing file), refused where it is not. Returns what
-    `prepare` returned."""
+    each read, which differs where they read a changing file), refused where it is not. Out of memory is a
+    refusal (the machine's); a rank that never comes to the exchange (slower than --dist-timeout to load, or
+    dead) is `lost_contact`. Returns what `prepare` returned."""
     if world.size == 1:
         return prepare()
     try:
         done, mine = prepare(), None
     except OneLineError as e:
         done, mine = None, one_line(str(e)) or type(e).__name__
+    except Exception as e:  # this rank's memory is the machine's refusal, as a bad input is
+        if not out_of_memory(e):
+            raise
+        done, mine = None, memory_cause(e)
     machine = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank; --procs runs on one machine
     said: list[Any] = [None] * world.size
     key = None if mine is not None or same is None else same(done)
-    dist.all_gather_object(said, (machine, mine, key), group=world.answers)
+    try:
+        dist.all_gather_object(said, (machine, mine, key), group=world.answers)
+    except RuntimeError as e:  # a rank died loading, or took longer than --dist-timeout to get here
+        lost_contact(world, f"lost contact with another rank while the ranks started ({first_line(e)}); a rank "
+                            "that takes longer than --dist-timeout to read its input and load the model needs a "
+                            "larger one")
     refusals = {}  # message -> the ranks that gave it
     for rank, (_, message, _) in enumerate(said):
         if message is not None:

@@ -27,11 +27,8 @@ from ..generate import Stats
 from ..model import Llama
 from . import check_degrees, launched
 from . import tp as tensor_parallel
-from .dp import Channel, Piece, agree, end, share_questions
+from .dp import PEER_GRACE_S, Channel, Piece, agree, end, lost_contact, share_questions
 from .world import World, finish, init, single
-
-
-PEER_GRACE_S = 5.0  # how long a tensor-parallel peer leaves its group's sending rank to report an error first
 
 
 @dataclass
@@ -59,10 +56,9 @@ class Here:
         (torchrun, --procs) then ends the others at once rather than at the group's timeout."""
         if self.world.size == 1 or self._channel is None:
             return
-        if _lost_peer(error):  # another rank has ended: it, or its launcher, says why, and the launcher ends this one
-            time.sleep(PEER_GRACE_S)  # still here: a peer that hangs, or a launcher that does not end the rest
-            end(LostPeer(f"lost contact with another rank in a collective ({first_line(error)}); "
-                         "the answers written so far are complete"))
+        if _lost_peer(error):  # another rank has ended or hangs (`dp.lost_contact`)
+            lost_contact(self.world, f"lost contact with another rank in a collective ({first_line(error)}); "
+                                     "the answers written so far are complete")
         if not self.world.writes and not self.world.sends:
             # A tensor-parallel peer of the rank that sends its group's answers: that rank meets the same error
             # (the group runs as one) and reports it after its last answer, which this rank's report could
@@ -104,10 +100,6 @@ class Here:
         if self.world.size == 1 and self.units == self.kv_heads:  # one process at the default units
             return {}
         return {"ranks": self.world.size, "dp": self.world.dp, "tp": self.world.tp, "units": self.units}
-
-
-class LostPeer(OneLineError):
-    """A collective failed: another rank of the group has ended or stopped answering."""
 
 
 def _lost_peer(error: BaseException) -> bool:
