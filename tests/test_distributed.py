@@ -714,6 +714,36 @@ def test_a_rank_probes_its_own_gpu(local_rank, monkeypatch):
 # --- data parallel on ordinary input: idle ranks, split questions, refusals, closed pipes, bounds ------------
 
 
+@pytest.mark.parametrize("device, procs, local, refused", [("cuda:0", 2, None, True), ("cuda:1", 1, "2", True),
+                                                          ("cuda", 2, None, False), ("cuda", 1, "2", False),
+                                                          ("cuda:1", 1, "1", False), ("cpu", 1, "2", False)])
+def test_a_gpu_named_by_its_index_is_refused_with_more_than_one_rank_on_a_machine(monkeypatch, device, procs, local,
+                                                                                  refused):
+    """--device cuda:0 under --procs 2 or torchrun's two local ranks: `join` gives each rank the GPU of its local
+    rank only for --device cuda, so every rank took GPU 0. Refused in one line before any rank starts (under
+    torchrun, before any joins); one rank a machine may name its GPU. Checked without a GPU."""
+    from argparse import Namespace
+
+    from minillama import distributed
+    from minillama.errors import BadInput
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    if local is not None:  # as torchrun sets them for rank 0 of its LOCAL_WORLD_SIZE here, of 2 in all
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    args = Namespace(procs=procs, tp=1, units=None, dist_timeout=600, doc=None, questions=None, input="in.jsonl",
+                     prompt_ids=None, device=device, model=None)
+    if not refused:
+        distributed.check_options(args)
+        return
+    with pytest.raises(BadInput, match=rf"^--device {device} with 2 ranks on this machine: every rank would take "
+                                       rf"GPU {device[-1]}; give --device cuda, and each rank takes the GPU of its"):
+        distributed.check_options(args)
+
+
 def test_questions_are_split_so_that_one_long_document_gains():
     """One document with 1,000 questions over two groups: half the questions each (each group prefills the
     document once); seqbatch keeps documents whole; a group past the last question has nothing to do."""

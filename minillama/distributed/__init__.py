@@ -107,6 +107,7 @@ def check_options(args) -> None:
     ranks = procs if procs > 1 else check_world_env()
     started = f"--procs {procs}" if procs > 1 else None
     check_degrees(None, args.tp, args.units, ranks, started, has_procs)
+    check_gpu_index(getattr(args, "device", "cpu"), procs if procs > 1 else local_ranks())
     if launched() and procs > 1:
         raise BadInput("--procs starts its own ranks; under torchrun, leave it out")
     if launched():
@@ -116,6 +117,30 @@ def check_options(args) -> None:
                                "each rank would read a different part of" + " (or use --procs N)" * has_procs)
     if args.tp > 1 or args.units is not None:
         check_degrees(model_kv_heads(getattr(args, "model", None)), args.tp, args.units, ranks, started, has_procs)
+
+
+def local_ranks() -> int:
+    """The ranks torchrun started on this machine (its LOCAL_WORLD_SIZE; 1 where unset or no number)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_gpu_index(device: str, local: int) -> None:
+    """BadInput for a GPU named by its index (--device cuda:0) with more than one rank on this machine: each rank
+    would take that one GPU (`parallel.join` gives each rank the GPU of its local rank only for --device cuda)."""
+    import torch
+
+    from ..errors import BadInput
+
+    try:
+        index = torch.device(device).index if device.startswith("cuda") else None
+    except (RuntimeError, ValueError):  # not a device: check_device names it
+        return
+    if local > 1 and index is not None:
+        raise BadInput(f"--device {device} with {local} ranks on this machine: every rank would take GPU {index}; "
+                       "give --device cuda, and each rank takes the GPU of its local rank (cuda:LOCAL_RANK)")
 
 
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 10**7  # a process group's timeout: in whole milliseconds, and in a timedelta
