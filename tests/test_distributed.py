@@ -221,6 +221,33 @@ def test_ctrl_c_under_torchrun_is_said_once_by_the_rank_that_writes(ckpt, tmp_pa
     assert said[0] == f"interrupted: {1 + out.count(chr(10))} of 450 answers written", (said, err[-2000:])
 
 
+def test_ctrl_c_under_procs_is_said_by_rank_0_with_its_count(ckpt, tmp_path):
+    """Ctrl-C to --procs' whole process group (a terminal's): the launcher ended rank 0 at once and said only
+    "interrupted"; it now leaves rank 0 the grace to say "interrupted: K of N answers written", as one process
+    and torchrun do, and says nothing itself. No rank outlives the launcher."""
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"doc": DOCS[0], "questions": QUESTIONS[:3]}) + "\n" for _ in range(150)))
+    cmd = [sys.executable, "-m", "minillama", "generate", "--model", str(ckpt), "--input", str(big), "--json",
+           "-n", "4", "--mode", "independent", "--procs", "2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        first = proc.stdout.readline()  # answers are coming: both ranks are at work
+        ranks = _children(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    time.sleep(1)
+    alive = [p for p in ranks if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"ranks {alive} outlived their launcher"
+    said = [line for line in err.splitlines() if line.startswith("interrupted")]
+    assert first and proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert said == [f"interrupted: {1 + out.count(chr(10))} of 450 answers written"], (said, err[-2000:])
+
+
 def test_two_nodes_over_loopback_rendezvous(ckpt, jobs, one):
     """Two torchrun "nodes" of one rank each, meeting at a c10d rendezvous on 127.0.0.1."""
     from minillama.distributed.launch import free_port

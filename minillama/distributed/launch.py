@@ -126,10 +126,12 @@ def run(args: argparse.Namespace, jobs: Sequence[Any], entry) -> int:
         print(f"error: rank {e.error_index} failed:\n{e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Terminated) as e:
+        said = isinstance(e, KeyboardInterrupt) and not early and _rank_0_said_it(ctx)
         for p in ctx.processes if ctx is not None else []:
             if p.is_alive():
                 p.terminate()
-        print("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", file=sys.stderr)
+        if not said:
+            print("interrupted" if isinstance(e, KeyboardInterrupt) else "terminated", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM
     finally:
         for signum, handler in previous.items():
@@ -141,6 +143,22 @@ class Terminated(Exception):
     """The launcher was sent SIGTERM."""
 
 
+INTERRUPT_GRACE_S = 5.0  # how long a Ctrl-C leaves rank 0 to say what it wrote before its launcher ends it
+
+
+def _rank_0_said_it(ctx) -> bool:
+    """After Ctrl-C at a terminal, which sends it to every rank too: whether rank 0 ended by itself within
+    INTERRUPT_GRACE_S with Ctrl-C's status, having said "interrupted: K of N answers written" (or "interrupted"
+    before its first answer), as one process does. Sent to this process alone (`kill -INT`), no rank heard it:
+    they are ended after the grace. A second Ctrl-C ends them at once."""
+    rank_0 = ctx.processes[0]
+    try:
+        rank_0.join(INTERRUPT_GRACE_S)
+    except KeyboardInterrupt:
+        return False
+    return rank_0.exitcode == 130
+
+
 
 def _rank(local_rank: int, entry, args: argparse.Namespace, jobs: Sequence[Any], env: dict[str, str]) -> None:
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
@@ -149,5 +167,6 @@ def _rank(local_rank: int, entry, args: argparse.Namespace, jobs: Sequence[Any],
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     code = entry(args, jobs)
     sys.stdout.flush()
-    if code:
-        sys.exit(code)
+    if code:  # a rank that stops early (Ctrl-C) is still in its process group, whose threads abort Python's exit
+        sys.stderr.flush()
+        os._exit(code)
