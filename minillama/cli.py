@@ -133,6 +133,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
 
     from .distributed import parallel
     from .distributed.dp import input_key
+    from .distributed.parallel import piece_job
 
     t0 = time.perf_counter()
     here = parallel.join(args)  # one process, or this rank of torchrun's (--procs') world
@@ -154,11 +155,13 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
     parallel.place(model.llama, args, here)
     load_s = time.perf_counter() - t0
     n_questions = sum(len(q) for _, q in jobs)
-    share = parallel.share(jobs, here, model.tokenizer, args.max_new_tokens, args.mode)
-    budget = memory_budget(args.max_memory, model.llama)
-    plan = plan_waves(model, [piece_job(jobs, p) for p in share], args, budget) if share else WavePlan(None, None, 0)
-    if budget and plan.bytes > budget and here.world.writes:
-        print(f"warning: {over_budget(plan, args)} are estimated at {plan.bytes / 2**20:.1f} MiB, more than "
+    shares, mine = parallel.shares(jobs, here, model.tokenizer, args.max_new_tokens, args.mode), here.world.dp_rank
+    share, budget = shares[mine], memory_budget(args.max_memory, model.llama)
+    plans = [plan_waves(model, [piece_job(jobs, p) for p in s], args, budget) if s else WavePlan(None, None, 0)
+             for i, s in enumerate(shares) if i == mine or here.world.writes]  # rank 0 (group 0's): every group's
+    plan, most = plans[0], max(p.bytes for p in plans)  # this rank's, and the largest of any (rank 0 warns of it)
+    if budget and most > budget and here.world.writes:
+        print(f"warning: {over_budget(plan, args)} are estimated at {most / 2**20:.1f} MiB, more than "
               f"{given_budget(args, budget)}; running them", file=sys.stderr, flush=True)
 
     out = sys.stdout
@@ -193,18 +196,14 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
                "products": precision.describe(args.device, getattr(torch, args.dtype)),
                "parallel_size": min(plan.parallel_size or n_most, n_most),  # a wave holds what there is
                "batch_docs": min(plan.batch_docs or len(jobs), len(jobs)),
-               "max_memory_mb": _mib(budget), "planned_memory_mb": _mib(plan.bytes), **here.summary()}
+               "max_memory_mb": _mib(budget), "planned_memory_mb": _mib(most), **here.summary()}
     print(json_text(summary) if args.json else summary_line(summary), file=sys.stderr)
     return 0
 
 
-def piece_job(jobs: Sequence[tuple[str, Sequence[str]]], piece: tuple[int, int, int]) -> tuple[str, list[str]]:
-    """A piece of the input (document, first question, past the last) as a job of its own."""
-    d, lo, hi = piece
-    return jobs[d][0], list(jobs[d][1][lo:hi])
-
-
 def _ask(model, jobs, share, args, plan, progress, stats, channel) -> None:
+    from .distributed.parallel import piece_job
+
     if not share:  # a rank past the last piece: nothing to do
         return
     run = {name: getattr(args, name) for name, row in RUN_OPTIONS.items() if row.flag}

@@ -513,6 +513,21 @@ def test_a_rank_that_fails_to_start_ends_the_run_in_one_line(ckpt, jobs, kind, l
     assert p.returncode == (1 if launcher == "torchrun" else 2), p.stderr[-3000:]
 
 
+def test_the_memory_warning_and_plan_are_the_largest_of_any_rank(ckpt, tmp_path):
+    """Rank 1 takes the long document, whose waves are over --max-memory: one process warns and plans that; two
+    ranks warned of nothing and reported rank 0's small plan (planned_memory_mb), as rank 0 planned its share."""
+    path = _write_jobs(tmp_path / "jobs.jsonl", [("Paris is in France.", QUESTIONS * 2), (DOC * 8, QUESTIONS[:1])])
+    args = ("--model", ckpt, "--input", path, "--json", "-n", "4", "--max-memory", "0.3")
+    runs = [generate(*args), generate(*args, procs=2)]
+    for p in runs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    warned = [[line for line in p.stderr.splitlines() if line.startswith("warning: ")] for p in runs]
+    planned = [json.loads(p.stderr.strip().splitlines()[-1])["planned_memory_mb"] for p in runs]
+    assert len(warned[0]) == 1 and warned[1] == warned[0], warned
+    assert planned[1] == planned[0] > 0.3, planned
+    assert runs[1].stdout == runs[0].stdout
+
+
 def test_ranks_that_read_different_input_are_refused(ckpt, jobs, tmp_path):
     """Under torchrun every rank reads the input itself. Where rank 1 read less of it (a file that changed, as
     a pipe given as /dev/stdin gave each rank a part), every rank stops before any work, one line saying what

@@ -4,7 +4,7 @@
     shard = sharding(args, here)      # a tensor-parallel rank's: the loader reads only its parts
     jobs, model = here.agree(prepare) # every rank's input read and checked, and any refusal heard by all
     place(model, args, here)          # the product units; the model on args.device
-    share(jobs, here, tokenizer)      # the questions this rank's data-parallel group answers
+    shares(jobs, here, tokenizer)     # the questions each data-parallel group answers
     channel = here.channel(...)       # each finished answer: written (rank 0) or sent there
     totals = here.finish(channel, stats)
 """
@@ -160,15 +160,21 @@ def place(model: Llama, args: argparse.Namespace, here: Here) -> None:
         tensor_parallel.tie_head_(model)
 
 
-def share(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0,
-          mode: str = "parallel") -> list[Piece]:
-    """The pieces (document, first question, past the last) of this rank's data-parallel group: the questions
-    cut into runs of balanced token count (`dp.share_questions`: each question and its answer's most tokens,
-    each document once per group that holds some of its questions). seqbatch keeps documents whole."""
+def shares(jobs: Sequence[tuple[str, Sequence[str]]], here: Here, tokenizer, max_new_tokens: int = 0,
+           mode: str = "parallel") -> list[list[Piece]]:
+    """The pieces (document, first question, past the last) of every data-parallel group, this rank's at its
+    `dp_rank`: the questions cut into runs of balanced token count (`dp.share_questions`: each question and its
+    answer's most tokens, each document once per group that holds some of its questions). seqbatch keeps
+    documents whole."""
     if here.world.dp == 1:
-        return [(d, 0, len(questions)) for d, (_, questions) in enumerate(jobs)]
+        return [[(d, 0, len(questions)) for d, (_, questions) in enumerate(jobs)]]
     doc_costs = [len(tokenizer.encode(doc, parse_special=False)) for doc, _ in jobs]
     question_costs = [[len(tokenizer.encode(q, parse_special=False)) + max_new_tokens for q in questions]
                       for _, questions in jobs]
-    shares = share_questions(doc_costs, question_costs, here.world.dp, whole_documents=mode == "seqbatch")
-    return shares[here.world.dp_rank]
+    return share_questions(doc_costs, question_costs, here.world.dp, whole_documents=mode == "seqbatch")
+
+
+def piece_job(jobs: Sequence[tuple[str, Sequence[str]]], piece: Piece) -> tuple[str, list[str]]:
+    """A piece of the input (document, first question, past the last) as a job of its own."""
+    d, lo, hi = piece
+    return jobs[d][0], list(jobs[d][1][lo:hi])
