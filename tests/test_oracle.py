@@ -14,6 +14,7 @@ import copy
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -1393,3 +1394,18 @@ def test_export_reads_a_document_and_questions_as_the_command_line_does(tmp_path
     assert err.count("\n") == 1 and "the document is empty" in err, err
     assert main([*base, "--doc", str(tmp_path / "doc.txt")]) == 0
     assert [q.question for q in load(out).questions] == ["What colour\u2028is the sky?", "Why?"]
+
+
+def test_export_without_model_writes_over_no_file_of_the_default_model(tiny, tmp_path, capsys, monkeypatch):
+    """Without --model the guard against writing over the model's files did not run: -o naming the default
+    model's weights replaced them with the record (exit 0), and every later command failed on that folder."""
+    _, _, path = tiny
+    default = tmp_path / "w" / weights.DEFAULT_MODEL_NAME
+    shutil.copytree(path, default)
+    monkeypatch.setenv("MINILLAMA_WEIGHTS_DIR", str(tmp_path / "w"))
+    held = (default / "model.safetensors").read_bytes()
+    target = default / "model.safetensors"
+    assert main(["export", "--prompt-ids", _write_prompts(tmp_path), "-n", "2", "-o", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model (default)" in err and "write the record elsewhere" in err, err
+    assert (default / "model.safetensors").read_bytes() == held and not (default / "model.json").exists()

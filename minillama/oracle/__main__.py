@@ -28,7 +28,7 @@ from ..errors import BadInput, OneLineParser, check_device, run_command
 from ..files import json_text, write_file
 from ..generate import MODES
 from ..precision import DTYPES
-from ..weights import build_model, fetch_default, load_model_part, load_state_dict, load_tokenizer
+from ..weights import build_model, default_model_dir, fetch_default, load_model_part, load_state_dict, load_tokenizer
 from .backends import BACKENDS, LlamaCppBackend, MinillamaBackend, load_backend
 from .diff import Comparison, compare, diff_hidden, run_backend
 from .layers import diff_layers
@@ -227,11 +227,12 @@ def _check_writable(out: Path, *beside: Path) -> None:
 def _check_not_an_input(out: Path, args: argparse.Namespace) -> None:
     """The record and its manifest are written over none of the files the export reads: the prompts, the
     model's file, or a file of its folder (its weights, config or tokenizer)."""
-    model = Path(args.model).resolve() if args.model else None
+    model = Path(args.model or default_model_dir()).resolve()  # no --model: the default model's folder
+    named = args.model or f"(default) {default_model_dir()}"
     for f in (out, out.with_suffix(".json")):
         here = f.resolve()
-        if model is not None and (model == here or (model == here.parent and here.exists())):
-            raise BadInput(f"{f}: would be written over {'' if model == here else 'a file of '}--model {args.model}; "
+        if model == here or (model == here.parent and here.exists()):
+            raise BadInput(f"{f}: would be written over {'' if model == here else 'a file of '}--model {named}; "
                            "write the record elsewhere")
         for name in ("prompt_ids", "doc", "questions"):
             given = getattr(args, name)
