@@ -1409,3 +1409,40 @@ def test_export_without_model_writes_over_no_file_of_the_default_model(tiny, tmp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--model (default)" in err and "write the record elsewhere" in err, err
     assert (default / "model.safetensors").read_bytes() == held and not (default / "model.json").exists()
+
+
+def test_hidden_states_of_answers_one_the_others_start_are_compared_over_the_shorter(tiny):
+    """Two records whose answers differ only in length (exports at -n 8 and -n 5) hold hidden states over
+    different numbers of rows; --layers cut both to the prompt plus the shorter answer, one row past the
+    shorter record's rows, and refused them as of other shapes."""
+    _, model, _ = tiny
+    long, short = (export(model, PROMPTS[:1], max_new_tokens=n, hidden=True) for n in (8, 5))
+    assert long.questions[0].token_ids[:5] == short.questions[0].token_ids
+    for r, c in ((long, short), (short, long)):
+        (d,) = diff_hidden(r, c, Tolerances())
+        assert d.first_bad is None
+
+
+def test_a_record_with_an_empty_prompt_is_refused(ref, tmp_path):
+    """An empty prompt_ids was taken, and teacher forcing read the row before the first (-1) as step 0: a false
+    'logits out of tolerance' report rather than a refusal of the file."""
+    r = copy.deepcopy(ref)
+    r.questions[1].prompt_ids = []
+    save(r, tmp_path / "r.safetensors")
+    with pytest.raises(RecordError, match="question 2.*prompt_ids is empty"):
+        load(tmp_path / "r.safetensors")
+
+
+def test_manifest_strings_holding_brackets_are_written_as_given(ref, tmp_path):
+    """save kept each list of token ids on one line by rewriting the manifest's text, strings included: a
+    question '[1,2]' was written '[1, 2]' in the .json (not in the record), and '[ , ]' raised a JSONDecodeError
+    after the model had run."""
+    r = copy.deepcopy(ref)
+    texts = ["What does [1,2] mean?", "Is [ , ] a list?", "[-] and [1,] and [ ]"]
+    for q, text in zip(r.questions, texts):
+        q.question = text
+    save(r, tmp_path / "r.safetensors")
+    manifest = json.loads((tmp_path / "r.json").read_text())
+    assert [q["question"] for q in manifest["questions"]] == texts
+    assert [q.question for q in load(tmp_path / "r.safetensors").questions] == texts
+    assert f'"prompt_ids": {json.dumps(PROMPTS[0])}' in (tmp_path / "r.json").read_text()  # still on one line

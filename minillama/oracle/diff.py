@@ -330,6 +330,8 @@ def diff_hidden(ref: Record, cand: Record, tol: Tolerances) -> list[LayerDiff | 
         same = _first_difference(r.token_ids, c.token_ids)
         if same is None:
             same = min(len(r.token_ids), len(c.token_ids))
-        rows = len(r.prompt_ids) + same  # hidden row P + s holds answer token s: the same in both below `same`
+        # Hidden row P + s holds answer token s: the same in both below `same`; each record holds rows up to
+        # its own answer's last token but one, so where one answer is the other's start, the shorter's rows.
+        rows = min(len(r.prompt_ids) + same, r.hidden.shape[1], c.hidden.shape[1])
         out.append(layer_diff(_hidden_activations(r, rows), _hidden_activations(c, rows), tol))
     return out

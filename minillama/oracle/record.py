@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import json
 import platform
-import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -158,8 +157,7 @@ def save(record: Record, path: str | Path) -> Path:
     manifest["questions"] = [
         {"prompt_ids": q.prompt_ids, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
          "doc": q.doc, "shared": q.shared, "question": q.question} for q in record.questions]
-    # Indented for reading, but each list of token ids kept on one line.
-    text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), json_text(manifest, indent=1))
+    text = _manifest_text(manifest)
     # The manifest first: one that cannot be written leaves the record as it was, and a record that cannot be
     # written puts the old manifest back (each write alone is atomic: write_file).
     mpath = manifest_path(path)
@@ -340,6 +338,18 @@ def _floats(x: Any, key: str, where: str, rows: bool = False) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32) if x else torch.zeros((0, 0) if rows else (0,))
 
 
+def _manifest_text(x: Any, level: int = 0) -> str:
+    """The manifest's JSON indented for reading, one space a level, but each list of integers (token ids) on
+    one line: built so, as a rewrite of the text would reach into the strings (a question's "[1,2]")."""
+    pad, inner = " " * level, " " * (level + 1)
+    if isinstance(x, dict) and x:
+        items = [f"{inner}{json_text(str(k))}: {_manifest_text(v, level + 1)}" for k, v in x.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(x, (list, tuple)) and x and not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        return "[\n" + ",\n".join(inner + _manifest_text(v, level + 1) for v in x) + f"\n{pad}]"
+    return json_text(x)
+
+
 def _check_question(q: QuestionRecord, where: str) -> None:
     steps = len(q.token_ids)
     if q.logits is not None and (q.logits.dim() != 2 or q.logits.shape[0] != steps):
@@ -348,6 +358,8 @@ def _check_question(q: QuestionRecord, where: str) -> None:
     if q.logprobs is not None and tuple(q.logprobs.shape) != (steps,):
         raise RecordError(f"{where}: logprobs must have one value per token id; got {tuple(q.logprobs.shape)} "
                           f"for {steps} token ids")
+    if q.prompt_ids is not None and not len(q.prompt_ids):  # step 0's logits are the prompt's last row
+        raise RecordError(f"{where}: prompt_ids is empty; a question's prompt holds at least one token")
     # Over the prompt and the answer but its last token, as export writes them: no fewer rows, none empty.
     tokens = None if q.prompt_ids is None else len(q.prompt_ids) + max(steps - 1, 0)
     if q.hidden is not None and (q.hidden.dim() != 3 or 0 in q.hidden.shape or tokens not in (None, q.hidden.shape[1])):
