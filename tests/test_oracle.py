@@ -33,7 +33,7 @@ from minillama.oracle.backends import BackendError, LlamaCppBackend
 from minillama.oracle.diff import diff_hidden
 from minillama.oracle.schema import RecordError
 from minillama.oracle.tolerances import PRESETS
-from tiny import tiny_config, tiny_model
+from tiny import VOCAB, tiny_config, tiny_model
 
 LAYERS = 3
 DOC = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # the shared document: 10 tokens
@@ -403,6 +403,9 @@ class _FakeLlamaCpp:
     def reset(self):
         self.n_tokens = 0
 
+    def n_vocab(self):
+        return self.model.config.vocab_size
+
     def eval(self, tokens):  # appends to the tokens evaluated since the last reset
         self.ids = self.ids[:self.n_tokens] + list(tokens)
         self.n_tokens = len(self.ids)
@@ -421,6 +424,31 @@ def test_llama_cpp_backend_is_tolerance_based(tiny, ref, tmp_path, monkeypatch):
     assert all(r.logit_max == pytest.approx(0.01, abs=1e-5) for r in results)
     with pytest.raises(BackendError, match="no layer-by-layer activations"):
         backend.activations([1, 2, 3])
+
+
+def test_a_backend_of_another_vocabulary_is_refused_before_it_runs(ref, tmp_path, capsys, monkeypatch):
+    """A reference token id past the backend's vocabulary failed inside the backend (transformers' IndexError,
+    llama.cpp's 'llama_decode returned -1'): a traceback and exit 1, read as a failing question. A backend with
+    a larger vocabulary was blamed for a token id outside the reference's vocabulary, or its logits' width was
+    refused after the run."""
+    top = max(t for q in ref.questions for t in q.prompt_ids + q.token_ids)
+    save(ref, tmp_path / "ref.safetensors")
+    for vocab, message in ((top, f"the reference's token ids reach {top}; the backend's vocabulary has {top} "
+                                 "tokens"),
+                           (VOCAB + 3, f"the reference's vocabulary has {VOCAB} tokens (its logits), the backend's "
+                                       f"{VOCAB + 3}: not one model's")):
+        config = tiny_config(layers=1, vocab=vocab)
+        path = tmp_path / f"vocab{vocab}"
+        weights.save_hf_dir(config, tiny_model(config, seed=1).state_dict(), None, path)
+        assert main(["compare", "--reference", str(tmp_path / "ref.safetensors"), "--backend", "transformers",
+                     "--backend-model", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlamaCpp, __version__="fake"))
+        monkeypatch.setattr(_FakeLlamaCpp, "model", tiny_model(config, seed=1))
+        (tmp_path / "m.gguf").write_bytes(b"GGUF")
+        with pytest.raises(RecordError, match=re.escape(message)):
+            run_backend(ref, LlamaCppBackend(tmp_path / "m.gguf"))
 
 
 def test_llama_cpp_missing_is_one_clear_error(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ OpenAI-compatible server (server.py).
 Each backend answers questions about one sequence of token ids run from position 0, on its own:
 
     backend.logits(ids)          -> (T, vocab) float32: the logits after every token
+    backend.vocab_size()         -> the width of those logits (None where the backend does not say)
     backend.activations(ids)     -> Activations: named intermediate tensors, each (T, F), for the layer diff
     backend.teacher_force(p, a)  -> QuestionRecord: what the backend says at each step of answer `a` after
                                     prompt `p`; by default the logits rows of one pass over p + a[:-1]. A
@@ -136,6 +137,9 @@ class Backend:
     def describe(self) -> str:
         return self.name
 
+    def vocab_size(self) -> int | None:
+        return None
+
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
@@ -165,6 +169,9 @@ class MinillamaBackend(Backend):
 
     def describe(self) -> str:
         return f"minillama ({'batch-invariant' if self.model.invariant else 'plain'} kernels, {self.model.dtype})"
+
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
 
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         return _cpu(self.model(torch.tensor(list(ids)), _positions(len(ids), positions)))
@@ -252,6 +259,9 @@ class TransformersBackend(Backend):
         via = " via gguf_file" if self.source.endswith(".gguf") else ""
         return (f"transformers {transformers.__version__} {type(self.model).__name__}{via} "
                 f"({self.model.config._attn_implementation} attention, {self.model.dtype})")
+
+    def vocab_size(self) -> int | None:
+        return getattr(self.model.get_output_embeddings(), "out_features", None)  # lm_head: the logits' width
 
     def _run(self, ids: Sequence[int], positions: torch.Tensor | None) -> torch.Tensor:
         n = len(ids)
@@ -367,6 +377,9 @@ class LlamaCppBackend(Backend):
         kv = self.kv_type or "default (F16)"
         return (f"llama.cpp (llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, {Path(self.source).name}, "
                 f"KV cache {kv}, extra CPU buffer types off)")
+
+    def vocab_size(self) -> int:
+        return self.llm.n_vocab()
 
     def logits(self, ids: Sequence[int], positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is not None:

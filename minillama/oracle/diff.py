@@ -306,6 +306,7 @@ def _hidden_activations(q: QuestionRecord, upto: int) -> Activations:
 def run_backend(ref: Record, backend: Backend) -> Record:
     """The candidate at every step of every reference answer, teacher-forced (`Backend.teacher_force`): its
     logits (or a server's log-probs) on the reference's prompt and answer."""
+    _check_vocabulary(ref, backend)
     out = []
     for i, q in enumerate(ref.questions):
         if q.prompt_ids is None:
@@ -313,6 +314,22 @@ def run_backend(ref: Record, backend: Backend) -> Record:
         out.append(backend.teacher_force(q.prompt_ids, q.token_ids))
     return Record(out, {"describe": f"{backend.describe()}, teacher-forced on the reference's tokens"},
                   teacher_forced=True)
+
+
+def _check_vocabulary(ref: Record, backend: Backend) -> None:
+    """The backend's vocabulary is the reference's, before it runs: a token id past its end makes a backend fail
+    in its own way (an IndexError, llama.cpp's decode error), and a larger one may pick an id the reference
+    has no logit for."""
+    size = backend.vocab_size()
+    if size is None:
+        return
+    ids = [t for q in ref.questions for t in (q.prompt_ids or []) + q.token_ids]
+    if ids and max(ids) >= size:
+        raise RecordError(f"the reference's token ids reach {max(ids)}; the backend's vocabulary has {size} tokens")
+    width = next((q.logits.shape[-1] for q in ref.questions if q.logits is not None), None)
+    if width is not None and width != size:
+        raise RecordError(f"the reference's vocabulary has {width} tokens (its logits), the backend's {size}: "
+                          "not one model's")
 
 
 def diff_hidden(ref: Record, cand: Record, tol: Tolerances) -> list[LayerDiff | None]:
