@@ -572,6 +572,11 @@ def _rewrite_manifest(src, dst, **changes) -> None:
      "--max-new-tokens, --dtype: --reference already holds"),
     (["compare", "--reference", "REF", "--backend", "transformers", "--mode", "independent"],
      "--mode: --reference already holds the answers; drop --mode"),
+    (["compare", "--reference", "REF", "--backend", "llama-cpp", "--backend-model", "m.gguf", "--dtype", "bfloat16"],
+     "--dtype: --reference already holds the answers and the llama-cpp backend chooses its own device and dtype; "
+     "drop --dtype"),
+    (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://h/v1", "--device", "cpu:0"],
+     "--device: --reference already holds the answers and the openai backend chooses its own"),
     (["compare", "--reference", "REF", "--candidate", "REF", "--backend-model", "MODEL"],
      "--backend-model goes with --backend"),
     # files that once gave tracebacks or lost what was beside them

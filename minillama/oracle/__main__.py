@@ -272,13 +272,18 @@ def _openai_backend(args: argparse.Namespace, ref_path: str | None, ref: Record)
 
 def _nothing_ignored(args: argparse.Namespace) -> None:
     """Refuse the reference model's options where nothing would read them: a --reference holds its answers
-    (their length and mode); a --candidate beside it runs no model at all."""
-    fixed = ["max_new_tokens", "mode"] + (["model", "device", "dtype"] if args.candidate else [])
-    given = [k for k in fixed if getattr(args, k) != MODEL_DEFAULTS.get(k)] if args.reference else []
-    if given:
+    (their length and mode); a --candidate beside it runs no model at all; the llama-cpp and openai backends
+    choose their own device and dtype, and run no reference model (they give no --layers)."""
+    if not args.reference:
+        return
+    fixed, why = ["max_new_tokens", "mode"], ""
+    if args.candidate:
+        fixed, why = fixed + ["model", "device", "dtype"], " and --candidate runs no model"
+    elif args.backend in ("llama-cpp", "openai"):
+        fixed, why = fixed + ["device", "dtype"], f" and the {args.backend} backend chooses its own device and dtype"
+    if given := [k for k in fixed if getattr(args, k) != MODEL_DEFAULTS.get(k)]:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise BadInput(f"{flags}: --reference already holds the answers" + (
-            " and --candidate runs no model" if args.candidate else "") + f"; drop {flags}")
+        raise BadInput(f"{flags}: --reference already holds the answers{why}; drop {flags}")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
