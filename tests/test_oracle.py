@@ -708,6 +708,23 @@ def test_a_failed_export_leaves_the_old_record_and_its_inputs_alone(tiny, tmp_pa
     assert weights_file.read_bytes() == held
 
 
+def test_a_save_killed_while_writing_the_record_leaves_the_old_pair(ref, tmp_path):
+    """save wrote the manifest, then the record's tensors: a run killed between (while the tensors were written,
+    the slow part) left the new manifest beside the old record. The tensors now go to a temporary first."""
+    out = tmp_path / "ref.safetensors"
+    save(ref, out)
+    before = out.read_bytes(), out.with_suffix(".json").read_bytes()
+    script = ("import os, safetensors.torch\n"
+              "from minillama.oracle import load, save\n"
+              f"r = load({str(out)!r})\n"
+              "r.questions[0].question = 'changed'\n"
+              "safetensors.torch.save_file = lambda *a, **k: os._exit(9)  # killed while it writes the tensors\n"
+              f"save(r, {str(out)!r})\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 9
+    assert (out.read_bytes(), out.with_suffix(".json").read_bytes()) == before
+
+
 def test_equal_infinities_are_no_error_and_an_empty_stopped_reference_is_no_traceback(ref):
     """-inf against -inf (a masked token) gave NaN and "logits out of tolerance"; a reference that stopped before
     any token met a longer candidate with an IndexError."""

@@ -158,18 +158,28 @@ def save(record: Record, path: str | Path) -> Path:
         {"prompt_ids": q.prompt_ids, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
          "doc": q.doc, "shared": q.shared, "question": q.question} for q in record.questions]
     text = _manifest_text(manifest)
-    # The manifest first: one that cannot be written leaves the record as it was, and a record that cannot be
-    # written puts the old manifest back (each write alone is atomic: write_file).
+    # Each write alone is atomic (write_file: a temporary, then a rename). The record's tensors go to its
+    # temporary first, the slow part; then the manifest replaces its old one, then the record its: a run
+    # killed before that leaves the old pair, not a new manifest beside an old record. A manifest that cannot
+    # be written leaves the record as it was; a record that cannot be renamed puts the old manifest back.
     mpath = manifest_path(path)
     try:
         old = mpath.read_bytes() if mpath.is_file() else None
     except OSError:
         old = None
-    write_file(mpath, text + "\n")
+    written = False
+
+    def tensors_then_manifest(tmp: Path) -> None:
+        nonlocal written
+        save_file(tensors, str(tmp), metadata={META_KEY: json_text(manifest)})
+        write_file(mpath, text + "\n")
+        written = True
+
     try:
-        write_file(path, lambda f: save_file(tensors, str(f), metadata={META_KEY: json_text(manifest)}))
+        write_file(path, tensors_then_manifest)
     except BaseException:
-        write_file(mpath, old) if old is not None else mpath.unlink(missing_ok=True)
+        if written:
+            write_file(mpath, old) if old is not None else mpath.unlink(missing_ok=True)
         raise
     return mpath
 
