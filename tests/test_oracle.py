@@ -451,6 +451,25 @@ def test_a_backend_of_another_vocabulary_is_refused_before_it_runs(ref, tmp_path
             run_backend(ref, LlamaCppBackend(tmp_path / "m.gguf"))
 
 
+def test_layers_beside_a_reference_rebuild_it_in_the_records_dtype(tiny, tmp_path, capsys):
+    """With --reference and --backend transformers --layers, the reference model was rebuilt at --dtype (float32
+    by default), not the record's: a bfloat16 record's logits failed while its layer diff, of another reference,
+    said every activation was within tolerance (1e-7 of the scale)."""
+    _, _, path = tiny
+    out = tmp_path / "bf16.safetensors"
+    assert main(["export", "-m", str(path), "--prompt-ids", _write_prompts(tmp_path), "-n", "3", "--dtype",
+                 "bfloat16", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["compare", "--reference", str(out), "--backend", "transformers", "--layers", "--json"]) == 1
+    for q in json.loads(capsys.readouterr().out)["questions"]:
+        assert (q["layers"]["first_bad"]["name"], q["layers"]["first_bad"]["kind"]) == ("embed", "embedding")
+    _rewrite_manifest(out, tmp_path / "f64.safetensors", dtype="float64")
+    assert main(["compare", "--reference", str(tmp_path / "f64.safetensors"), "--backend", "transformers",
+                 "--layers"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--layers: the reference was made in float64, which minillama does not" in err
+
+
 def test_llama_cpp_missing_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
     with pytest.raises(BackendError, match=r"pip install llama-cpp-python"):

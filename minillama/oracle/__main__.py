@@ -137,12 +137,24 @@ def _model_path(args: argparse.Namespace) -> Path:
     return Path(args.model) if args.model else fetch_default()
 
 
-def _load_reference_model(path: Path, args: argparse.Namespace, device: str | None = None, shard=None):
-    """The reference model; with `shard` (a tensor-parallel rank's), only the rank's parts are read."""
+def _load_reference_model(path: Path, args: argparse.Namespace, device: str | None = None, shard=None,
+                          dtype: str | None = None):
+    """The reference model, in `dtype` (default --dtype); with `shard` (a tensor-parallel rank's), only the rank's
+    parts are read."""
     if shard is not None:
-        return load_model_part(path, device or args.device, DTYPES[args.dtype], shard)
+        return load_model_part(path, device or args.device, DTYPES[dtype or args.dtype], shard)
     config, sd = load_state_dict(path)
-    return build_model(config, sd, device or args.device, DTYPES[args.dtype])
+    return build_model(config, sd, device or args.device, DTYPES[dtype or args.dtype])
+
+
+def _dtype_of(ref: Record) -> str | None:
+    """The dtype a record was made in, for --layers' reference model: the layers of the run whose logits are
+    compared (--dtype is the backend's); None where the record does not say."""
+    made = ref.manifest.get("dtype")
+    if made is not None and made not in DTYPES:
+        raise BadInput(f"--layers: the reference was made in {made}, which minillama does not build "
+                       f"({', '.join(DTYPES)})")
+    return made
 
 
 def _make_reference(args: argparse.Namespace, hidden: bool = False):
@@ -303,11 +315,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.model and not Path(args.model).exists():  # else, beside a --reference, passed over in silence
         raise BadInput(f"--model {args.model}: no such file or directory")
     tol = _tolerances(args, BACKEND_PRESETS[args.backend] if args.backend else "fp32")
-    model = None
+    model, made_in = None, None
     if args.reference:
         if args.doc or args.questions or args.prompt_ids:
             raise BadInput("--reference already holds the prompts; drop --doc/--questions/--prompt-ids")
         ref = load(args.reference)
+        made_in = _dtype_of(ref) if args.layers and args.backend else None  # before the backend runs
     else:
         ref, model = _make_reference(args)
     ref_path = args.model or (ref.manifest.get("model") or {}).get("path")
@@ -346,7 +359,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if model is None:
             if ref_path is None:
                 raise BadInput("the reference names no model; give --model for --layers")
-            model = _load_reference_model(Path(ref_path), args)
+            model = _load_reference_model(Path(ref_path), args, dtype=made_in)
         for r, d in zip(results, diff_layers(ref, MinillamaBackend(model), backend, tol)):
             r.layers = d
     c = Comparison({"describe": _describe_reference(ref), **{k: v for k, v in ref.manifest.items()
