@@ -1502,6 +1502,15 @@ def test_a_record_with_an_empty_prompt_is_refused(ref, tmp_path):
         load(tmp_path / "r.safetensors")
 
 
+def test_a_backend_is_not_run_on_an_empty_prompt(tiny, ref):
+    """A record made in Python is not loaded: run_backend took an empty prompt_ids and teacher forcing read row -1
+    as step 0, a false 'logits out of tolerance' report."""
+    r = copy.deepcopy(ref)
+    r.questions[1].prompt_ids = []
+    with pytest.raises(RecordError, match="question 2: prompt_ids is empty"):
+        run_backend(r, MinillamaBackend(tiny[1]))
+
+
 def test_manifest_strings_holding_brackets_are_written_as_given(ref, tmp_path):
     """save kept each list of token ids on one line by rewriting the manifest's text, strings included: a
     question '[1,2]' was written '[1, 2]' in the .json (not in the record), and '[ , ]' raised a JSONDecodeError
