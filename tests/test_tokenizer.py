@@ -368,10 +368,10 @@ def test_added_tokens_decoder_overrides_a_tokenizer_json_as_transformers(tmp_pat
     """tokenizer_config.json's added_tokens_decoder was read beside a tokenizer.model only: a token tokenizer.json
     lists as ordinary and the config as special (or lstrip) stayed ordinary, and a named special token that is no
     added token was not made one, where HF adds each (decode skips them; a message's "<x>" must stay text)."""
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Tokenizer
     from transformers import AutoTokenizer
 
-    lib = byte_bpe_tokenizer()
+    lib = Tokenizer.from_str(byte_bpe_tokenizer().to_str())  # a copy: the writers' tokenizer is shared (cached)
     lib.add_tokens([AddedToken("<x>", special=False, normalized=False), "zebra"])
     lib.save(str(tmp_path / "tokenizer.json"))
     pad, fox = sorted(t for t in lib.get_vocab() if t.isalpha() and len(t) > 2)[:2]  # words of the vocabulary
