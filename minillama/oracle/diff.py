@@ -311,8 +311,7 @@ def run_backend(ref: Record, backend: Backend) -> Record:
     for i, q in enumerate(ref.questions):
         if q.prompt_ids is None:
             raise RecordError(f"question {i + 1}: the reference has no prompt_ids to run the backend on")
-        if not q.prompt_ids:  # step 0's logits are the prompt's last row: there would be none (row -1)
-            raise RecordError(f"question {i + 1}: prompt_ids is empty; a question's prompt holds at least one token")
+        q.check(f"question {i + 1}")  # an empty prompt has no last row to be step 0's logits (row -1)
         out.append(backend.teacher_force(q.prompt_ids, q.token_ids))
     return Record(out, {"describe": f"{backend.describe()}, teacher-forced on the reference's tokens"},
                   teacher_forced=True)

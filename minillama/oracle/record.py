@@ -247,7 +247,7 @@ def _load_safetensors(p: Path) -> Record:
             logits=_float(tensors.get(f"q{i}.logits")), logprobs=_float(tensors.get(f"q{i}.logprobs")),
             hidden=_float(tensors.get(f"q{i}.hidden")), shared=d.get("shared", 0), doc=d.get("doc", 0),
             question=d.get("question"), finish_reason=d.get("finish_reason"))
-        _check_question(q, f"{p}: question {i + 1}")
+        q.check(f"{p}: question {i + 1}")
         for key in ("prompt_ids", "token_ids"):  # the manifest is what another backend reads: it must agree
             if d.get(key) is not None and d[key] != getattr(q, key):
                 raise RecordError(f"{p}: the manifest's question {i + 1}: {key} differ from the tensor q{i}.{key}")
@@ -322,7 +322,7 @@ def _load_jsonl(p: Path) -> Record:
             token_ids=_ints(obj["token_ids"], "token_ids", where),
             logits=_floats(obj["logits"], "logits", where, rows=True) if obj.get("logits") is not None else None,
             logprobs=_floats(obj["logprobs"], "logprobs", where) if obj.get("logprobs") is not None else None)
-        _check_question(q, where)
+        q.check(where)
         questions.append(q)
     if not questions:
         raise RecordError(f"{p}: no questions (one JSON object per line)")
@@ -358,27 +358,3 @@ def _manifest_text(x: Any, level: int = 0) -> str:
     if isinstance(x, (list, tuple)) and x and not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
         return "[\n" + ",\n".join(inner + _manifest_text(v, level + 1) for v in x) + f"\n{pad}]"
     return json_text(x)
-
-
-def _check_question(q: QuestionRecord, where: str) -> None:
-    steps = len(q.token_ids)
-    if q.logits is not None and (q.logits.dim() != 2 or q.logits.shape[0] != steps):
-        raise RecordError(f"{where}: logits must be (steps, vocab) with one row per token id; got "
-                          f"{tuple(q.logits.shape)} for {steps} token ids")
-    if q.logprobs is not None and tuple(q.logprobs.shape) != (steps,):
-        raise RecordError(f"{where}: logprobs must have one value per token id; got {tuple(q.logprobs.shape)} "
-                          f"for {steps} token ids")
-    if q.prompt_ids is not None and not len(q.prompt_ids):  # step 0's logits are the prompt's last row
-        raise RecordError(f"{where}: prompt_ids is empty; a question's prompt holds at least one token")
-    # Over the prompt and the answer but its last token, as export writes them: no fewer rows, none empty.
-    tokens = None if q.prompt_ids is None else len(q.prompt_ids) + max(steps - 1, 0)
-    if q.hidden is not None and (q.hidden.dim() != 3 or 0 in q.hidden.shape or tokens not in (None, q.hidden.shape[1])):
-        raise RecordError(f"{where}: hidden must be (layers + 1, tokens, hidden size) over "
-                          f"{tokens or 'the prompt and the answer but its last'} tokens; got {tuple(q.hidden.shape)}")
-    # A token id names a row of the vocabulary: a negative one would read from the row's end, a huge one fail.
-    vocab = q.logits.shape[1] if q.logits is not None and q.logits.shape[1] else 2**31
-    for key, ids in (("token_ids", q.token_ids), ("prompt_ids", q.prompt_ids or [])):
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RecordError(f"{where}: {key} must be in 0 .. {vocab - 1}"
-                              f"{' (its logits rows)' if vocab < 2**31 else ''}; got {bad}")
