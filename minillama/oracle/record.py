@@ -169,9 +169,9 @@ def save(record: Record, path: str | Path) -> Path:
         old = None
     written = False
 
-    def tensors_then_manifest(tmp: Path) -> None:
+    def tensors_then_manifest(f: Path) -> None:
         nonlocal written
-        save_file(tensors, str(tmp), metadata={META_KEY: json_text(manifest)})
+        save_file(tensors, str(f), metadata={META_KEY: json_text(manifest)})
         write_file(mpath, text + "\n")
         written = True
 
