@@ -98,19 +98,21 @@ class LlamaConfig:
             raise ValueError(f"a config must be a JSON object, got a {type(d).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         out = {k: v for k, v in d.items() if k in names}
-        # transformers 5 writes RoPE settings as one `rope_parameters` dict (theta included).
-        rope = d.get("rope_parameters")
+        # transformers 5 writes RoPE settings as one `rope_parameters` dict (theta included); it reads a
+        # `rope_scaling` dict as the same (before rope_parameters), its own theta before the top-level one, and a
+        # top-level partial_rotary_factor into it.
+        rope, old = d.get("rope_parameters"), d.get("rope_scaling")
         if rope is not None and not isinstance(rope, dict):  # else its theta and scaling would go unread
             raise ValueError(f"rope_parameters must be an object or null, got {rope!r}")
-        if isinstance(rope, dict):
-            old, top = d.get("rope_scaling"), d.get("rope_theta", cls.rope_theta)
-            theta = rope.get("rope_theta", top)
-            # Both forms: HF reads rope_scaling and the top-level theta, so they must say what rope_parameters says.
-            if isinstance(old, dict) and (_scaling(old) != _scaling(rope) or theta != top):
-                raise ValueError(f"rope_parameters ({_said(rope, theta)}) and rope_scaling ({_said(old, top)}) "
-                                 "disagree: keep one of them")
-            if isinstance(old, (dict, type(None))):  # (another rope_scaling is refused by the config's check)
-                out["rope_theta"], out["rope_scaling"] = theta, _scaling(rope)
+        top = d.get("rope_theta", cls.rope_theta)
+        partial = {k: d[k] for k in ("partial_rotary_factor",) if d.get(k) is not None}
+        said = {name: (_scaling({**partial, **r}), r.get("rope_theta", top))
+                for name, r in (("rope_parameters", rope), ("rope_scaling", old)) if isinstance(r, dict) and r}
+        if len(said) == 2 and said["rope_parameters"] != said["rope_scaling"]:  # HF would read rope_scaling's
+            raise ValueError(" and ".join(f"{name} ({_said(*v)})" for name, v in said.items())
+                             + " disagree: keep one of them")
+        if isinstance(old, (dict, type(None))):  # (another rope_scaling is refused by the config's check)
+            out["rope_scaling"], out["rope_theta"] = next(iter(said.values()), (None, top))
         return cls(**out)
 
     @classmethod
@@ -182,16 +184,18 @@ def _is_number(x: Any) -> bool:
 
 
 def _scaling(rope: dict[str, Any]) -> dict[str, Any] | None:
-    """A RoPE dict's scaling as `rope_scaling` holds it: None for the default, "type" spelled "rope_type", no theta."""
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
+    """A RoPE dict's scaling as `rope_scaling` holds it: None for the default, no theta, its type as "rope_type"
+    (which wins over "type" where both are given, as in HF)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
         return None
-    return {("rope_type" if k == "type" else k): v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_type": kind, **{k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}}
 
 
-def _said(rope: dict[str, Any], theta: Any) -> str:
-    """A RoPE dict in a few words: its type, factor and theta."""
-    s = _scaling(rope)
-    return (f"{s['rope_type']}, factor {s.get('factor')}" if s else "default") + f", rope_theta {theta}"
+def _said(scaling: dict[str, Any] | None, theta: Any) -> str:
+    """A RoPE setting in a few words: its type, factor and theta."""
+    kind = f"{scaling['rope_type']}, factor {scaling.get('factor')}" if scaling else "default"
+    return f"{kind}, rope_theta {theta}"
 
 
 def _count(name: str, x: Any, lo: int, hi: int = MAX_SIZE, optional: bool = False) -> None:

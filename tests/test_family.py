@@ -193,6 +193,14 @@ def test_fields_a_model_type_does_not_read_are_ignored_as_hf_ignores_them():
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
       "rope_scaling": {"type": "linear", "factor": 4.0}},
      r"rope_parameters \(default, rope_theta 500000.0\) and rope_scaling \(linear, factor 4.0, rope_theta 10000.0"),
+    ({"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+      "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+     r"rope_parameters \(linear, factor 2.0, rope_theta 500000.0\) and rope_scaling \(linear, factor 2.0, rope_theta "
+     r"10000.0\) disagree"),
+    ({"rope_parameters": {"rope_type": "yarn", "type": "linear", "factor": 4.0, "original_max_position_embeddings": 8},
+      "rope_scaling": {"type": "linear", "factor": 4.0}}, r"rope_parameters \(yarn, .*\) and rope_scaling \(linear"),
+    ({"partial_rotary_factor": 0.5, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"partial_rotary_factor != 1 \(partial RoPE\) is not supported"),
     ([1, 2], r"a config must be a JSON object"),
 ])
 def test_what_is_not_implemented_is_refused_in_one_line_naming_the_field(tmp_path, fields, match):

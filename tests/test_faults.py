@@ -88,6 +88,32 @@ def test_rope_parameters_read_as_transformers_reads_them(tmp_path, key):
     assert torch.equal(inv_frequencies(ours), unscaled / 4.0)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},  # its theta, not the top-level one
+    {"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}},
+    {"rope_parameters": {"rope_type": "linear", "type": "dynamic", "factor": 4.0, "rope_theta": 5e4}},
+    {"rope_parameters": {"type": "dynamic", "rope_type": "linear", "factor": 4.0, "rope_theta": 5e4}},
+    {"rope_scaling": {}, "rope_theta": 5e4},
+    {"partial_rotary_factor": 0.5, "rope_theta": 5e4},  # HF's Llama reads it only beside a scaling
+], ids=["scaling-theta", "default-theta", "rope_type-first", "type-first", "empty", "partial-default"])
+def test_rope_dicts_read_as_transformers_reads_them(tmp_path, rope):
+    """A theta inside rope_scaling was ignored (the top-level one ran: logits off by ~4) and a "type" after
+    "rope_type" overrode it; HF reads rope_scaling as rope_parameters and rope_type before type."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from minillama.rope import inv_frequencies
+
+    d = {**ckpt_config(vocab=320).to_dict(), "rope_theta": 1e4, "rope_scaling": None, **rope}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    ours = hf_config(tmp_path / "config.json")
+    hf = transformers.LlamaConfig.from_json_file(str(tmp_path / "config.json"))
+    want = {k: v for k, v in hf.rope_parameters.items() if k not in ("rope_theta", "type")}
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert ours.rope_scaling == (None if want["rope_type"] == "default" else want)
+    assert torch.allclose(inv_frequencies(ours).float(), LlamaRotaryEmbedding(hf).inv_freq, rtol=1e-6, atol=0)
+
+
 def _untied_dir(tmp_path: Path, same: bool) -> tuple[Path, dict]:
     from safetensors.torch import save_file
 
