@@ -32,7 +32,7 @@ except ImportError:
 from . import api
 from . import distributed, interrupts, precision, step
 from .checks import OPTIONS, RUN_OPTIONS, SAMPLING_OPTIONS, check_options as check_api_options, flag, too_long
-from .errors import BadInput, OneLineParser, check_cpu_env, check_device, one_line, run_command
+from .errors import BadInput, OneLineParser, check_cpu_env, check_device, one_line, run_command, write_whole
 from .files import json_text
 from .generate import SamplingParams, Stats, StreamTooLong
 from .inputs import model_context, read_jobs
@@ -164,12 +164,10 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
         print(f"warning: {over_budget(plan, args)} are estimated at {most / 2**20:.1f} MiB, more than "
               f"{given_budget(args, budget)}; running them", file=sys.stderr, flush=True)
 
-    out = sys.stdout
-    if (getattr(out, "encoding", None) or "utf-8").lower().replace("-", "") != "utf8" and hasattr(out, "reconfigure"):
-        out.reconfigure(encoding="utf-8")  # JSON Lines are UTF-8, and so is any answer the model writes
+    out = sys.stdout  # written in UTF-8 whatever its encoding (errors.write_whole)
     stats = Stats()
     progress = Progress(n_questions * args.max_new_tokens, sys.stderr if here.world.writes else None)
-    writer = AnswerWriter(out, args, len(jobs), model.context_length, progress)
+    writer = AnswerWriter(out, args, len(jobs), n_questions, model.context_length, progress)
     channel = here.channel(jobs, share, writer)
     try:
         _ask(model, jobs, share, args, plan, progress, stats, channel)
@@ -306,8 +304,10 @@ class AnswerWriter:
     as soon as it and every answer before it are finished; a later answer that finishes first waits for
     the earlier ones. Also warns, once, when the context cut an answer short of --max-new-tokens."""
 
-    def __init__(self, out: TextIO, args: argparse.Namespace, n_docs: int, context: int, progress: "Progress"):
+    def __init__(self, out: TextIO, args: argparse.Namespace, n_docs: int, n_questions: int, context: int,
+                 progress: "Progress"):
         self.out, self.args, self.n_docs, self.context, self.progress = out, args, n_docs, context, progress
+        self.n_questions = n_questions
         self.written = 0
         self.waiting: dict[int, api.Reply] = {}
         self.warned = self.warned_nan = False
@@ -320,11 +320,11 @@ class AnswerWriter:
         self.progress.clear()
         while self.written in self.waiting:
             with interrupts.together():  # a Ctrl-C between an answer's write and its count made them disagree
-                self._write(self.waiting.pop(self.written))
+                write_whole(self.out, self._text(self.waiting.pop(self.written)),
+                            f"{self.written} of {self.n_questions} answers written")
                 self.written += 1
-        self.out.flush()
 
-    def _write(self, r: api.Reply) -> None:
+    def _text(self, r: api.Reply) -> str:
         if not self.warned_nan and not all(math.isfinite(x) for x in r.logprobs):
             self.warned_nan = True
             print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: the model's logits "
@@ -332,14 +332,11 @@ class AnswerWriter:
                   + ("; such log-probs are written as null" if self.args.json else "") + "; this warning is "
                   "shown once", file=sys.stderr, flush=True)
         if self.args.json:
-            self.out.write(json_text(reply_json(r, self.args.logprobs), ensure_ascii=False) + "\n")
-            return
-        if self.n_docs > 1 and r.question_index == 0:
-            self.out.write(f"=== document {r.doc_index + 1} ===\n\n")
-        self.out.write(f"Q: {r.question}\nA: {r.text.strip()}\n")
-        if self.args.logprobs:
-            self.out.write(f"   ({len(r.token_ids)} tokens, {r.finish_reason}, sum of logprobs {sum(r.logprobs):.4f})\n")
-        self.out.write("\n")
+            return json_text(reply_json(r, self.args.logprobs), ensure_ascii=False) + "\n"
+        head = f"=== document {r.doc_index + 1} ===\n\n" if self.n_docs > 1 and r.question_index == 0 else ""
+        tail = (f"   ({len(r.token_ids)} tokens, {r.finish_reason}, sum of logprobs {sum(r.logprobs):.4f})\n"
+                if self.args.logprobs else "")
+        return f"{head}Q: {r.question}\nA: {r.text.strip()}\n{tail}\n"
 
     def _warn_if_cut_short(self, r: api.Reply) -> None:
         n = self.args.max_new_tokens

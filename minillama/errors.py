@@ -28,9 +28,11 @@ A Ctrl-C while a command is still importing torch is held until `run_command` ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import re
+import stat
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -53,6 +55,12 @@ class RankRefused(OneLineError):
 class SaidElsewhere(OneLineError):
     """The run ends for a reason another rank has said (or, for a closed pipe, that needs no words): this
     rank stops quietly, exit status 2."""
+
+
+class OutputRefused(OneLineError):
+    """A write of an answer to stdout that the machine refused (a full disk), said with the count of answers
+    written whole (`write_whole`); stdout then goes to /dev/null (`report`), so that Python's flush at exit
+    does not fail again."""
 
 
 class CannotWrite(OneLineError):
@@ -209,6 +217,41 @@ def quiet_exit_on_broken_pipe() -> int:
     return 141
 
 
+def write_whole(out: Any, text: str, written: str) -> None:
+    """Write `text` (one answer) to `out` (stdout) and flush it; where the machine refuses (a full disk), raise
+    OutputRefused saying what was `written` before it ("2 of 4 answers written"). Where `out` has a descriptor,
+    its UTF-8 bytes go to it in as many writes as it takes (Python's text layer, unbuffered as under `python -u`,
+    dropped the rest of a short write without a word). A regular file written at its end that took part of
+    them, and holds nothing past where they began but theirs, is cut back there, its offset with it (stderr
+    may share it: `> out 2>&1`); what reached a pipe or a device cannot be taken back, and the line says so."""
+    start = None
+    try:
+        try:
+            fd = out.fileno()
+        except (AttributeError, OSError, ValueError):  # no descriptor (a test's capture): io.UnsupportedOperation
+            out.write(text)
+            out.flush()
+            return
+        out.flush()  # what Python holds goes first
+        data = memoryview(text.encode("utf-8"))  # JSON Lines are UTF-8, and so is any answer the model writes
+        with contextlib.suppress(OSError):
+            at = os.lseek(fd, 0, os.SEEK_CUR)
+            if stat.S_ISREG(os.fstat(fd).st_mode) and at == os.fstat(fd).st_size:
+                start, end = at, at + len(data)  # at its end: not under `1<>file`, which overwrites what follows
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError as e:
+        if isinstance(e, BrokenPipeError) or e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        whole = False
+        with contextlib.suppress(OSError):
+            if start is not None and start <= os.fstat(fd).st_size <= end:
+                os.ftruncate(fd, start)
+                whole = os.lseek(fd, start, os.SEEK_SET) == start
+        raise OutputRefused(f"{describe_os_error(e)}; {written}" + ("" if whole else " whole, and perhaps part "
+                                                                      "of the next")) from None
+
+
 def describe_os_error(e: OSError) -> str:
     """`PATH: cannot write (No space left on device)`-like text for an OSError of the environment."""
     why = e.strerror or type(e).__name__
@@ -261,6 +304,8 @@ def report(e: BaseException) -> int | None:
     if isinstance(e, SaidElsewhere):
         return 2
     if isinstance(e, OneLineError):
+        if isinstance(e, OutputRefused):
+            _stdout_to_devnull()
         # in a distributed run every rank meets the same bad input: one says so
         if _speaks() or isinstance(e, RankRefused):
             print(f"error: {one_line(str(e))}", file=sys.stderr)

@@ -414,7 +414,7 @@ def test_answers_are_written_in_input_order(capsys):
         json, logprobs, max_new_tokens = True, False, 5
 
     out = __import__("io").StringIO()
-    writer = cli.AnswerWriter(out, Args(), 1, 512, cli.Progress(1, out))
+    writer = cli.AnswerWriter(out, Args(), 1, 4, 512, cli.Progress(1, out))
     reply = lambda i: api.Reply(f"q{i}", "a", [5] * 5, [0.0] * 5, "length", [1, 2], 0, i)  # noqa: E731
     writer(1, reply(1))
     writer(2, reply(2))
@@ -693,7 +693,7 @@ def test_ctrl_c_counts_the_answer_another_thread_is_writing(capsys):
 
     out = SlowOut()
     args = cli.build_parser().parse_args(["--doc", "d", "--questions", "q", "--json", "-n", "1"])
-    writer = cli.AnswerWriter(out, args, 1, 512, cli.Progress(1, None))
+    writer = cli.AnswerWriter(out, args, 1, 1, 512, cli.Progress(1, None))
     world = World(rank=0, size=1, dp=1, tp=1, dp_rank=0, tp_rank=0, tp_group=None, answers=None)
     channel = Channel(world, [("doc", ["q"])], [(0, 0, 1)], writer)
     reply = api.Reply("q", "a", [5], [-1.0], "length", [1, 2])

@@ -125,7 +125,28 @@ def test_answers_to_a_full_stdout_are_one_line(ckpt, inputs):
     with open("/dev/full", "w") as full:
         p = run_tool("generate", "--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"],
                      "-n", "2", stdout=full, stderr=subprocess.PIPE)
-    assert "No space left on device" in one_line_error(p)
+    assert one_line_error(p) == (f"error: cannot write the output (No space left on device); 0 of {len(QUESTIONS)} "
+                                 "answers written whole, and perhaps part of the next")  # a device: none taken back
+
+
+@pytest.mark.parametrize("how", ["buffered", "unbuffered", "stderr in the file"])
+def test_answers_to_a_full_disk_stay_whole_and_are_counted(ckpt, inputs, tmp_path, how):
+    """A full disk in the third answer left half its JSON line in the file, and the line said nothing of how
+    many answers were written; under `python -u` it said nothing at all until the fourth (Python's text layer
+    dropped the rest of the third's short write). The third's part is taken back, and the line counts two."""
+    args = ("--model", ckpt, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2", "--json")
+    env = {"PYTHONUNBUFFERED": "1" if how == "unbuffered" else ""}
+    lines = run_tool("generate", *args, env=env).stdout.splitlines(keepends=True)
+    assert len(lines) == len(QUESTIONS)
+    said = f"error: cannot write the output (File too large); 2 of {len(QUESTIONS)} answers written"
+    with open(tmp_path / "out.jsonl", "w") as out:
+        p = run_tool("generate", *args, env=env, stdout=out, stderr=out if how == "stderr in the file" else
+                     subprocess.PIPE, limit_file_bytes=len("".join(lines[:2]).encode()) + len(lines[2]) // 2)
+    written = (tmp_path / "out.jsonl").read_text()
+    if how == "stderr in the file":  # the line follows the answers, where the third's part was
+        assert p.returncode == 2 and written == "".join(lines[:2]) + said + "\n", written
+    else:
+        assert one_line_error(p) == said and written == "".join(lines[:2])
 
 
 @pytest.mark.parametrize("tool", [["generate", "--doc", "-", "--questions", "Q"], ["weights", "info", "."],
