@@ -404,11 +404,11 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
     pending = list(prompts[0][:shared])
     for q, p in zip(questions, prompts):
         pending.extend(p[shared:])
-        if cache.length(seg) + len(pending) >= max_pos:
+        if q.done:  # max_new_tokens == 0: nothing to generate; the question joins what the next answer follows
+            continue
+        if cache.length(seg) + len(pending) >= max_pos:  # what runs, when something runs: no pass, no overflow
             raise StreamTooLong(f"seqbatch stream is longer than the model's context ({max_pos})")
         t0 = time.perf_counter()
-        if q.done:  # max_new_tokens == 0: nothing to generate, the question still joins the stream
-            continue
         logits = _run(model, cache, [(seg, cache.length(seg), pending)], chunk, stats)
         stats.prompt_tokens += len(pending)
         stats.prefill_s += time.perf_counter() - t0

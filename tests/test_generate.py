@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from minillama.generate import SamplingParams, Stats, generate, sample, shared_prefix_length
+from minillama.generate import SamplingParams, Stats, StreamTooLong, generate, sample, shared_prefix_length
 import minillama.tokens as tokens_module
 import minillama.transfer as transfer
 from minillama.sampling import gumbel, sample_rows, sorted_rows, uniforms
@@ -115,6 +115,19 @@ def test_seqbatch_answers_in_one_stream(model):
     alone = generate(model, prompts[:1], SamplingParams(max_new_tokens=5, ignore_eos=True), mode="independent")
     assert answers[0].token_ids == alone[0].token_ids  # the first answer has seen nothing else
     assert stats.prompt_tokens == len(prompts[0]) + sum(len(p) - 90 for p in prompts[1:]) + 2
+
+
+def test_a_seqbatch_stream_overflows_only_when_it_runs():
+    """At max_new_tokens=0 no pass runs, yet seqbatch added every question to its stream and refused it past the
+    context after every answer was given (700 questions on examples/doc.txt); with answers, it still does."""
+    small = tiny_model(tiny_config(layers=1, max_pos=128), seed=5)
+    prompts = _prompts(n=40, doc=20)
+    assert sum(len(p) - 20 for p in prompts) > 128  # the questions alone outgrow the context
+    stats = Stats()
+    answers = generate(small, prompts, SamplingParams(max_new_tokens=0), mode="seqbatch", stats=stats)
+    assert [a.token_ids for a in answers] == [[]] * len(prompts) and stats.forward_passes == 0
+    with pytest.raises(StreamTooLong, match=r"longer than the model's context \(128\)"):
+        generate(small, prompts, SamplingParams(max_new_tokens=1), mode="seqbatch")
 
 
 @pytest.mark.parametrize("bad, match", [
