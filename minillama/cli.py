@@ -161,8 +161,7 @@ def answer(args: argparse.Namespace, jobs: list[tuple[str, list[str]]] | None) -
              for i, s in enumerate(shares) if i == mine or here.world.writes]  # rank 0 (group 0's): every group's
     plan, most = plans[0], max(p.bytes for p in plans)  # this rank's, and the largest of any (rank 0 warns of it)
     if budget and most > budget and here.world.writes:
-        print(f"warning: {over_budget(plan, args)} are estimated at {most / 2**20:.1f} MiB, more than "
-              f"{given_budget(args, budget)}; running them", file=sys.stderr, flush=True)
+        warn_over_budget(model, jobs, args, most, budget)
 
     out = sys.stdout  # written in UTF-8 whatever its encoding (errors.write_whole)
     stats = Stats()
@@ -372,17 +371,20 @@ def plan_waves(model: api.LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]]
                      budget_bytes, args.parallel_size, args.batch_docs, held)
 
 
-def over_budget(plan: WavePlan, args: argparse.Namespace) -> str:
-    """Which waves a plan over its budget runs: the user's own sizes, or the least there is."""
-    given = [f"--{name.replace('_', '-')} {n}" for name in ("parallel_size", "batch_docs")
-             if (n := getattr(args, name)) is not None]
-    return f"the waves {' and '.join(given)} ask for" if given else \
-        "the smallest waves (one question of one document a pass)"
-
-
-def given_budget(args: argparse.Namespace, budget: int) -> str:
-    return f"--max-memory {args.max_memory:g}" if args.max_memory is not None else \
+def warn_over_budget(model: api.LoadedModel, jobs: list, args: argparse.Namespace, most: int, budget: int) -> None:
+    """Warn that the waves need `most` bytes, past the budget; not where a prompt is past the context, whose
+    refusal (ask_many's, after this) is then the one line: tokenized here first, only when a warning is due."""
+    try:
+        api.build_prompts(model.tokenizer, jobs, args.system, args.chat_template, model.context_length)
+    except api.PromptTooLong:
+        return
+    given = " and ".join(f"--{name.replace('_', '-')} {n}" for name in ("parallel_size", "batch_docs")
+                         if (n := getattr(args, name)) is not None)  # the user's own sizes, or the least there is
+    waves = f"the waves {given} ask for" if given else "the smallest waves (one question of one document a pass)"
+    limit = f"--max-memory {args.max_memory:g}" if args.max_memory is not None else \
         f"the budget --max-memory left unset gives ({budget / 2**20:g} MiB)"
+    print(f"warning: {waves} are estimated at {most / 2**20:.1f} MiB, more than {limit}; running them",
+          file=sys.stderr, flush=True)
 
 
 def _mib(n: int) -> float:
