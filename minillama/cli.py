@@ -306,8 +306,7 @@ class AnswerWriter:
     def __init__(self, out: TextIO, args: argparse.Namespace, n_docs: int, n_questions: int, context: int,
                  progress: "Progress"):
         self.out, self.args, self.n_docs, self.context, self.progress = out, args, n_docs, context, progress
-        self.n_questions = n_questions
-        self.written = 0
+        self.n_questions, self.written = n_questions, 0
         self.waiting: dict[int, api.Reply] = {}
         self.warned = self.warned_nan = False
 
@@ -343,10 +342,12 @@ class AnswerWriter:
             return
         self.warned = True
         self.progress.clear()
-        print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: the prompt has "
-              f"{len(r.prompt_token_ids)} tokens, so the model's context ({self.context}) left room for "
-              f"{len(r.token_ids)} of the {n} new tokens asked for (finish_reason \"length\"); "
-              "this warning is shown once", file=sys.stderr, flush=True)
+        what = ("seqbatch's stream before this answer (the document, every question and answer before it, its "
+                f"question) has {self.context + 1 - len(r.token_ids)}"  # + 1: an answer's last token is never run
+                if self.args.mode == "seqbatch" else f"the prompt has {len(r.prompt_token_ids)}")
+        print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: {what} tokens, so the model's "
+              f"context ({self.context}) left room for {len(r.token_ids)} of the {n} new tokens asked for "
+              "(finish_reason \"length\"); this warning is shown once", file=sys.stderr, flush=True)
 
 
 # --- memory: parallel mode in waves -----------------------------------------------------------------

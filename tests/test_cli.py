@@ -18,6 +18,7 @@ import torch
 
 from minillama import api, cli, precision
 from minillama.errors import BadInput
+from minillama.generate import shared_prefix_length
 from minillama.inputs import BLOCK, read_jobs, read_text
 from minillama.weights import load_model, save_hf_dir
 from test_api import DOC, QUESTIONS, tiny_tokenizer
@@ -561,6 +562,23 @@ def test_a_prompt_that_fills_the_context_warns_once(ckpt, files, capsys):
                                files["dir"] / "q1.txt", "-n", "4", "--ignore-eos", "--json"]])
     err = capsys.readouterr().err.strip().splitlines()
     assert sum("warning:" in line for line in err) == 1 and f"{got} of the 4 new tokens" in err[0]
+
+
+def test_a_seqbatch_answer_cut_short_is_said_with_its_stream(ckpt, files, capsys):
+    """In seqbatch mode an answer follows the whole stream before it, which the context holds: the warning
+    gave its prompt alone (`the prompt has 108 tokens, so the model's context (160) left room for 2 ...`)."""
+    assert cli.main([str(a) for a in ["--model", ckpt, "--doc", files["doc"], "--questions", files["questions"],
+                                      "-n", "100", "--ignore-eos", "--mode", "seqbatch", "--json"]]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [len(r["token_ids"]) < 100 for r in rows] == [False] * (len(QUESTIONS) - 1) + [True]
+    prompts = [r["prompt_token_ids"] for r in rows]
+    shared = shared_prefix_length(prompts)  # the document, once; then each question, and each answer before the last
+    stream = shared + sum(len(p) - shared for p in prompts) + sum(len(r["token_ids"]) for r in rows[:-1])
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and f"question {len(QUESTIONS)}: seqbatch's stream before this answer" in warnings[0]
+    assert f"has {stream} tokens, so the model's context ({CONTEXT}) left room for {len(rows[-1]['token_ids'])} of " \
+        "the 100 new tokens" in warnings[0], warnings
 
 
 def test_a_prompt_past_the_context_is_refused_without_a_memory_warning(ckpt, files, capsys):
