@@ -16,6 +16,7 @@ import importlib
 import sys
 from typing import Sequence
 
+from .errors import run_command
 from .interrupts import hold_interrupts
 
 # subcommand -> (module whose main() runs it, what it does)
@@ -32,13 +33,12 @@ USAGE = "usage: minillama {" + ",".join(COMMANDS) + "} [options]  (minillama COM
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] in (["-h"], ["--help"]) and sys.stdout is None:  # started with stdout closed: the help would be lost
-        print("error: standard output is closed; the output would be lost", file=sys.stderr)
+    lines = "\n".join([USAGE, "", *(f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items())])
+    if not args:
+        print(lines, file=sys.stderr)
         return 2
-    if not args or args[0] in ("-h", "--help"):
-        lines = [USAGE, "", *(f"  {name:<9} {what}" for name, (_, what) in COMMANDS.items())]
-        print("\n".join(lines), file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
+    if args[0] in ("-h", "--help"):  # through the one runner: a closed or full stdout is its one line, exit 2
+        return run_command(lambda: print(lines) or 0)
     if args[0] not in COMMANDS:
         print(f"error: unknown command {args[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2

@@ -90,6 +90,13 @@ class OneLineParser(argparse.ArgumentParser):
         for name in (None, "store"):  # every argument that stores one value, in argument groups too
             self.register("action", name, _Once)
 
+    def print_help(self, file: Any = None) -> None:
+        """The help, flushed here, so that a full stdout is `run_command`'s one line: argparse swallows the
+        OSError of its write, and `--help > /dev/full` said nothing and exited 0."""
+        out = file or sys.stdout
+        out.write(self.format_help())
+        out.flush()
+
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self.given: set[str] = set()  # the options of one value met in this parse (_Once)
         return super().parse_known_args(args, namespace)

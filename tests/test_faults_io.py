@@ -157,6 +157,16 @@ def test_a_closed_stdout_is_one_line(tool, tmp_path):
     assert one_line_error(p) == "error: standard output is closed; the output would be lost"
 
 
+@pytest.mark.parametrize("tool", [["--help"], ["generate", "--help"], ["weights", "info", "--help"],
+                                  ["oracle", "--help"], ["bench", "--help"], ["serve", "--help"]])
+def test_help_to_a_full_stdout_is_one_line(tool):
+    """`generate --help > /dev/full` said nothing and exited 0 (argparse swallows the OSError of its write, in
+    every tool's parser), and `minillama --help > /dev/full` was a traceback, exit 1."""
+    with open("/dev/full", "w") as full:
+        p = run_tool(*tool, stdout=full, stderr=subprocess.PIPE)
+    assert one_line_error(p) == "error: cannot write the output (No space left on device)"
+
+
 def _read_only_stderr() -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 2)
