@@ -117,11 +117,13 @@ class _Once(argparse._StoreAction):
 
 def one_line(s: str) -> str:
     """Any text as one line: runs of whitespace, line breaks included, made one space; other control
-    characters written as escapes (an ESC from a user's value would reach the terminal as a command)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", " ".join(str(s).split()))
+    characters written as escapes (an ESC from a user's value would reach the terminal as a command), and so
+    is a byte of a path or an argument that is not UTF-8, which Python reads as U+DC00 plus the byte (`--doc
+    $'\\xff.txt'` is named `\\xff.txt`, as the shell writes it, not `\\udcff.txt`)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()) & 0xFF:02x}", " ".join(str(s).split()))
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\udc80-\udcff]")
 
 
 def check_device(device: str, option: str = "--device") -> None:

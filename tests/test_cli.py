@@ -248,6 +248,7 @@ def bad_cases(ckpt: Path, files: dict[str, Path]) -> dict[str, list]:
         "stop past its length": [*m, *doc, *qs, "--stop", "Q" * 1025],
         "escape in a value": [*m, *doc, *qs, "--device", "x\x1b[31mRED"],
         "stop not utf-8": [*m, *doc, *qs, "--stop", "ok\udcff"],  # the byte 0xff, as Python reads argv
+        "doc name not utf-8": [*m, "--doc", d / "caf\udce9.txt", *qs],  # a Latin-1 name, as Python reads argv
         "a backend torch lacks": [*m, *doc, *qs, "--device", "ipu"],  # once a page naming every backend
     }
 
@@ -261,7 +262,7 @@ CASES = ["missing doc", "doc is a directory", "binary doc", "doc not utf-8", "em
          "unknown dtype", "unknown device", "parallel-size zero", "batch-docs negative", "empty stop",
          "unknown option", "meta device", "negative max-memory", "max-memory past bytes", "compile with tp", "compile with plain kernels",
          "jsonl repeated key", "top-k past 2**31", "stop past its length", "escape in a value", "stop not utf-8",
-         "a backend torch lacks"]
+         "a backend torch lacks", "doc name not utf-8"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -287,6 +288,7 @@ def test_bad_input_messages_name_the_problem(ckpt, files, capsys):
               "stop past its length": "at most 1024",
               "escape in a value": "--device x\\x1b[31mRED: not a torch device",  # not a colour code
               "stop not utf-8": "--stop: the byte 0xFF at character 2 is not UTF-8",
+              "doc name not utf-8": "caf\\xe9.txt: no such file",  # the byte as the shell writes it, not \udce9
               "a backend torch lacks": "--device ipu: not usable here (this torch was built without the ipu backend)"}
     cases = bad_cases(ckpt, files)
     for case, words in expect.items():
