@@ -281,6 +281,92 @@ def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
     assert "Traceback" not in err and err.strip().endswith("stopped"), err
 
 
+@pytest.mark.parametrize("drain, signals", [("0", [signal.SIGTERM]), ("60", [signal.SIGINT, signal.SIGINT])])
+def test_requests_still_running_when_the_server_stops_get_503_and_an_error_event(ckpt, drain, signals):
+    """The drain time up (--drain 0), or a second Ctrl-C: the engine fails what still runs, so a whole answer
+    is a 503 in the API's shape and a stream ends with an error event. uvicorn cancelled both handlers first
+    (a text/plain 500, a stream cut mid-chunk, two tracebacks in the log)."""
+    p, url = start_server(ckpt, "--drain", drain)
+    body = {"prompt": "a", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+    got: dict[str, object] = {}
+
+    def whole() -> None:
+        got["whole"] = httpx.post(url + "/completions", json=body, timeout=120)
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/completions", json={**body, "stream": True}, timeout=120) as r:
+            got["stream"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+    def safely(f):
+        def call() -> None:
+            try:
+                f()
+            except BaseException as e:  # reported below, with what the server said
+                got.setdefault("failed", []).append(e)
+        return call
+
+    clients = [threading.Thread(target=safely(f)) for f in (whole, stream)]
+    try:
+        for c in clients:
+            c.start()
+        t0 = time.monotonic()
+        while httpx.get(url.removesuffix("/v1") + "/health").json()["running"] < 2 and time.monotonic() - t0 < 60:
+            time.sleep(0.01)
+        for s in signals:
+            p.send_signal(s)
+            time.sleep(0.2)
+        for c in clients:
+            c.join(120)
+        code = p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err = p.stderr.read()
+    assert code == 0 and "failed" not in got, (code, got, err)
+    r = got["whole"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", (r.status_code, r.text)
+    assert r.json()["error"] == {"message": "the server is shutting down", "type": "server_error", "param": None,
+                                 "code": "shutting_down"}
+    assert json.loads(got["stream"][-1])["error"]["message"] == "the server is shutting down", got["stream"][-3:]
+    assert "Traceback" not in err and "ERROR" not in err and err.strip() == "minillama serve: stopped", err
+
+
+def test_a_client_that_reads_no_more_is_closed_after_the_engine_stops(ckpt):
+    """A stream whose client takes nothing (its answer fills the socket's buffers) holds its connection open
+    past the drain: it is closed STUCK_S after the engine stops, as a client that went away, and the server
+    exits 0 with one line and no traceback (uvicorn cancelled its handler with one)."""
+    from minillama.serve.cli import STUCK_S
+
+    p, url = start_server(ckpt, "--drain", "0")
+    try:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        client.connect(("127.0.0.1", port))
+        body = json.dumps({"prompt": "a", "max_tokens": 480, "ignore_eos": True, "stream": True, "n": 16,
+                           "logprobs": 20}).encode()
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        t0 = time.monotonic()  # 4,000 tokens with 20 top log-probs: megabytes, more than the buffers hold
+        while httpx.get(url.removesuffix("/v1") + "/health").json()["decode_tokens"] < 4000:
+            assert time.monotonic() - t0 < 120
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        code = p.wait(STUCK_S + 60)
+        took = time.monotonic() - t0
+        client.close()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err = p.stderr.read()
+    assert code == 0 and STUCK_S <= took, (code, took, err)
+    assert "1 connection(s) still sending" in err and "Traceback" not in err and "ERROR" not in err, err
+    assert err.strip().endswith("stopped"), err
+
+
 @pytest.mark.parametrize("args, says", [
     (["--port", "70000"], "--port must be in 0 .. 65535"),
     (["--max-queue", "0"], "--max-queue must be at least 1"),

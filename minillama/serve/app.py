@@ -71,7 +71,9 @@ class _Choices:
 
     def record(self, i: int, ev: Event) -> None:
         if ev.error is not None:
-            raise BadRequest(ev.error, None, 503 if "shutting down" in ev.error else 500, "server_error")
+            if "shutting down" in ev.error:  # as a request the stopping engine refuses (`_serve`)
+                raise BadRequest(ev.error, None, 503, "shutting_down")
+            raise BadRequest(ev.error, None, 500, "server_error")
         if ev.prompt_logprobs is not None:
             self.prompt_lps[i] = ev.prompt_logprobs
         if ev.token is not None:

@@ -5,7 +5,8 @@
 
 Model options and loading are the generate command's (cli.py); device checks, exit statuses and the
 one-line errors are every command's (errors.py). Ctrl-C or
-SIGTERM stops taking connections, lets the requests in flight finish (at most --drain seconds), and exits 0.
+SIGTERM stops taking connections, lets the requests in flight finish (at most --drain seconds; those still
+running then get a 503, or an error event in their stream), and exits 0.
 Exit status 2 on bad input (one line on stderr).
 """
 
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 API_KEY_ENV = "MINILLAMA_API_KEY"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+STUCK_S = 10.0  # once the engine has stopped, how long a request may take to send its end
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body", type=int, default=1 << 20, metavar="BYTES", help="largest request body (default: 1 MiB)")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt whole (no shared prefixes)")
     p.add_argument("--drain", type=float, default=30.0, metavar="S",
-                   help="on Ctrl-C/SIGTERM, seconds to let requests in flight finish (default: 30)")
+                   help="on Ctrl-C/SIGTERM, seconds to let requests in flight finish; then, or at a second "
+                        "Ctrl-C/SIGTERM, those still running get HTTP 503 (default: 30)")
     return p
 
 
@@ -150,8 +153,9 @@ def _main(argv: Sequence[str] | None) -> int:
               "machine can use the server", file=sys.stderr)
     kernels = " (plain kernels: an answer may depend on the batch)" if args.plain_kernels else ""
     cache = f"KV cache up to {budget / 2**20:.4g} MiB" if budget else "KV cache unbounded"
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain, lifespan="on")
-    run(config, sock, engine, f"minillama serve: model {name!r} ({cache}) on http://{host}:{port}/v1{kernels}")
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
+    run(config, sock, engine, f"minillama serve: model {name!r} ({cache}) on http://{host}:{port}/v1{kernels}",
+        drain=args.drain)
     print("minillama serve: stopped", file=sys.stderr)
     return 0
 
@@ -181,18 +185,52 @@ def serve_in_thread(app, start_s: float = 60.0) -> Iterator[str]:
             raise RuntimeError("the in-process server did not stop")
 
 
-def run(config, sock: socket.socket, engine: Engine, ready: str | None = None) -> None:
+def run(config, sock: socket.socket, engine: Engine, ready: str | None = None, drain: float | None = None) -> None:
     """uvicorn's server on `sock` in a thread, and the engine's loop in this one (the thread that loaded the
-    model, whose OpenMP team then runs every pass: `Engine.run`). Ctrl-C/SIGTERM is a normal end: once the
-    requests in flight are drained the app's lifespan stops the engine and this returns (exit 0) rather than
-    raising the signal again, as uvicorn does. A second Ctrl-C stops at once. `ready` is printed to stderr
-    once the signals are taken (a SIGTERM sent on reading it is a normal end too)."""
+    model, whose OpenMP team then runs every pass: `Engine.run`). Ctrl-C/SIGTERM is a normal end: the server
+    stops taking connections and lets the requests in flight finish for `drain` seconds (None: as long as
+    they take); then, or at a second Ctrl-C/SIGTERM, the engine stops, and each request still running gets
+    its 503 (its stream an error event) before uvicorn closes. This returns (exit 0) rather than raising the
+    signal again, as uvicorn does. `ready` is printed to stderr once the signals are taken (a SIGTERM sent on
+    reading it is a normal end too). `config.timeout_graceful_shutdown` should be None: past it uvicorn cancels
+    the requests still running, which answers none of them."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        hurry = False  # a second signal: stop the engine now
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:  # this thread installs them (uvicorn's are main-only)
             yield
+
+        def handle_exit(self, sig: int, frame) -> None:
+            # not uvicorn's force_exit, which skips the wait for the requests and the app's lifespan: a
+            # request it leaves running is cancelled with a traceback and no answer
+            self.hurry = self.hurry or self.should_exit
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            deadline = asyncio.create_task(self._stop_engine(time.monotonic() + (math.inf if drain is None else drain)))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+
+        async def _stop_engine(self, at: float) -> None:
+            """At the drain's end the engine fails the sequences still running ("the server is shutting down"),
+            and their handlers answer; uvicorn's shutdown, waiting for them, then ends as when they finish."""
+            while not self.hurry and time.monotonic() < at:
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(engine.stop)
+            await asyncio.sleep(STUCK_S)  # a client that takes no more of its answer holds its connection open
+            stuck = list(self.server_state.connections)
+            if stuck:
+                print(f"minillama serve: {len(stuck)} connection(s) still sending {STUCK_S:g} s after the engine "
+                      "stopped (a client that reads no more): closed", file=sys.stderr)
+                for c in stuck:
+                    c.transport.abort()  # as a client that went away: its handler ends (`app._Stream`)
 
     server = Server(config)
 
