@@ -21,7 +21,7 @@ import torch
 
 from minillama.serve.prefix import PrefixCache
 from minillama.serve.identity import solo
-from _serve_harness import LONG_DOC, ckpt, model, serving  # noqa: F401  (fixtures)
+from _serve_harness import LONG_DOC, ckpt, model, serving, write_checkpoint  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -233,10 +233,10 @@ def test_eviction_releases_the_least_recently_used_leaves_in_order_and_counts_sl
             assert fast_cache.used_bytes() == slow_cache.used_bytes() == fast_cache.used_slots * per_slot
 
 
-def start_server(ckpt, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt, *extra: str, cwd: Path = ROOT) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "minillama.serve", "--model", str(ckpt), "--port", "0", *extra],
-                         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                         stderr=subprocess.PIPE, text=True, cwd=cwd, env=env)
     line = p.stderr.readline()
     assert "http://" in line, line + p.stderr.read()
     p.stderr_line = line  # the ready line
@@ -374,6 +374,7 @@ def test_a_client_that_reads_no_more_is_closed_after_the_engine_stops(ckpt):
     (["--host", "256.1.1.1"], "--host 256.1.1.1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--served-model-name", " "], "--served-model-name must not be empty"),
+    (["--model", "/"], "--model /: a path with no name to serve the model under; give --served-model-name"),
     (["--compile", "--plain-kernels"], "--compile takes the batch-invariant kernels"),
     (["--max-memory", "1e308"], "--max-memory must be a number of MiB from 0 to"),
     # what the environment gives, refused before the model loads, not at every request (HTTP 500s)
@@ -401,6 +402,22 @@ def test_the_ready_line_gives_the_kv_cache_budget(ckpt, flags, says):
     p, url = start_server(ckpt, *flags)
     try:
         assert says in p.stderr_line and p.stderr_line.rstrip().endswith(url)
+    finally:
+        p.terminate()
+        assert p.wait(60) == 0
+
+
+@pytest.mark.parametrize("inside, path", [("", "."), ("", "./"), ("sub", "..")])
+def test_the_served_name_is_the_checkpoint_folders_however_its_path_is_written(tmp_path, inside, path):
+    """`--model .` served the model as '' (and refused requests naming it: "this server has ''"), `..` as '..'."""
+    ckpt = write_checkpoint(tmp_path / "my-model")
+    (ckpt / "sub").mkdir()
+    p, url = start_server(path, cwd=ckpt / inside)
+    try:
+        assert "model 'my-model'" in p.stderr_line, p.stderr_line
+        assert [m["id"] for m in httpx.get(url + "/models").json()["data"]] == ["my-model"]
+        r = httpx.post(url + "/completions", json={"prompt": "a", "max_tokens": 1, "model": "my-model"}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "my-model", r.text
     finally:
         p.terminate()
         assert p.wait(60) == 0

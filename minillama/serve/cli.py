@@ -100,6 +100,20 @@ def check_api_key(key: str | None, source: str) -> None:
                        "printable ASCII); use printable ASCII characters")
 
 
+def served_name(served: str | None, model: str | None, default: str) -> str:
+    """The model's name in the API: --served-model-name, else the checkpoint's file or folder name, taken from
+    its absolute path (`--model .` names the current folder, not ''; `..` its parent, not '..'; a link keeps
+    its own name). A path with no name (the root) is refused, as an empty --served-model-name is."""
+    if served is not None:
+        return served
+    if model is None:
+        return default
+    name = Path(os.path.abspath(model)).name
+    if not name.strip():
+        raise BadInput(f"--model {model}: a path with no name to serve the model under; give --served-model-name")
+    return name
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads, so a taken port is a one-line error at once."""
     try:
@@ -136,10 +150,10 @@ def _main(argv: Sequence[str] | None) -> int:
     from .engine import Engine
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    name = served_name(args.served_model_name, args.model, DEFAULT_MODEL_NAME)
     sock = bind(args.host, args.port)
     model = load_checkpoint(args.model, args.device, getattr(torch, args.dtype), invariant=not args.plain_kernels,
                             cuda_graphs=args.cuda_graphs, compiled=args.compile)
-    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     eos = list(dict.fromkeys([*model.tokenizer.eos_ids, *model.llama.config.eos_token_ids]))
     budget = memory_budget(args.max_memory, model.llama)
     engine = Engine(model.llama, eos, max_running=args.max_running, max_queue=args.max_queue,
