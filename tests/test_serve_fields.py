@@ -62,6 +62,31 @@ def test_a_chat_template_that_drops_the_content_is_refused_at_the_door():
     assert e.value.param == "messages"
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", "4"), ("max_tokens", True), ("max_tokens", 4.0),
+                                          ("max_completion_tokens", "4"), ("max_completion_tokens", 4.0)])
+def test_max_tokens_beside_max_completion_tokens_is_checked_as_when_alone(field, value):
+    """A value of another type beside the other field's 4 is refused as it is alone, naming its own field; it
+    was compared first, so max_tokens "4" was said to differ from max_completion_tokens 4 (naming the other)."""
+    from minillama.serve.schema import BadRequest, Limits, parse
+    from test_api import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    limits = Limits(512, tok.vocab_size, 16)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(BadRequest) as alone:
+        parse({**chat, field: value}, True, tok, limits, "tiny")
+    other = "max_completion_tokens" if field == "max_tokens" else "max_tokens"
+    with pytest.raises(BadRequest) as beside:
+        parse({**chat, field: value, other: 4}, True, tok, limits, "tiny")
+    assert (str(beside.value), beside.value.param) == (str(alone.value), field) == (
+        f"{field} must be an integer, got {value!r}", field)
+    with pytest.raises(BadRequest, match=r"^max_tokens \(5\) and max_completion_tokens \(4\) differ") as e:
+        parse({**chat, "max_tokens": 5, "max_completion_tokens": 4}, True, tok, limits, "tiny")
+    assert e.value.param == "max_completion_tokens"
+    assert parse({**chat, "max_tokens": 4, "max_completion_tokens": 4}, True, tok, limits, "tiny").params \
+        .max_new_tokens == 4
+
+
 @pytest.mark.parametrize("final", ["The town", "|>", "im_end", "  The town  "])
 def test_continue_final_message_cuts_where_the_template_writes_the_message(final):
     """The prompt ends where the final message's text ends, as the template wrote it: a final message that the

@@ -72,7 +72,7 @@ MORE_BAD = [
     ("/completions", {"prompt": "x", "n": 1, "best_of": True}, 400, "best_of"),
     ("/completions", {"prompt": "x", "n": 2, "best_of": 2.0}, 400, "best_of"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3.0,
-                           "max_completion_tokens": 3}, 400, "max_completion_tokens"),
+                           "max_completion_tokens": 3}, 400, "max_tokens"),  # no integer, as alone
     ("/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "\ue0009\ue001"}]}, 400,
      "messages"),
 ]

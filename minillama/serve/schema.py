@@ -329,9 +329,11 @@ def parse(body: Any, chat: bool, tokenizer: Any, limits: Limits, model_name: str
     name = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         name = "max_completion_tokens"
-        if not (body.get("max_tokens") is None or _is(body["max_tokens"], _int(body, name, None))):
-            raise BadRequest(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens ({body[name]!r}) "
-                             "differ: give one of them"[:300], "max_completion_tokens")
+        # each checked as when given alone ("4", true, 4.0 are no integer) before they are compared
+        tokens_given, completion_given = _int(body, "max_tokens", None), _int(body, name, None)
+        if tokens_given is not None and tokens_given != completion_given:
+            raise BadRequest(f"max_tokens ({tokens_given}) and max_completion_tokens ({completion_given}) differ: "
+                             "give one of them"[:300], "max_completion_tokens")
     default = min(room, limits.max_tokens) if chat else 16
     max_tokens = _int(body, name, default, 0, limits.max_tokens)
     if max_tokens > room:
