@@ -99,7 +99,10 @@ class OneLineParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self.given: set[str] = set()  # the options of one value met in this parse (_Once)
-        return super().parse_known_args(args, namespace)
+        ns, rest = super().parse_known_args(args, namespace)
+        # ...and in the namespace, a subcommand's with them: an option given at its default value is given.
+        ns.options_given = getattr(ns, "options_given", set()) | self.given
+        return ns, rest
 
 
 class _Once(argparse._StoreAction):

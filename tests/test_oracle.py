@@ -596,6 +596,9 @@ def _rewrite_manifest(src, dst, **changes) -> None:
      "drop --dtype"),
     (["compare", "--reference", "REF", "--backend", "openai", "--url", "http://h/v1", "--device", "cpu:0"],
      "--device: --reference already holds the answers and the openai backend chooses its own"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "-n", "16", "--device", "cpu"],  # the defaults, given
+     "--max-new-tokens, --device: --reference already holds the answers and --candidate runs no model"),
+    (["compare", "--reference", "REF", "--candidate", "REF", "--timeout", "120"], "--timeout go with --backend openai"),
     (["compare", "--reference", "REF", "--candidate", "REF", "--backend-model", "MODEL"],
      "--backend-model goes with --backend"),
     # files that once gave tracebacks or lost what was beside them

@@ -293,7 +293,8 @@ def _nothing_ignored(args: argparse.Namespace) -> None:
         fixed, why = fixed + ["model", "device", "dtype"], " and --candidate runs no model"
     elif args.backend in ("llama-cpp", "openai"):
         fixed, why = fixed + ["device", "dtype"], f" and the {args.backend} backend chooses its own device and dtype"
-    if given := [k for k in fixed if getattr(args, k) != MODEL_DEFAULTS.get(k)]:
+    said = getattr(args, "options_given", set())  # -n 16 is refused as -n 4 is, though 16 is the default
+    if given := [k for k in fixed if k in said or getattr(args, k) != MODEL_DEFAULTS.get(k)]:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         raise BadInput(f"{flags}: --reference already holds the answers{why}; drop {flags}")
 
@@ -303,7 +304,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise BadInput("give one of --backend or --candidate")
     if args.layers and args.backend and not BACKENDS[args.backend].supports_activations:
         raise BadInput(f"--layers: the {args.backend} backend gives no layer-by-layer activations")
-    if (args.url or args.timeout != 120) and args.backend != "openai":
+    timeout = args.timeout != 120 or "timeout" in getattr(args, "options_given", ())
+    if (args.url or timeout) and args.backend != "openai":
         raise BadInput("--url and --timeout go with --backend openai")
     if args.url:
         base_url(args.url)  # before any reference is made
