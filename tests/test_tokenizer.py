@@ -451,6 +451,43 @@ def test_a_llama_class_tokenizer_json_tokenizes_as_transformers_builds_it(tmp_pa
     spelled, hf_ids = tok.encode_chat(chat, False), ref.apply_chat_template(chat, tokenize=True)["input_ids"]
     assert 2 not in spelled and tok.decode(spelled) == ref.decode(hf_ids)
 
+def _assert_tokenizes_as_transformers(tok, ref, texts) -> None:
+    """`tok` encodes each text as the HF tokenizer `ref` does, with and without special tokens, and decodes back."""
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert tok.encode(text, add_special=True) == ref.encode(text), text
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip), text
+
+
+@pytest.mark.parametrize("model_type", [None, "llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("cls", ["LlamaTokenizer", "LlamaTokenizerFast"])
+def test_a_llama_class_over_a_byte_level_tokenizer_json_tokenizes_as_written(tmp_path, cls, model_type):
+    """A config naming LlamaTokenizer(Fast) over a byte-level BPE tokenizer.json (as DeepSeek-R1-Distill-Llama's):
+    HF uses the file as written, where minillama swapped in the class's Metaspace pre-tokenizer and decoder:
+    "Hello world" was [BOS, H, ello, Ġworld]-like garble and CJK text encoded to nothing."""
+    from transformers import AutoTokenizer
+
+    from tokenizers import Tokenizer, processors
+
+    lib = Tokenizer.from_str(byte_bpe_tokenizer().to_str())  # a copy: the writers' tokenizer is shared (cached)
+    bos = ("<|im_start|>", lib.token_to_id("<|im_start|>"))
+    lib.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", pair=f"{bos[0]} $A $B",
+                                                       special_tokens=[bos])
+    lib.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": cls, "legacy": True, "add_bos_token": True, "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>", "chat_template": CHATML}))
+    if model_type is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    _assert_tokenizes_as_transformers(tok, ref, ["Hello world", "你好 世界", "<|im_start|>hi<|im_end|> x",
+                                                 *LLAMA_TEXTS, *TEXTS[:30]])
+    chat = [{"role": "user", "content": "Hello 世界"}]
+    assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+
+
 @pytest.mark.parametrize("prefix", [True, False, None], ids=["prefix", "no prefix", "prefix absent"])
 @pytest.mark.parametrize("legacy", [True, False, None], ids=["legacy", "not legacy", "legacy absent"])
 def test_a_llama_class_tokenizer_model_tokenizes_as_transformers_builds_it(sp, tmp_path, legacy, prefix):

@@ -130,7 +130,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     stm_path = p / "special_tokens_map.json"
     stm = _read_json(stm_path) if stm_path.exists() else {}
     given = _special_tokens(cfg, stm, stm_path)
-    llama_class = cfg.get("tokenizer_class") in ("LlamaTokenizer", "LlamaTokenizerFast")
+    llama_class = hf_tokenizer_class(p, cfg) == "LlamaTokenizer"
     if llama_class:  # the class's defaults, for a token neither file names (null names none)
         given = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **given}
     bos, eos = given.get("bos_token"), given.get("eos_token")
@@ -294,6 +294,20 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
     have = {t.content for t in lib.get_added_tokens_decoder().values()} | {e.content for e in entries}
     return entries + [AddedToken(t, special=True) for t in dict.fromkeys(texts)
                       if isinstance(t, str) and t not in have and lib.token_to_id(t) is not None]
+
+
+def hf_tokenizer_class(d: Path, cfg: dict[str, Any]) -> str | None:
+    """The class HF transformers 5's AutoTokenizer builds for directory `d` (tokenizer_config.json `cfg`), of those
+    minillama rebuilds as HF does: "LlamaTokenizer", or None: tokenizer.json as written. A config naming
+    LlamaTokenizer(Fast) over a tokenizer.json that says "ByteLevel" anywhere (HF looks for the quoted word in the
+    file's text) gets the file as written: the class's Metaspace would garble a byte-level vocabulary."""
+    name = cfg.get("tokenizer_class")
+    if not (isinstance(name, str) and name.removesuffix("Fast") == "LlamaTokenizer"):
+        return None
+    tj = d / "tokenizer.json"
+    if tj.exists() and '"ByteLevel"' in tj.read_text(encoding="utf-8", errors="replace"):
+        return None
+    return "LlamaTokenizer"
 
 
 def prepend_scheme(cfg: dict[str, Any]) -> str:
