@@ -488,6 +488,30 @@ def test_a_llama_class_over_a_byte_level_tokenizer_json_tokenizes_as_written(tmp
     assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
 
 
+@pytest.mark.parametrize("legacy", [True, False])
+@pytest.mark.parametrize("named_in", ["tokenizer_config.json", "config.json"])
+@pytest.mark.parametrize("model_type", [None, "llama", "mistral", "mixtral", "qwen3", "unknown"])
+def test_config_json_routes_a_llama_class_as_transformers(tmp_path, model_type, named_in, legacy):
+    """HF's AutoTokenizer reads config.json: a Mistral directory naming LlamaTokenizer (model_type mistral or
+    mixtral) gets its tokenizer.json as written, and a class config.json names counts where tokenizer_config.json
+    names none. minillama read tokenizer_config.json's class alone: Mistral 7B's " hello" lost a "▁", and a class
+    named in config.json only was ignored."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "tokenizer.json").write_text(_llama_tokenizer_json("normalizer"))
+    cfg = {"legacy": legacy, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+           "add_eos_token": False, "chat_template": "{% for m in messages %}{{ bos_token }}[INST] {{ m['content'] }}"
+           " [/INST]{% endfor %}"}
+    model = {"model_type": model_type} if model_type else {}
+    (cfg if named_in == "tokenizer_config.json" else model)["tokenizer_class"] = "LlamaTokenizer"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    _assert_tokenizes_as_transformers(tok, ref, LLAMA_TEXTS)
+    chat = [{"role": "user", "content": " hi there"}]
+    assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+
+
 @pytest.mark.parametrize("prefix", [True, False, None], ids=["prefix", "no prefix", "prefix absent"])
 @pytest.mark.parametrize("legacy", [True, False, None], ids=["legacy", "not legacy", "legacy absent"])
 def test_a_llama_class_tokenizer_model_tokenizes_as_transformers_builds_it(sp, tmp_path, legacy, prefix):

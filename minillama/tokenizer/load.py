@@ -130,7 +130,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     stm_path = p / "special_tokens_map.json"
     stm = _read_json(stm_path) if stm_path.exists() else {}
     given = _special_tokens(cfg, stm, stm_path)
-    llama_class = hf_tokenizer_class(p, cfg) == "LlamaTokenizer"
+    # HF's routing where tokenizer.json is read; beside a tokenizer.model alone, the class tokenizer_config.json names
+    named = hf_tokenizer_class(p, cfg) if (p / "tokenizer.json").exists() else str(cfg.get("tokenizer_class"))
+    llama_class = named.removesuffix("Fast") == "LlamaTokenizer"
     if llama_class:  # the class's defaults, for a token neither file names (null names none)
         given = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **given}
     bos, eos = given.get("bos_token"), given.get("eos_token")
@@ -296,18 +298,37 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
                       if isinstance(t, str) and t not in have and lib.token_to_id(t) is not None]
 
 
-def hf_tokenizer_class(d: Path, cfg: dict[str, Any]) -> str | None:
-    """The class HF transformers 5's AutoTokenizer builds for directory `d` (tokenizer_config.json `cfg`), of those
-    minillama rebuilds as HF does: "LlamaTokenizer", or None: tokenizer.json as written. A config naming
-    LlamaTokenizer(Fast) over a tokenizer.json that says "ByteLevel" anywhere (HF looks for the quoted word in the
-    file's text) gets the file as written: the class's Metaspace would garble a byte-level vocabulary."""
-    name = cfg.get("tokenizer_class")
-    if not (isinstance(name, str) and name.removesuffix("Fast") == "LlamaTokenizer"):
-        return None
+# How HF transformers 5's AutoTokenizer routes a directory whose files name a tokenizer class, by config.json's
+# model_type (its TOKENIZER_MAPPING_NAMES and MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, mistral-common not
+# installed), for the model types minillama runs and Mixtral: None, the named class stands (llama has no class
+# of its own; qwen3's yields to the named one); a class name, that class whatever the files name (mistral's
+# and mixtral's is the tokenizer.json as written; qwen2's named class is held to be wrong). Any other model type
+# leaves the named class, as HF does for most.
+MODEL_TYPE_TOKENIZER: dict[str, str | None] = {"llama": None, "qwen3": None, "mistral": "TokenizersBackend",
+                                               "mixtral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}
+
+
+def hf_tokenizer_class(d: Path, cfg: dict[str, Any]) -> str:
+    """The class HF transformers 5's AutoTokenizer builds for directory `d` (tokenizer_config.json `cfg`), without
+    "Fast": "TokenizersBackend" (tokenizer.json as written) or a class minillama rebuilds as HF does where it is
+    "LlamaTokenizer". The class tokenizer_config.json names, else config.json's `tokenizer_class`, routed by
+    config.json's `model_type` (MODEL_TYPE_TOKENIZER); but LlamaTokenizer over a tokenizer.json that says
+    "ByteLevel" anywhere (HF looks for the quoted word in the file's text) is the file as written: the class's
+    Metaspace would garble a byte-level vocabulary. Neither file naming one: as written (or the model type's
+    own class, which minillama does not rebuild: Qwen2Tokenizer for qwen2 and qwen3)."""
+    model = _read_json(d / "config.json") if (d / "config.json").exists() else {}
+    named = cfg.get("tokenizer_class") or model.get("tokenizer_class")
+    if not isinstance(named, str):
+        return "TokenizersBackend"
+    model_type = model.get("model_type")
+    routed = MODEL_TYPE_TOKENIZER.get(model_type) if isinstance(model_type, str) else None
+    if routed is not None:
+        return routed
     tj = d / "tokenizer.json"
-    if tj.exists() and '"ByteLevel"' in tj.read_text(encoding="utf-8", errors="replace"):
-        return None
-    return "LlamaTokenizer"
+    if named.removesuffix("Fast") == "LlamaTokenizer" and tj.exists() and \
+            '"ByteLevel"' in tj.read_text(encoding="utf-8", errors="replace"):
+        return "TokenizersBackend"
+    return named.removesuffix("Fast")
 
 
 def prepend_scheme(cfg: dict[str, Any]) -> str:
