@@ -512,6 +512,36 @@ def test_config_json_routes_a_llama_class_as_transformers(tmp_path, model_type, 
     assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
 
 
+@pytest.mark.parametrize("ends", [{}, {"add_bos_token": False}, {"add_bos_token": True, "add_eos_token": True}],
+                         ids=["bos absent", "no bos", "bos and eos"])
+@pytest.mark.parametrize("prefix", [False, None], ids=["no prefix", "prefix absent"])
+@pytest.mark.parametrize("legacy", [True, False, None], ids=["legacy", "not legacy", "legacy absent"])
+@pytest.mark.parametrize("style", ["normalizer", "metaspace"])
+def test_a_code_llama_class_tokenizes_as_transformers_builds_it(tmp_path, style, legacy, prefix, ends):
+    """A config naming CodeLlamaTokenizer (CodeLlama-*-hf): HF builds the class, whose "▁" goes before the whole
+    text only whatever `legacy` says, with no normalizer and BOS by add_bos_token (absent: true); minillama used
+    tokenizer.json as written: " hello" was [<s>, ▁, ▁, hello] where HF has [<s>, ▁, hello]."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import AutoTokenizer
+
+    spec = json.loads(_llama_tokenizer_json(style))
+    spec["model"]["vocab"]["▁<EOT>"] = len(spec["model"]["vocab"])  # a vocabulary piece the class makes special
+    lib = Tokenizer.from_str(json.dumps(spec))
+    lib.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("▁<PRE>", "▁<SUF>", "▁<MID>")])
+    lib.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"tokenizer_class": "CodeLlamaTokenizer", "legacy": legacy, **ends,
+           "chat_template": "{% for m in messages %}{{ bos_token + '[INST] ' + m['content'].strip() + ' [/INST]' }}"
+           "{% endfor %}"}
+    cfg.update({"add_prefix_space": prefix} if prefix is not None else {})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    infill = "▁<PRE> def f(x):▁<SUF>\n    return x ▁<MID>"
+    _assert_tokenizes_as_transformers(tok, ref, [*LLAMA_TEXTS, infill, "x▁<EOT> y"])
+    chat = [{"role": "user", "content": "hello world"}, {"role": "user", "content": " the fox "}]
+    assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+
+
 @pytest.mark.parametrize("prefix", [True, False, None], ids=["prefix", "no prefix", "prefix absent"])
 @pytest.mark.parametrize("legacy", [True, False, None], ids=["legacy", "not legacy", "legacy absent"])
 def test_a_llama_class_tokenizer_model_tokenizes_as_transformers_builds_it(sp, tmp_path, legacy, prefix):

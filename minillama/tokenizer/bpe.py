@@ -111,14 +111,17 @@ class HFTokenizer(Tokenizer):
         write_file(out / "tokenizer_config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
-def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool) -> Any:
+def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool, code_llama: bool = False,
+                          unk_token: str | None = None) -> Any:
     """The tokenizer HF transformers builds for a directory whose tokenizer_config.json names the class
     LlamaTokenizer(Fast) (`LlamaTokenizer.__init__`): the vocabulary, merges and post-processor of the
     tokenizer.json `lib`, and the class's own rules over what the file says: no normalizer; a Metaspace that puts
     "▁" for spaces and before the text as `prepend_scheme` says ("always", "first": only before the start of the
     whole text, not after a special token, "never"); a decoder that undoes it. The file's added tokens are kept
-    where `keep_added` (HF re-adds them unless tokenizer_config.json lists its own). A model other than BPE is
-    the file's tokenizer unchanged."""
+    where `keep_added` (HF re-adds them unless tokenizer_config.json lists its own). `code_llama`: the same as
+    CodeLlamaTokenizer builds it, whose BPE knows `unk_token` and whose decoder strips the first space whatever
+    the scheme (its post-processor the caller sets: `bos_eos_processor`). A model other than BPE is the file's
+    tokenizer unchanged."""
     from tokenizers import Tokenizer as _Tok
     from tokenizers import models, pre_tokenizers
 
@@ -126,9 +129,11 @@ def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool) -> An
     if model.get("type") != "BPE":
         return lib
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    unk = {"unk_token": unk_token} if code_llama and unk_token is not None else {}
+    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, byte_fallback=True, dropout=None,
+                          **unk))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme, split=False)
-    tok.decoder = llama_class_decoder(prepend_scheme)
+    tok.decoder = llama_class_decoder("first" if code_llama else prepend_scheme)
     tok.post_processor = lib.post_processor
     if keep_added:
         tok.add_tokens([t for _, t in sorted(lib.get_added_tokens_decoder().items())])
@@ -142,6 +147,18 @@ def llama_class_decoder(prepend_scheme: str) -> Any:
 
     strip = [decoders.Strip(content=" ", left=1)] if prepend_scheme != "never" else []
     return decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+
+
+def bos_eos_processor(lib: Any, bos: str | None, eos: str | None) -> Any:
+    """A post-processor that puts `bos` before a text and `eos` after it (None, or no token of `lib`: nothing), as
+    HF's `TokenizersBackend.update_post_processor` writes one."""
+    from tokenizers import processors
+
+    ends = [(t, lib.token_to_id(t)) if t is not None else None for t in (bos, eos)]
+    b, e = [x if x is not None and x[1] is not None else None for x in ends]
+    single = f"{b[0] + ':0 ' if b else ''}$A:0{' ' + e[0] + ':0' if e else ''}"
+    pair = f"{single}{' ' + b[0] + ':1' if b else ''} $B:1{' ' + e[0] + ':1' if e else ''}"
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[x for x in (b, e) if x])
 
 
 def read_tokenizer_json(path: str | Path) -> Any:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import numbers
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
-from .bpe import HFTokenizer, _unique, byte_bpe_tokenizer, llama_class_tokenizer, read_tokenizer_json
+from .bpe import (HFTokenizer, _unique, bos_eos_processor, byte_bpe_tokenizer, llama_class_tokenizer,
+                  read_tokenizer_json)
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
 
@@ -131,16 +132,24 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     stm = _read_json(stm_path) if stm_path.exists() else {}
     given = _special_tokens(cfg, stm, stm_path)
     # HF's routing where tokenizer.json is read; beside a tokenizer.model alone, the class tokenizer_config.json names
-    named = hf_tokenizer_class(p, cfg) if (p / "tokenizer.json").exists() else str(cfg.get("tokenizer_class"))
-    llama_class = named.removesuffix("Fast") == "LlamaTokenizer"
+    json_file = (p / "tokenizer.json").exists()
+    named = (hf_tokenizer_class(p, cfg) if json_file else str(cfg.get("tokenizer_class"))).removesuffix("Fast")
+    code_llama = named == "CodeLlamaTokenizer" and json_file
+    llama_class = named == "LlamaTokenizer" or code_llama
     if llama_class:  # the class's defaults, for a token neither file names (null names none)
         given = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **given}
     bos, eos = given.get("bos_token"), given.get("eos_token")
-    if (p / "tokenizer.json").exists():
+    if json_file:
         lib = read_tokenizer_json(p / "tokenizer.json")
-        if llama_class:
-            lib = llama_class_tokenizer(lib, prepend_scheme(cfg), keep_added="added_tokens_decoder" not in cfg)
-        lib.add_tokens(_config_added_tokens(cfg, stm, given, cfg_path, lib))
+        if llama_class:  # CodeLlama's "▁" goes before the whole text only, whatever `legacy` says
+            scheme = prepend_scheme({**cfg, "legacy": False} if code_llama else cfg)
+            lib = llama_class_tokenizer(lib, scheme, keep_added="added_tokens_decoder" not in cfg,
+                                        code_llama=code_llama, unk_token=given.get("unk_token"))
+        infill = [cfg.get(f"{k}_token", f"\u2581<{k[:3].upper()}>") for k in ("prefix", "middle", "suffix", "eot")]
+        lib.add_tokens(_config_added_tokens(cfg, stm, given, cfg_path, lib,  # CodeLlama's infilling tokens
+                                            [*infill, cfg.get("fill_token", "<FILL_ME>")] if code_llama else ()))
+        if code_llama:  # the class writes its own: BOS by its add_bos_token, true (HF drops the config's field)
+            lib.post_processor = bos_eos_processor(lib, bos, None)
         tok = HFTokenizer(lib, bos_token=bos, eos_tokens=[eos] if eos else [],
                           extra_eos_ids=list(cfg.get("eos_token_ids") or []) + eos_ids, chat_template=template,
                           add_bos=cfg.get("add_bos_token"), add_eos=cfg.get("add_eos_token"))
@@ -275,13 +284,14 @@ def _decoder_entries(cfg: dict[str, Any], path: Path) -> dict[int, dict[str, Any
 
 
 def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[str, str | None], path: Path,
-                         lib: Any) -> list[Any]:
+                         lib: Any, more: Sequence[Any] = ()) -> list[Any]:
     """The tokens HF transformers adds to a tokenizer.json's tokenizer `lib` when it loads the directory, in its
     order (`TokenizersBackend.__init__`): every entry of added_tokens_decoder with the flags the config gives (a
     token the file has as ordinary, the config may make special), then as special each named special token
     (`given`) and additional_special_tokens entry (`stm`'s where HF reads the map) that is neither an added token
     of the file nor among those. Adding a token the tokenizer has changes only its flags. One that is no token of
-    the vocabulary is left out: HF appends it with a new id, past the vocabulary the model was trained with."""
+    the vocabulary is left out: HF appends it with a new id, past the vocabulary the model was trained with.
+    `more`: the special tokens a class adds (CodeLlama's infilling tokens), after all those."""
     from tokenizers import AddedToken
 
     named = [v for v in given.values() if v is not None]  # HF makes an entry that is a named token special
@@ -292,7 +302,7 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
     stm = {} if "added_tokens_decoder" in cfg else stm
     extra = [*(extra if isinstance(extra, list) else []), *(stm.get("additional_special_tokens") or [])]
     order = [*NAMED_TOKENS, *given]  # HF's named tokens first, a model's own after
-    texts = [given[k] for k in sorted(given, key=order.index)] + [_token_text(t) for t in extra]
+    texts = [given[k] for k in sorted(given, key=order.index)] + [_token_text(t) for t in [*extra, *more]]
     have = {t.content for t in lib.get_added_tokens_decoder().values()} | {e.content for e in entries}
     return entries + [AddedToken(t, special=True) for t in dict.fromkeys(texts)
                       if isinstance(t, str) and t not in have and lib.token_to_id(t) is not None]
@@ -311,11 +321,11 @@ MODEL_TYPE_TOKENIZER: dict[str, str | None] = {"llama": None, "qwen3": None, "mi
 def hf_tokenizer_class(d: Path, cfg: dict[str, Any]) -> str:
     """The class HF transformers 5's AutoTokenizer builds for directory `d` (tokenizer_config.json `cfg`), without
     "Fast": "TokenizersBackend" (tokenizer.json as written) or a class minillama rebuilds as HF does where it is
-    "LlamaTokenizer". The class tokenizer_config.json names, else config.json's `tokenizer_class`, routed by
-    config.json's `model_type` (MODEL_TYPE_TOKENIZER); but LlamaTokenizer over a tokenizer.json that says
-    "ByteLevel" anywhere (HF looks for the quoted word in the file's text) is the file as written: the class's
-    Metaspace would garble a byte-level vocabulary. Neither file naming one: as written (or the model type's
-    own class, which minillama does not rebuild: Qwen2Tokenizer for qwen2 and qwen3)."""
+    "LlamaTokenizer" or "CodeLlamaTokenizer". The class tokenizer_config.json names, else config.json's
+    `tokenizer_class`, routed by config.json's `model_type` (MODEL_TYPE_TOKENIZER); but LlamaTokenizer over a
+    tokenizer.json that says "ByteLevel" anywhere (HF looks for the quoted word in the file's text) is the file as
+    written: the class's Metaspace would garble a byte-level vocabulary. Neither file naming one: as written (or
+    the model type's own class, which minillama does not rebuild: Qwen2Tokenizer for qwen2 and qwen3)."""
     model = _read_json(d / "config.json") if (d / "config.json").exists() else {}
     named = cfg.get("tokenizer_class") or model.get("tokenizer_class")
     if not isinstance(named, str):
