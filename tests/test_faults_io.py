@@ -492,6 +492,32 @@ def test_a_ctrl_c_during_a_commands_imports_is_said_as_interrupted():
     assert (p.returncode, p.stdout) == (0, "slept\n"), p.stderr
 
 
+LATE = """
+import signal, sys, time, types
+from minillama import interrupts
+interrupts.hold_interrupts()
+interrupts.release_interrupts()  # the command runs
+code = types.SimpleNamespace(co_filename="<frozen importlib._bootstrap>")  # importlib's module-lock callback
+try:
+    signal.getsignal(signal.SIGINT)(signal.SIGINT, types.SimpleNamespace(f_code=code, f_back=None))
+except KeyboardInterrupt:
+    sys.exit("raised inside the import, where Python ignores it")
+try:
+    time.sleep(10)
+except KeyboardInterrupt:
+    sys.exit("interrupted")
+print("never raised")
+"""
+
+
+def test_a_ctrl_c_during_an_import_once_the_command_runs_is_raised_after_it():
+    """Once the command ran, a Ctrl-C was raised wherever it landed: inside importlib's module-lock callback
+    (a lazy import while loading) Python printed 'Exception ignored' and the run went on to exit 0. It is sent
+    again a moment later, outside the import."""
+    p = subprocess.run([sys.executable, "-c", LATE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert (p.returncode, p.stdout, p.stderr) == (1, "", "interrupted\n"), (p.stdout, p.stderr)
+
+
 def test_a_program_importing_minillama_keeps_its_ctrl_c():
     """Only `python -m minillama...` holds Ctrl-C while it starts; a program that imports the package keeps
     Python's handler."""
