@@ -154,11 +154,11 @@ def bos_eos_processor(lib: Any, bos: str | None, eos: str | None) -> Any:
     HF's `TokenizersBackend.update_post_processor` writes one."""
     from tokenizers import processors
 
-    ends = [(t, lib.token_to_id(t)) if t is not None else None for t in (bos, eos)]
-    b, e = [x if x is not None and x[1] is not None else None for x in ends]
+    b, e = [(t, lib.token_to_id(t)) if t is not None and lib.token_to_id(t) is not None else None for t in (bos, eos)]
     single = f"{b[0] + ':0 ' if b else ''}$A:0{' ' + e[0] + ':0' if e else ''}"
     pair = f"{single}{' ' + b[0] + ':1' if b else ''} $B:1{' ' + e[0] + ':1' if e else ''}"
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[x for x in (b, e) if x])
+    ends = list(dict.fromkeys(x for x in (b, e) if x))  # BOS and EOS may be one token
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=ends)
 
 
 def read_tokenizer_json(path: str | Path) -> Any:
@@ -219,7 +219,7 @@ def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequ
     """A `tokenizers.Tokenizer` for a GGUF `gpt2` vocabulary: BPE over byte-level symbols, text split
     as llama.cpp splits it for this `pre` type, control tokens matched whole as special tokens; BOS and EOS
     added around a sequence by its post-processor as the `add_*` flags say (llama.cpp adds each on its own)."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as _Tok
 
     if pre not in BPE_PRE_TOKENIZERS:
@@ -246,10 +246,7 @@ def byte_bpe_tokenizer(tokens: Sequence[str], merges: Sequence[str], types: Sequ
                             for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == USER_DEFINED])
-    ends = [(tokens[i], i) for i, add in ((bos_id, add_bos), (eos_id, add_eos)) if add and i is not None]
-    if ends:
-        bos = f"{tokens[bos_id]} " if add_bos and bos_id is not None else ""
-        eos = f" {tokens[eos_id]}" if add_eos and eos_id is not None else ""
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}$A{eos}", pair=f"{bos}$A{eos} {bos}$B{eos}", special_tokens=list(dict.fromkeys(ends)))
+    bos, eos = [tokens[i] if add and i is not None else None for i, add in ((bos_id, add_bos), (eos_id, add_eos))]
+    if bos is not None or eos is not None:
+        tok.post_processor = bos_eos_processor(tok, bos, eos)
     return tok
