@@ -436,12 +436,7 @@ def test_a_llama_class_tokenizer_json_tokenizes_as_transformers_builds_it(tmp_pa
     cfg.update({k: v for k, v in (("legacy", legacy), ("add_prefix_space", prefix)) if v is not None})
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
-    for text in LLAMA_TEXTS:
-        ids = tok.encode(text)
-        assert ids == ref.encode(text, add_special_tokens=False), text
-        assert tok.encode(text, add_special=True) == ref.encode(text), text
-        for skip in (False, True):
-            assert tok.decode(ids, skip_special=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    _assert_tokenizes_as_transformers(tok, ref, LLAMA_TEXTS)
     for chat in ([{"role": "user", "content": "hello world"}],
                  [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "the fox"},
                   {"role": "user", "content": "jumps"}]):
@@ -450,6 +445,7 @@ def test_a_llama_class_tokenizer_json_tokenizes_as_transformers_builds_it(tmp_pa
     chat = [{"role": "user", "content": "say </s> now"}]  # a control token in a message stays text
     spelled, hf_ids = tok.encode_chat(chat, False), ref.apply_chat_template(chat, tokenize=True)["input_ids"]
     assert 2 not in spelled and tok.decode(spelled) == ref.decode(hf_ids)
+
 
 def _assert_tokenizes_as_transformers(tok, ref, texts) -> None:
     """`tok` encodes each text as the HF tokenizer `ref` does, with and without special tokens, and decodes back."""
