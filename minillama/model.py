@@ -176,7 +176,7 @@ class Llama(nn.Module):
         for module in self.modules():
             if isinstance(module, TiledLinear) and module.weight.dim() == 2:
                 w = module.weight
-                column = module.split == "rows" or self._column_major(module)
+                column = self._column_major(module, w.device, w.dtype)
                 if column and w.stride() != (1, w.shape[0]):
                     w.data = w.data.t().contiguous().t()
                 elif not column and not w.is_contiguous():
@@ -190,8 +190,19 @@ class Llama(nn.Module):
         super()._apply(fn, recurse)
         return self.column_major_()
 
-    def _column_major(self, module: TiledLinear) -> bool:
-        """Whether a column-split projection is stored column-major: on a CPU in float32, where oneDNN's linear
+    def column_major_parts(self, device: str | torch.device, dtype: torch.dtype) -> dict[str, tuple[int, int, int]]:
+        """The weights `column_major_` stores column-major once on `device` in `dtype`, each named with its
+        whole range along dimension 1 (weights/shard.py's `Slices`: a cut along dimension 1 is read straight into
+        column-major storage). A checkpoint read so holds no row-major copy, nor the mapped pages one was read
+        from, beside the weight the model keeps."""
+        device = torch.device(device)
+        return {f"{name}.weight": (1, 0, module.weight.shape[1]) for name, module in self.named_modules()
+                if isinstance(module, TiledLinear) and module.weight.dim() == 2
+                and self._column_major(module, device, dtype)}
+
+    def _column_major(self, module: TiledLinear, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a projection's weight, on `device` in `dtype`, is stored column-major: always for a row
+        split (o, down); a column-split projection on a CPU in float32, where oneDNN's linear
         reads a (K, N) row-major matrix 1.1-1.4x faster than an (N, K) one (one sequence's decode step 46
         against 51 ms, a 567-token prefill 0.85 against 0.98 s). With several units the product is one over all
         of them where proven to give each unit's bits (`proofs.proven_units`), else each unit's block copied
@@ -200,9 +211,8 @@ class Llama(nn.Module):
         where the products' speed was measured with row-major weights; not on a tensor-parallel rank, which
         reads its parts row-major from the checkpoint and keeps them so (a copy of each would raise its loading
         peak past its share of the model)."""
-        w = module.weight
-        return (not module.gather and w.device.type == "cpu" and w.dtype == torch.float32
-                and (self.kernels.units == 1 or not self.kernels.sharded))
+        return module.split == "rows" or (not module.gather and device.type == "cpu" and dtype == torch.float32
+                                          and (self.kernels.units == 1 or not self.kernels.sharded))
 
     @property
     def invariant(self) -> bool:

@@ -370,6 +370,35 @@ def test_a_rank_holds_only_its_part_of_the_checkpoint(tmp_path, big_ckpt, tp):
             assert all(p <= bound for p in peaks), (peaks, bound)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_process_holds_the_checkpoint_once(big_ckpt, dtype):
+    """One process's load peak is the checkpoint's float32 weights + 15%: each weight the model stores
+    column-major (o and down always; q, k, v, gate and up on a CPU in float32) is read straight into that
+    layout, and in bfloat16 each read weight is dropped once cast. The control: a state dict read whole
+    (memory-mapped) and laid out after, as `load_model` did, holds the mapped pages beside the copies (in
+    float32 about twice the weights; in bfloat16 the float32 pages beside their casts, 1.5 times)."""
+    path, sizes = big_ckpt
+    weights = sizes["sharded"] + sizes["replicated"]
+    code = textwrap.dedent("""
+        import sys, torch
+        from minillama.bench.memory import PeakRSS
+        from minillama.weights import build_model, load_model, load_state_dict
+        import minillama.model, safetensors.torch  # imported before the peak is taken
+        dtype = getattr(torch, sys.argv[2])
+        with PeakRSS() as p:
+            if sys.argv[3] == "whole":
+                model = build_model(*load_state_dict(sys.argv[1]), dtype=dtype)
+            else:
+                model, _ = load_model(sys.argv[1], dtype=dtype)
+        print(p.delta)""")
+    for how in ("load_model", "whole"):
+        proc = subprocess.run([sys.executable, "-c", code, str(path), dtype, how], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        delta = int(proc.stdout)
+        assert (delta <= 1.15 * weights) == (how == "load_model"), (how, delta, weights)
+
+
 def test_oracle_export_ranks_read_only_their_parts(tmp_path, big_ckpt):
     """`oracle export --tp 2` read the whole checkpoint on every rank, then sharded it: each rank's peak held all
     the split weights, as one process's does. Now each reads its part, as generate's ranks do: its peak is

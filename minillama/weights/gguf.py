@@ -244,12 +244,14 @@ def check_gguf_layout(reader: Any, path: str | Path, config: LlamaConfig) -> Non
     check_state_dict(config, shapes, path)
 
 
-def read_gguf(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
+def read_gguf(path: str | Path, slices: Slices | None = None,
+              reader: Any = None) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
     """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file; with
-    `slices`, only those parts of the split tensors, read at their offsets (`_read_part`)."""
+    `slices`, only those parts of the split tensors, read at their offsets (`_read_part`). reader: the file's
+    `open_gguf`, where the caller has opened it."""
     from gguf.quants import dequantize
 
-    reader = open_gguf(path)
+    reader = open_gguf(path) if reader is None else reader
     meta = gguf_metadata(reader, path)
     check_gguf_types(reader, path)
     config = _checked_gguf_config(meta, {t.name for t in reader.tensors}, path, reader)

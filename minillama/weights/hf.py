@@ -68,12 +68,15 @@ def _hf_files(d: Path) -> list[Path]:
     return [d / name for name in files]
 
 
-def _read_hf_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
-    """Config and state dict; with `slices`, only those parts of the split tensors (shard.py), read at offsets."""
+def _read_hf_dir(d: Path, slices: Slices | None = None,
+                 config: LlamaConfig | None = None) -> tuple[LlamaConfig, StateDict]:
+    """Config and state dict; with `slices`, only those parts of the split tensors (shard.py), read at offsets.
+    config: `hf_dir_config(d)`, where the caller has it."""
     from safetensors import safe_open
 
     # sliced: the tie decided first, from the whole tensors, as every rank must decide it alike
-    config = hf_config(d / "config.json") if slices is None else hf_dir_config(d)
+    if config is None:
+        config = hf_config(d / "config.json") if slices is None else hf_dir_config(d)
     sd: StateDict = {}
     found: dict[str, Path] = {}
     for f in _hf_files(d):

@@ -13,7 +13,7 @@ from minillama.config import LlamaConfig
 from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_metadata
 
 from .default import fetch_default
-from .gguf import read_gguf
+from .gguf import open_gguf, read_gguf
 from .layout import StateDict, WeightsError, check_state_dict
 from .read import CHECKPOINT, detect_format, given_path, load_state_dict, load_tokenizer, read_config
 from .shard import Slices
@@ -67,30 +67,25 @@ def load_model(path: str | Path | None = None, device: str | torch.device = "cpu
     on the meta device) in place and returns the parts of the split tensors the rank keeps; only those
     parts are read (shard.py), and the model is built around them."""
     path = fetch_default() if path is None else given_path(path, wants=f"{CHECKPOINT}, or none for the default model")
-    if shard is not None:
-        return _load_shard(path, device, dtype, shard)
-    if detect_format(path) == "gguf":  # read the file once: the tokenizer is in its metadata
-        config, sd, meta = read_gguf(path)
-        try:
-            tok = tokenizer_from_gguf_metadata(meta, str(path))
-        except TokenizerError as e:
-            raise WeightsError(str(e)) from None
-    else:
-        config, sd = load_state_dict(path)
-        tok = load_tokenizer(path)
-    return build_model(config, sd, device, dtype), tok
-
-
-def _load_shard(path: Path, device: str | torch.device, dtype: torch.dtype,
-                shard: Callable[[torch.nn.Module], Slices]) -> tuple[torch.nn.Module, Tokenizer]:
-    """`load_model` on a tensor-parallel rank: the skeleton sharded first, then only its parts read."""
-    model, meta = _model_part(path, device, dtype, shard)
+    model, meta = _model_part(path, device, dtype, shard or _laid_out(device, dtype))
     if meta is None:
         return model, load_tokenizer(path)
     try:
         return model, tokenizer_from_gguf_metadata(meta, str(path))
     except TokenizerError as e:
         raise WeightsError(str(e)) from None
+
+
+def _laid_out(device: str | torch.device, dtype: torch.dtype) -> Callable[[torch.nn.Module], Slices]:
+    """For one process (`load_model` without `shard`): the skeleton's units set to the KV heads, as
+    `build_model` sets them, and its weights stored column-major on `device` in `dtype` named whole
+    (`Llama.column_major_parts`): each is read straight into that layout, so no row-major copy of it, nor the
+    memory-mapped pages it was read from, is held beside it (one process's peak was ~280 MB higher so)."""
+    def parts(model: torch.nn.Module) -> Slices:
+        model.units = model.config.num_key_value_heads
+        return model.column_major_parts(device, dtype)
+
+    return parts
 
 
 def load_model_part(path: str | Path, device: str | torch.device, dtype: torch.dtype,
@@ -105,20 +100,32 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
     """The sharded model, and a GGUF file's metadata (None for a directory), where its tokenizer is."""
     from minillama.model import Llama
 
-    config = read_config(path)  # off the meta device: deciding a tie may read two tensors (hf_dir_config)
-    with torch.device("meta"):
+    gguf = open_gguf(path) if detect_format(path) == "gguf" else None  # opened once: slow to parse
+    config = read_config(path, gguf)  # off the meta device: deciding a tie may read two tensors (hf_dir_config)
+    with torch.device("meta"), _no_random_init():
         model = Llama(config)
     slices = shard(model)
     meta = None
-    if detect_format(path) == "gguf":
-        config, sd, meta = read_gguf(path, slices)
+    if gguf is not None:
+        config, sd, meta = read_gguf(path, slices, gguf)
     else:
-        config, sd = load_state_dict(path, slices)
-    # .to keeps strides: a row-split part read column-major stays so
-    sd = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device) for k, v in sd.items()}
-    if config.tie_word_embeddings:  # the head's vocabulary rows are a view of the replicated embedding
-        _, a, b = slices["lm_head.weight"]
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"][a:b]
+        config, sd = load_state_dict(path, slices, config)
+    sd = _placed(sd, device, dtype)
+    if config.tie_word_embeddings:  # the head is the embedding, or on a rank a view of its vocabulary rows
+        embed, cut = sd["model.embed_tokens.weight"], slices.get("lm_head.weight")
+        sd["lm_head.weight"] = embed if cut is None else embed[cut[1]:cut[2]]
     model.load_state_dict(sd, strict=True, assign=True)
+    if config.tie_word_embeddings and "lm_head.weight" not in slices:
+        model.lm_head.weight = model.model.embed_tokens.weight  # one parameter, as build_model ties it
     del sd  # the model holds the parts now, so laying them out frees each part it replaces
     return model.column_major_().eval(), meta
+
+
+def _placed(sd: StateDict, device: str | torch.device, dtype: torch.dtype) -> StateDict:
+    """The tensors on `device`, floating ones in `dtype`, each read tensor dropped once moved (the peak is
+    about the larger of the two state dicts, not both). `.to` keeps strides: a part read column-major stays so."""
+    out = {}
+    for k in list(sd):
+        v = sd.pop(k)
+        out[k] = v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
+    return out

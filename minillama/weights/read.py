@@ -6,6 +6,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from minillama.config import LlamaConfig
 from minillama.tokenizer import Tokenizer, TokenizerError, load_tokenizer as _load_tokenizer
@@ -99,28 +100,32 @@ def _what_is(p: Path) -> str:
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
 
 
-def load_state_dict(path: str | Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
+def load_state_dict(path: str | Path, slices: Slices | None = None,
+                    config: LlamaConfig | None = None) -> tuple[LlamaConfig, StateDict]:
     """Config and HF-named, rotate-half state dict of any supported checkpoint. Tensors keep their
     stored dtype (GGUF tensors are dequantized to float32); lm_head.weight is absent when tied. With
-    `slices` (shard.py), the tensors it names are only their parts, and only their bytes are read."""
+    `slices` (shard.py), the tensors it names are only their parts, and only their bytes are read.
+    config: the directory's config as `read_config` decided it, where the caller has it (an HF tie is then
+    decided, and a stored head that breaks it said, once)."""
     fmt = detect_format(path)
     if fmt == "hf":
-        return _read_hf_dir(Path(path), slices)
+        return _read_hf_dir(Path(path), slices, config)
     if fmt == "meta":
         return _read_meta_dir(Path(path), slices)
     config, sd, _ = read_gguf(path, slices)
     return config, sd
 
 
-def read_config(path: str | Path) -> LlamaConfig:
+def read_config(path: str | Path, gguf: Any = None) -> LlamaConfig:
     """The config of any supported checkpoint, as loading it decides it, without reading its weights
-    (a Meta directory's vocabulary comes from its embedding's shape: the shards are memory-mapped, not read)."""
+    (a Meta directory's vocabulary comes from its embedding's shape: the shards are memory-mapped, not read).
+    gguf: the file's reader (`open_gguf`) where the caller has opened it: its metadata is slow to parse."""
     fmt = detect_format(path)
     if fmt == "hf":
         return hf_dir_config(Path(path))
     if fmt == "meta":
         return meta_config(Path(path))
-    reader = open_gguf(path)
+    reader = open_gguf(path) if gguf is None else gguf
     return _checked_gguf_config(gguf_metadata(reader, path), {t.name for t in reader.tensors}, path, reader)
 
 
