@@ -10,6 +10,10 @@ and a mapped page counts in the process's resident memory for as long as the map
 slice row by row (`os.preadv` into the rows of the output) brings in the slice's bytes only. A row-split
 weight (split on its input features, dimension 1) is written straight into column-major storage
 (`Llama.column_major_`'s layout), a block of rows at a time, so no row-major copy of the slice exists.
+
+One process reads through here too (weights/load.py), its column-major weights named as whole-width column
+slices (`Llama.column_major_parts`): each is copied into that layout from a map of its own pages, unmapped
+once copied, so neither a row-major copy nor the pages it was read from stay beside it.
 """
 
 from __future__ import annotations
