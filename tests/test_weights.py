@@ -103,6 +103,33 @@ def test_a_model_is_built_around_its_weights_laid_out_once(config, sd, monkeypat
     assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, sd["model.layers.0.mlp.gate_proj.weight"])
 
 
+@pytest.mark.parametrize("fmt", ["hf", "hf-bf16", "hf-tied-3-files", "meta-2-shards", "gguf-q8", "gguf-f16"])
+def test_load_model_is_build_model_around_the_state_dict(tmp_path, hf_tok, bpe, fmt):
+    """`load_model` reads each weight straight into the layout the model keeps (weights/load.py `_laid_out`);
+    `build_model` lays out a state dict read whole. On a CPU, in every dtype, the two give the same parameters:
+    the same values, dtypes and strides, and the same tie (the head one parameter with the embedding)."""
+    config = tiny_config(vocab=320 if fmt.startswith(("hf", "gguf")) else 512, tied="tied" in fmt)
+    sd = random_state_dict(config, seed=5)
+    if fmt.startswith("hf"):
+        stored = {k: v.bfloat16() for k, v in sd.items()} if "bf16" in fmt else sd
+        path = write_hf_dir(tmp_path / "hf", config, stored, hf_tok, shards=3 if "3-files" in fmt else 1)
+    elif fmt.startswith("meta"):
+        path = write_meta_dir(tmp_path / "meta", config, sd, sentencepiece_model(), shards=2)
+    else:
+        path = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe),
+                          Q.Q8_0 if "q8" in fmt else Q.F16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got, _ = load_model(path, dtype=dtype)
+        want = weights.build_model(*load_state_dict(path), dtype=dtype)
+        a, b = dict(got.named_parameters(remove_duplicate=False)), dict(want.named_parameters(remove_duplicate=False))
+        assert a.keys() == b.keys()
+        differ = [k for k in a if (a[k].dtype, a[k].stride()) != (b[k].dtype, b[k].stride())
+                  or not torch.equal(a[k], b[k])]
+        assert differ == [], (dtype, differ[:3])
+        tied = [m.lm_head.weight is m.model.embed_tokens.weight for m in (got, want)]
+        assert tied == [config.tie_word_embeddings] * 2, (dtype, tied)
+
+
 # --------------------------------------------------------------------------------------------------
 # The Q/K permutation
 
