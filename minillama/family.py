@@ -58,6 +58,12 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
     act = d.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    quant = d.get("quantization_config")
+    if quant is not None:  # its weights need its scales (or packing) applied: read as they are, they are wrong
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ValueError(f"quantized weights (quantization_config{f', quant_method {method!r}' if method else ''}) "
+                         "are not supported: minillama reads unquantized weights (float32, bfloat16, float16) or a "
+                         "GGUF file, quantized or not")
     out = {**HF_DEFAULTS[model_type], **d, "model_type": model_type}
     top = d.get("original_max_position_embeddings")
     for key in ("rope_parameters", "rope_scaling") if top is not None else ():

@@ -566,6 +566,32 @@ def test_unknown_tensor_names_raise(tmp_path, config, sd, hf_tok):
         weights.map_name("blk.0.attn_q.lora", weights.GGUF_NAMES, "x.gguf")
 
 
+def test_a_quantized_hf_checkpoint_is_refused_naming_its_quantization(tmp_path, config, sd, hf_tok, capsys):
+    """An HF directory of FP8 weights (quantization_config, each weight beside its scale): refused in one line
+    naming the quantization, where it was refused for an "unexpected tensor" (the scale); without the scales
+    its weights were read as they are, wrong by their scales, in silence."""
+    from safetensors.torch import load_file, save_file
+
+    d = write_hf_dir(tmp_path / "hf", config, sd, hf_tok)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    tensors = {k: v.to(torch.float8_e4m3fn) if v.dim() == 2 else v
+               for k, v in load_file(str(d / "model.safetensors")).items()}
+    save_file({**tensors, **{k + "_scale": torch.tensor(0.01) for k, v in tensors.items() if v.dim() == 2}},
+              str(d / "model.safetensors"))
+    refused = r"quantized weights \(quantization_config, quant_method 'fp8'\) are not supported"
+    _raises(refused, load_model, d)
+    save_file(tensors, str(d / "model.safetensors"))  # no scales
+    _raises(refused, load_model, d)
+    _raises(refused, weights.read_config, d)
+    from minillama import cli
+
+    (tmp_path / "q.txt").write_text("Why?\n")
+    assert cli.main(["--model", str(d), "--doc", str(d / "config.json"), "--questions", str(tmp_path / "q.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quant_method 'fp8'" in err[0], err
+
+
 def test_not_a_checkpoint(tmp_path):
     _raises(r"nothing: no such file", load_model, tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
