@@ -52,7 +52,7 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
     one sliding window or none. Raises ValueError naming the field minillama does not implement."""
     if not isinstance(d, dict):
         raise ValueError(f"a config must be a JSON object, got a {type(d).__name__}")
-    model_type = d.get("model_type", "llama")
+    model_type = d["model_type"] if "model_type" in d else _type_of_architectures(d.get("architectures"))
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
     act = d.get("hidden_act", "silu")
@@ -74,6 +74,18 @@ def hf_fields(d: dict[str, Any]) -> dict[str, Any]:
         out[flag] = d[flag] if flag in _READS[model_type] and d.get(flag) is not None else False
     out["sliding_window"] = _window(out, model_type)
     return out
+
+
+def _type_of_architectures(names: Any) -> str:
+    """The model type of a config.json without one: that of the HF class its `architectures` names (which
+    `from_pretrained` of that class reads it as), else llama. A class minillama does not run is refused."""
+    if names is None or names == []:
+        return "llama"
+    of_class = {cls: kind for kind, cls in MODEL_TYPES.items()}
+    if not isinstance(names, list) or len(names) != 1 or names[0] not in of_class:
+        raise ValueError(f"config.json has no model_type and its architectures {names!r} name no model minillama "
+                         f"runs (supported: {', '.join(MODEL_TYPES.values())})")
+    return of_class[names[0]]
 
 
 def _window(d: dict[str, Any], model_type: str) -> int | None:

@@ -114,6 +114,20 @@ def test_hf_directory_matches_transformers(tmp_path, name):
     assert diff <= 1e-5 and same_argmax, (name, diff, same_argmax)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral-no-window"])
+def test_a_config_without_model_type_is_read_as_its_architectures_class(tmp_path, name):
+    """config.json without `model_type` is read as the class its `architectures` names, as that class's
+    `from_pretrained` reads it; it was read as Llama (a Qwen2 then refused for its biases, a Qwen3 for its q/k
+    norms). A Mistral, whose saved fields Llama reads alike, loads either way."""
+    model = hf_checkpoint(name, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == [CASES[name][0].replace("Config", "ForCausalLM")]
+    del cfg["model_type"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    diff, same_argmax = compare(model, tmp_path / "hf")
+    assert diff <= 1e-5 and same_argmax, (name, diff, same_argmax)
+
+
 # GGUF where llama.cpp's converter writes one: Llama (biases, linear/yarn RoPE), Qwen2 and Qwen3, and Mistral
 # without a window (the `llama` architecture has none; with one, the converter's file is a different model).
 GGUF_CASES = ["llama-attention-bias", "llama-both-biases-tied", "llama-mlp-bias", "llama-linear", "llama-yarn",
@@ -202,6 +216,10 @@ def test_fields_a_model_type_does_not_read_are_ignored_as_hf_ignores_them():
     ({"partial_rotary_factor": 0.5, "rope_scaling": {"type": "linear", "factor": 2.0}},
      r"partial_rotary_factor != 1 \(partial RoPE\) is not supported"),
     ([1, 2], r"a config must be a JSON object"),
+    ({"architectures": ["GPTNeoXForCausalLM"]}, r"config.json has no model_type and its architectures "
+                                                r"\['GPTNeoXForCausalLM'\] name no model minillama runs"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     r"quantized weights \(quantization_config, quant_method 'gptq'\) are not supported"),
 ])
 def test_what_is_not_implemented_is_refused_in_one_line_naming_the_field(tmp_path, fields, match):
     p = tmp_path / "config.json"
