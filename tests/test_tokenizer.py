@@ -1022,3 +1022,35 @@ def test_text_after_a_long_run_of_tokens_that_write_nothing_decodes_a_few_times(
     ids = [text_id] + [2] * 1024 + [text_id]  # EOS, left out of the text
     assert decoded_after(tok, ids, len(ids) - 1, skip_special=True) == real([text_id], skip_special=True)
     assert sum(decoded) <= 4 * len(ids), (len(decoded), sum(decoded))
+
+
+HF_TEXTS = ["hello world", " leading space", "  two  spaces", "trailing  ", "<|im_start|>user\nhi<|im_end|>\n",
+            "a <|endoftext|> b", "x<|im_end|>", "café naïve 日本語 😀", "e\u0301 then é", "ﬁ ① Å", "0123456789 42",
+            "DON'T stop.hello $x", "a , b . c", "\n\n  x\t", ""]
+
+
+def _dir_tokenizes_as_transformers(d: Path, texts: list[str] = HF_TEXTS) -> tuple:
+    """minillama's tokenizer of the directory `d` and HF transformers' AutoTokenizer of it tokenize and decode
+    each text alike (`_assert_tokenizes_as_transformers`); returns both."""
+    from transformers import AutoTokenizer
+
+    tok, ref = load_tokenizer(d), AutoTokenizer.from_pretrained(str(d))
+    _assert_tokenizes_as_transformers(tok, ref, texts)
+    return tok, ref
+
+
+@pytest.mark.parametrize("split", [True, False, None], ids=["split", "not split", "absent"])
+def test_split_special_tokens_spells_control_tokens_as_text_as_transformers(tmp_path, split):
+    """tokenizer_config.json's split_special_tokens was ignored: with it true HF tokenizes the text of a special
+    token in any input as ordinary text ("<|im_end|>" as "<", "|", ...), chat templates' markers too."""
+    byte_bpe_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg if split is None else
+                                                               {**cfg, "split_special_tokens": split}))
+    tok, ref = _dir_tokenizes_as_transformers(tmp_path)
+    assert (tok.encode("x<|im_end|>")[-1] == 2) == (split is not True)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+    (tmp_path / "again").mkdir()
+    tok.save(tmp_path / "again")
+    assert load_tokenizer(tmp_path / "again").split_special == bool(split)

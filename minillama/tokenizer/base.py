@@ -47,6 +47,7 @@ class Tokenizer:
     add_bos: bool | None  # what encode(text, add_special=True) adds
     add_eos: bool | None
     named_tokens: dict[str, str] = {}  # the other special tokens a template sees by name ("pad_token": "<pad>")
+    split_special: bool = False  # tokenizer_config.json's split_special_tokens: control tokens in any text are text
     source: str = "the tokenizer"  # the file it was read from, for messages
     template_source: str = "the chat template"  # the file and field the chat template was read from
 
@@ -57,10 +58,10 @@ class Tokenizer:
     def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
                continues: bool = False) -> list[int]:
         """Token ids of `text`. Control tokens written in the text become their ids, or with
-        `parse_special=False` are spelled out as text like any other characters. `add_special` adds what
-        the checkpoint adds around a sequence (BOS for Llama 1/2; nothing for SmolLM2). `continues`: the text
-        follows a control token in a longer text, and is tokenized as it would be there (a Llama tokenizer that
-        puts "▁" before the start of a text only, puts none before it)."""
+        `parse_special=False` (or `split_special`, in any text) are spelled out as text like any other characters.
+        `add_special` adds what the checkpoint adds around a sequence (BOS for Llama 1/2; nothing for SmolLM2).
+        `continues`: the text follows a control token in a longer text, and is tokenized as it would be there (a
+        Llama tokenizer that puts "▁" before the start of a text only, puts none before it)."""
         raise NotImplementedError
 
     def special_tokens(self) -> list[str]:
@@ -253,7 +254,7 @@ class Tokenizer:
         return {
             "bos_token": self.bos_token, "eos_token": self.eos_token, **self.named_tokens,
             "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
-            "clean_up_tokenization_spaces": False,
+            "clean_up_tokenization_spaces": False, **({"split_special_tokens": True} if self.split_special else {}),
             "chat_template": self.chat_template,
             # Every end-of-generation id (EOS, end-of-turn, ...); HF reads eos_token only.
             "eos_token_ids": self.eos_ids,

@@ -40,7 +40,7 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
                continues: bool = False) -> list[int]:
-        tok = self._variant(parse_special, continues and self._prefixes_first_only())
+        tok = self._variant(parse_special and not self.split_special, continues and self._prefixes_first_only())
         # a batch of one: the library's `encode` holds the GIL throughout (a megabyte's tokenizing stalled a
         # server's other threads 1.7 s), `encode_batch` lets go of it while it works; same ids
         ids = tok.encode_batch([text], add_special_tokens=add_special)[0].ids

@@ -173,6 +173,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise TokenizerError(f'{cfg_path}: "bos_token" {bos!r} is not a token of the tokenizer, and '
                              f'"add_bos_token" is true: no BOS could be added')
     tok.named_tokens = {k: v for k, v in given.items() if k not in ("bos_token", "eos_token") and v is not None}
+    tok.split_special = bool(cfg.get("split_special_tokens"))  # as HF: control tokens written in any text are text
     if template is not None:
         tok.template_source = template_source
         check_template(template, template_source)  # a syntax error is found now, before any work
@@ -369,7 +370,7 @@ def _check_config(cfg: dict[str, Any], path: Path) -> None:
         v = cfg.get(field)
         if not (v is None or isinstance(v, str) or (isinstance(v, dict) and isinstance(v.get("content"), str))):
             raise bad(field, 'a string, an AddedToken object {"content": "..."} or null')
-    for field in ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space"):
+    for field in ("add_bos_token", "add_eos_token", "legacy", "add_prefix_space", "split_special_tokens"):
         if not (cfg.get(field) is None or isinstance(cfg[field], bool)):
             raise bad(field, "true, false or null")
     ids = cfg.get("eos_token_ids")

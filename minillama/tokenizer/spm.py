@@ -85,7 +85,7 @@ class SentencePieceTokenizer(Tokenizer):
     def encode(self, text: str, add_special: bool = False, parse_special: bool = True,
                continues: bool = False) -> list[int]:
         ids: list[int] = []
-        split = self._split if parse_special else self._split_literal
+        split = self._split if parse_special and not self.split_special else self._split_literal
         for k, part in enumerate(split.split(text) if split else [text]):
             if k % 2:  # odd parts are the tokens the split captured
                 ids.append(self._sp.piece_to_id(part))
