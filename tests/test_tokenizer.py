@@ -1054,3 +1054,43 @@ def test_split_special_tokens_spells_control_tokens_as_text_as_transformers(tmp_
     (tmp_path / "again").mkdir()
     tok.save(tmp_path / "again")
     assert load_tokenizer(tmp_path / "again").split_special == bool(split)
+
+
+QWEN2_CASES = {  # tokenizer_config.json, config.json's model_type
+    "class, no tokens": ({"tokenizer_class": "Qwen2Tokenizer"}, None),
+    "class as Qwen2.5": ({"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>", "unk_token": None, "errors": "replace",
+                          "clean_up_tokenization_spaces": False, "add_prefix_space": False}, None),
+    "add_prefix_space": ({"tokenizer_class": "Qwen2TokenizerFast", "add_prefix_space": True}, None),
+    "clean_up_tokenization_spaces": ({"tokenizer_class": "Qwen2Tokenizer", "clean_up_tokenization_spaces": True}, None),
+    "qwen2 naming a plain class": ({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}, "qwen2"),
+    "qwen2 naming the Llama class": ({"tokenizer_class": "LlamaTokenizerFast", "eos_token": "<|im_end|>"}, "qwen2"),
+    "qwen3 naming no class": ({"eos_token": "<|im_end|>"}, "qwen3"),
+    "qwen3 naming a plain class": ({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>"}, "qwen3"),
+}
+
+
+@pytest.mark.parametrize("case", list(QWEN2_CASES))
+def test_a_qwen2_class_directory_tokenizes_as_transformers_builds_it(tmp_path, case):
+    """A directory HF transformers loads with its Qwen2Tokenizer class (named by tokenizer_config.json, or by
+    config.json's model_type) was tokenized by its tokenizer.json as written, where HF applies the class's rules:
+    NFC ("e\u0301" is "é"), Qwen2's split, add_prefix_space, <|endoftext|> as EOS, unk and pad where the config
+    names none; "qwen2 naming the Llama class" was rebuilt with "▁" for spaces."""
+    from tokenizers import processors
+
+    lib = byte_bpe_tokenizer()  # split as GPT-2 does, no normalizer: the class's rules are seen
+    lib.post_processor = processors.ByteLevel(trim_offsets=False)
+    lib.save(str(tmp_path / "tokenizer.json"))
+    cfg, model_type = QWEN2_CASES[case]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}))
+    if model_type:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    tok, ref = _dir_tokenizes_as_transformers(tmp_path)
+    assert tok.eos_ids[:1] == [ref.eos_token_id] and tok.bos_id == ref.bos_token_id
+    assert {k: v for k, v in tok.named_tokens.items() if k in ("unk_token", "pad_token")} == {
+        k: getattr(ref, k) for k in ("unk_token", "pad_token") if getattr(ref, k) is not None}
+    ids = ref.encode("😀 ok")
+    for cut in (ids[:1], ids[1:2], ids[:2] + ids[3:]):  # parts of a character's bytes decode alike
+        assert tok.decode(cut) == ref.decode(cut), cut
+    chat = [{"role": "user", "content": "e\u0301 DON'T $x 123"}]
+    assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]

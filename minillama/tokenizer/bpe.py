@@ -140,6 +140,33 @@ def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool, code_
     return tok
 
 
+def qwen2_class_tokenizer(lib: Any, add_prefix_space: bool, keep_added: bool) -> Any:
+    """The tokenizer HF transformers builds for a directory it loads with its Qwen2Tokenizer class: the vocabulary,
+    merges and post-processor of the tokenizer.json `lib`, with the class's rules over the file's: NFC
+    normalization, text split by Qwen2's expression (digits one by one) then byte-level, a space put before each
+    split where `add_prefix_space`, a byte-level decoder. The file's added tokens are kept where `keep_added`. A
+    model other than BPE is the file's tokenizer unchanged."""
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+    model = json.loads(lib.to_str())["model"]
+    if model.get("type") != "BPE":
+        return lib
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, dropout=None, unk_token=None,
+                          continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = lib.post_processor
+    if keep_added:
+        tok.add_tokens([t for _, t in sorted(lib.get_added_tokens_decoder().items())])
+    return tok
+
+
 def llama_class_decoder(prepend_scheme: str) -> Any:
     """The decoder of HF's LlamaTokenizer class: "▁" back to spaces, byte pieces to bytes, and the one space
     before the whole text off where the Metaspace puts "▁" there."""

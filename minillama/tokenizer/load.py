@@ -13,6 +13,7 @@ import numpy as np
 
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
 from .bpe import (HFTokenizer, _unique, bos_eos_processor, byte_bpe_tokenizer, llama_class_tokenizer,
+                  qwen2_class_tokenizer,
                   read_tokenizer_json)
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
@@ -136,8 +137,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     named = (hf_tokenizer_class(p, cfg) if json_file else str(cfg.get("tokenizer_class"))).removesuffix("Fast")
     code_llama = named == "CodeLlamaTokenizer" and json_file
     llama_class = named == "LlamaTokenizer" or code_llama
+    qwen2_class = json_file and named == "Qwen2Tokenizer"
     if llama_class:  # the class's defaults, for a token neither file names (null names none)
         given = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", **given}
+    if qwen2_class:
+        given = {"unk_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", **given}
     bos, eos = given.get("bos_token"), given.get("eos_token")
     if json_file:
         lib = read_tokenizer_json(p / "tokenizer.json")
@@ -145,6 +149,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
             scheme = prepend_scheme({**cfg, "legacy": False} if code_llama else cfg)
             lib = llama_class_tokenizer(lib, scheme, keep_added="added_tokens_decoder" not in cfg,
                                         code_llama=code_llama, unk_token=given.get("unk_token"))
+        if qwen2_class:
+            lib = qwen2_class_tokenizer(lib, bool(cfg.get("add_prefix_space")), "added_tokens_decoder" not in cfg)
         infill = [cfg.get(f"{k}_token", f"\u2581<{k[:3].upper()}>") for k in ("prefix", "middle", "suffix", "eot")]
         lib.add_tokens(_config_added_tokens(cfg, stm, given, cfg_path, lib,  # CodeLlama's infilling tokens
                                             [*infill, cfg.get("fill_token", "<FILL_ME>")] if code_llama else ()))
@@ -319,18 +325,21 @@ MODEL_TYPE_TOKENIZER: dict[str, str | None] = {"llama": None, "qwen3": None, "mi
                                                "mixtral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}
 
 
+QWEN2_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # model types whose own class is Qwen2Tokenizer
+
+
 def hf_tokenizer_class(d: Path, cfg: dict[str, Any]) -> str:
     """The class HF transformers 5's AutoTokenizer builds for directory `d` (tokenizer_config.json `cfg`), without
     "Fast": "TokenizersBackend" (tokenizer.json as written) or a class minillama rebuilds as HF does where it is
     "LlamaTokenizer" or "CodeLlamaTokenizer". The class tokenizer_config.json names, else config.json's
     `tokenizer_class`, routed by config.json's `model_type` (MODEL_TYPE_TOKENIZER); but LlamaTokenizer over a
     tokenizer.json that says "ByteLevel" anywhere (HF looks for the quoted word in the file's text) is the file as
-    written: the class's Metaspace would garble a byte-level vocabulary. Neither file naming one: as written (or
-    the model type's own class, which minillama does not rebuild: Qwen2Tokenizer for qwen2 and qwen3)."""
+    written: the class's Metaspace would garble a byte-level vocabulary. Neither file naming one: the model type's
+    own class where it is Qwen2Tokenizer (QWEN2_MODEL_TYPES), else the file as written."""
     model = _read_json(d / "config.json") if (d / "config.json").exists() else {}
     named = cfg.get("tokenizer_class") or model.get("tokenizer_class")
-    if not isinstance(named, str):
-        return "TokenizersBackend"
+    if not isinstance(named, str):  # the model type's own class, where it is Qwen2's
+        return "Qwen2Tokenizer" if model.get("model_type") in QWEN2_MODEL_TYPES else "TokenizersBackend"
     model_type = model.get("model_type")
     routed = MODEL_TYPE_TOKENIZER.get(model_type) if isinstance(model_type, str) else None
     if routed is not None:
