@@ -82,7 +82,7 @@ def _type_of_architectures(names: Any) -> str:
     if names is None or names == []:
         return "llama"
     of_class = {cls: kind for kind, cls in MODEL_TYPES.items()}
-    if not isinstance(names, list) or len(names) != 1 or names[0] not in of_class:
+    if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str) or names[0] not in of_class:
         raise ValueError(f"config.json has no model_type and its architectures {names!r} name no model minillama "
                          f"runs (supported: {', '.join(MODEL_TYPES.values())})")
     return of_class[names[0]]

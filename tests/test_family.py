@@ -218,6 +218,7 @@ def test_fields_a_model_type_does_not_read_are_ignored_as_hf_ignores_them():
     ([1, 2], r"a config must be a JSON object"),
     ({"architectures": ["GPTNeoXForCausalLM"]}, r"config.json has no model_type and its architectures "
                                                 r"\['GPTNeoXForCausalLM'\] name no model minillama runs"),
+    ({"architectures": [["LlamaForCausalLM"]]}, r"its architectures \[\['LlamaForCausalLM'\]\] name no model"),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
      r"quantized weights \(quantization_config, quant_method 'gptq'\) are not supported"),
 ])

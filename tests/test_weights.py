@@ -566,6 +566,38 @@ def test_unknown_tensor_names_raise(tmp_path, config, sd, hf_tok):
         weights.map_name("blk.0.attn_q.lora", weights.GGUF_NAMES, "x.gguf")
 
 
+def test_what_load_model_reads_at_offsets_is_refused_or_read_as_build_model_does(tmp_path, config, sd, hf_tok, bpe):
+    """`load_model` reads through the offsets reader (weights/shard.py); each of these came out otherwise than
+    through `build_model(*load_state_dict(...))`: a GGUF rope_freqs of a type not dequantized (a traceback), a
+    tied head stored in two files, one copy differing (loaded, the copy dropped), a tensor minillama drops stored
+    as uint16 and an o_proj stored as float8_e8m0 (both refused as a corrupt file)."""
+    from safetensors.torch import save_file
+
+    rf = np.ones(config.head_dim // 2)
+    p = write_gguf(tmp_path / "r.gguf", config, sd, gguf_tokenizer_metadata(bpe), Q.F32, rope_freqs=rf,
+                   raw={"rope_freqs.weight": (rf.astype(np.float64), Q.F64)})
+    _raises(r"tensor rope_freqs\.weight has unsupported type F64", load_model, p)
+    tied = tiny_config(vocab=320, tied=True)
+    tsd = random_state_dict(tied, seed=1)
+    d = write_hf_dir(tmp_path / "two", tied, tsd, hf_tok)
+    (d / "model.safetensors").unlink()
+    embed = tsd["model.embed_tokens.weight"]
+    files = {"model-00001-of-00002.safetensors": {**{k: v for k, v in tsd.items() if k != "model.embed_tokens.weight"},
+                                                  "lm_head.weight": embed + 1},
+             "model-00002-of-00002.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()}}
+    for name, part in files.items():
+        save_file(part, str(d / name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: name for name, part in files.items() for k in part}}))
+    _raises(r"tensor lm_head\.weight is stored here and in model-00001-of-00002\.safetensors", load_model, d)
+    for extra in ({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8, dtype=torch.uint16)},
+                  {"model.layers.0.self_attn.o_proj.weight": torch.ones(64, 64).to(torch.float8_e8m0fnu)}):
+        d = write_hf_dir(tmp_path / f"x{len(list(tmp_path.iterdir()))}", config, sd, hf_tok)
+        save_file({**sd, **extra}, str(d / "model.safetensors"))
+        got, want = load_model(d)[0], weights.build_model(*load_state_dict(d))
+        assert all(torch.equal(a, b) for a, b in zip(got.parameters(), want.parameters())), extra.keys()
+
+
 def test_a_quantized_hf_checkpoint_is_refused_naming_its_quantization(tmp_path, config, sd, hf_tok, capsys):
     """An HF directory of FP8 weights (quantization_config, each weight beside its scale): refused in one line
     naming the quantization, where it was refused for an "unexpected tensor" (the scale); without the scales

@@ -15,7 +15,7 @@ from minillama.family import hf_fields
 from minillama.files import utf8_name
 
 from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes, map_name
-from .shard import CORRUPT, Slices, read_tensor, safetensors_index
+from .shard import CORRUPT, Slices, read_tensor, safetensors_index, unreadable
 
 
 def _is_hf_dir(d: Path) -> bool:
@@ -112,6 +112,8 @@ def _read_slices(f: Path, slices: Slices, config: LlamaConfig) -> StateDict:
             for key, (offset, shape, dtype) in safetensors_index(fh).items():
                 if map_name(key, HF_NAMES, f) is None or (key == "lm_head.weight" and config.tie_word_embeddings):
                     continue
+                if unreadable(f, key, dtype):
+                    raise WeightsError(unreadable(f, key, dtype))
                 if key in slices and shape != want.get(key):  # the whole shape, before it is cut
                     raise WeightsError(f"{f}: tensor {key} has shape {shape} but the config implies "
                                        f"{want.get(key)} (config and weights do not match)")
@@ -132,10 +134,17 @@ def hf_dir_config(d: Path) -> LlamaConfig:
     for f in _hf_files(d):
         try:
             with open(f, "rb") as fh:
-                where.update({k: (f, *v) for k, v in safetensors_index(fh).items()
-                              if k in ("lm_head.weight", "model.embed_tokens.weight")})
+                found = {k: (f, *v) for k, v in safetensors_index(fh).items()
+                         if k in ("lm_head.weight", "model.embed_tokens.weight")}
         except CORRUPT as e:
             raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+        for k in found.keys() & where.keys():  # a tied head is read nowhere else: its copies are told apart here
+            raise WeightsError(f"{f}: tensor {k} is stored here and in {where[k][0].name}; a checkpoint stores each "
+                               "tensor once")
+        where.update(found)
+    for key, (f, _, _, dtype) in where.items():
+        if unreadable(f, key, dtype):
+            raise WeightsError(unreadable(f, key, dtype))
     if len(where) == 2:
         for key, (f, offset, shape, dtype) in where.items():
             try:

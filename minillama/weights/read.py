@@ -11,7 +11,7 @@ from typing import Any
 from minillama.config import LlamaConfig
 from minillama.tokenizer import Tokenizer, TokenizerError, load_tokenizer as _load_tokenizer
 
-from .gguf import _checked_gguf_config, gguf_metadata, open_gguf, read_gguf
+from .gguf import _checked_gguf_config, check_gguf_types, gguf_metadata, open_gguf, read_gguf
 from .hf import _read_hf_dir, hf_dir_config
 from .layout import StateDict, WeightsError
 from .meta import _read_meta_dir, meta_config
@@ -126,6 +126,7 @@ def read_config(path: str | Path, gguf: Any = None) -> LlamaConfig:
     if fmt == "meta":
         return meta_config(Path(path))
     reader = open_gguf(path) if gguf is None else gguf
+    check_gguf_types(reader, path)  # before the config, which may read the rope_freqs tensor
     return _checked_gguf_config(gguf_metadata(reader, path), {t.name for t in reader.tensors}, path, reader)
 
 

@@ -108,7 +108,8 @@ def _transient(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "F8_E4M3": torch.float8_e4m3fn, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
                       "F8_E5M2": torch.float8_e5m2, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "F8_E8M0": torch.float8_e8m0fnu, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                      "I8": torch.int8, "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16,
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
@@ -118,10 +119,12 @@ CORRUPT = (OSError, ValueError, EOFError)
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header
 
 
-def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torch.dtype | str]]:
     """Each tensor of an open .safetensors file: (offset in the file, shape, dtype). The format: an 8-byte
     little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the data. A file
-    that is not one raises ValueError (OSError where it cannot be read), as the library refuses it."""
+    that is not one raises ValueError (OSError where it cannot be read), as the library refuses it. A dtype
+    minillama does not read (the library's sub-byte ones) is given as its name: refused where the tensor is
+    needed (`unreadable`), passed over where it is not."""
     import json
 
     f.seek(0)
@@ -143,11 +146,11 @@ def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torc
         if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and isinstance(t.get("data_offsets"), list)
                 and all(_count(x) for x in t["shape"] + t["data_offsets"]) and len(t["data_offsets"]) == 2):
             raise ValueError(f"tensor {name}: not an entry of dtype, shape and data_offsets ({str(t)[:80]})")
-        if not isinstance(t.get("dtype"), str) or t["dtype"] not in SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name} has dtype {t.get('dtype')}, which minillama does not read")
-        shape, dtype = tuple(t["shape"]), SAFETENSORS_DTYPES[t["dtype"]]
+        if not isinstance(t.get("dtype"), str):
+            raise ValueError(f"tensor {name} has dtype {t.get('dtype')!r}, not a dtype's name")
+        shape, dtype = tuple(t["shape"]), SAFETENSORS_DTYPES.get(t["dtype"], t["dtype"])
         begin, end = t["data_offsets"]
-        if end - begin != math.prod(shape) * dtype.itemsize:
+        if isinstance(dtype, torch.dtype) and end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"tensor {name}: data_offsets {begin}..{end} do not hold its shape {list(shape)} "
                              f"of {t['dtype']}")
         out[name] = (8 + n + begin, shape, dtype)
@@ -162,6 +165,13 @@ def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torc
     if at != size:
         raise ValueError(f"the tensors hold {at} bytes of data, the file {size}")
     return out
+
+
+def unreadable(f: object, name: str, dtype: torch.dtype | str) -> str | None:
+    """The one-line refusal of a needed tensor whose dtype `safetensors_index` gave as a name, else None."""
+    if isinstance(dtype, str):
+        return f"{f}: tensor {name} has dtype {dtype}, which minillama does not read"
+    return None
 
 
 def _count(x: object) -> bool:
