@@ -372,13 +372,16 @@ def test_a_rank_holds_only_its_part_of_the_checkpoint(tmp_path, big_ckpt, tp):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_process_holds_the_checkpoint_once(big_ckpt, dtype):
-    """One process's load peak is the checkpoint's float32 weights + 15%: each weight the model stores
-    column-major (o and down always; q, k, v, gate and up on a CPU in float32) is read straight into that
-    layout, and in bfloat16 each read weight is dropped once cast. The control: a state dict read whole
-    (memory-mapped) and laid out after, as `load_model` did, holds the mapped pages beside the copies (in
-    float32 about twice the weights; in bfloat16 the float32 pages beside their casts, 1.5 times)."""
+    """One process's load peak is the model's weights + 15% (in bfloat16 + 35%, and one float32 tensor as read: the
+    float32 reads freed between the kept casts leave holes in malloc's heap, at this checkpoint's 1-3 MB tensors;
+    the default model's bfloat16 peak is 1.2x its weights): each weight the model stores column-major (o and down
+    always; q, k, v, gate and up on a CPU in float32) is read straight into that layout, and each tensor is cast as
+    it is read (the whole float32 checkpoint was read first: twice the bfloat16 weights). The control: a state dict
+    read whole (memory-mapped) and laid out after, as `load_model` did, holds the mapped pages beside the copies (in
+    float32 about twice the weights; in bfloat16 the float32 pages beside their casts, three times)."""
     path, sizes = big_ckpt
-    weights = sizes["sharded"] + sizes["replicated"]
+    weights = sizes["sharded"] + sizes["replicated"]  # the checkpoint's, float32
+    bound = 1.15 * weights if dtype == "float32" else 1.35 * weights / 2 + sizes["largest"]
     code = textwrap.dedent("""
         import sys, torch
         from minillama.bench.memory import PeakRSS
@@ -396,7 +399,7 @@ def test_one_process_holds_the_checkpoint_once(big_ckpt, dtype):
                               text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         delta = int(proc.stdout)
-        assert (delta <= 1.15 * weights) == (how == "load_model"), (how, delta, weights)
+        assert (delta <= bound) == (how == "load_model"), (how, delta, bound)
 
 
 def test_oracle_export_ranks_read_only_their_parts(tmp_path, big_ckpt):

@@ -18,7 +18,7 @@ from minillama.config import LlamaConfig
 from minillama.family import GGUF_ARCHS
 
 from .layout import GGUF_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, map_name
-from .shard import BLOCK_BYTES, Slices, read_tensor, sliced_shape
+from .shard import BLOCK_BYTES, Place, Slices, as_read, read_tensor, sliced_shape
 
 
 def _gguf_types() -> set[Any]:
@@ -244,11 +244,11 @@ def check_gguf_layout(reader: Any, path: str | Path, config: LlamaConfig) -> Non
     check_state_dict(config, shapes, path)
 
 
-def read_gguf(path: str | Path, slices: Slices | None = None,
-              reader: Any = None) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
+def read_gguf(path: str | Path, slices: Slices | None = None, reader: Any = None,
+              place: Place = as_read) -> tuple[LlamaConfig, StateDict, dict[str, Any]]:
     """Config, dequantized HF-layout state dict (float32) and raw metadata of a llama GGUF file; with
     `slices`, only those parts of the split tensors, read at their offsets (`_read_part`). reader: the file's
-    `open_gguf`, where the caller has opened it."""
+    `open_gguf`, where the caller has opened it. place: where each part goes once read (with `slices`)."""
     from gguf.quants import dequantize
 
     reader = open_gguf(path) if reader is None else reader
@@ -264,7 +264,7 @@ def read_gguf(path: str | Path, slices: Slices | None = None,
         shape = _shape(t)
         if slices is not None:
             with open(path, "rb") as f:
-                sd[name] = _unpermute_qk(name, _read_part(f, t, shape, slices.get(name)), config)
+                sd[name] = place(_unpermute_qk(name, _read_part(f, t, shape, slices.get(name)), config))
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         if not w.flags.writeable:  # F32 tensors come back as views of the read-only file map

@@ -15,7 +15,7 @@ from minillama.family import hf_fields
 from minillama.files import utf8_name
 
 from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes, map_name
-from .shard import CORRUPT, Slices, read_tensor, safetensors_index, unreadable
+from .shard import CORRUPT, Place, Slices, as_read, read_tensor, safetensors_index, unreadable
 
 
 def _is_hf_dir(d: Path) -> bool:
@@ -68,10 +68,10 @@ def _hf_files(d: Path) -> list[Path]:
     return [d / name for name in files]
 
 
-def _read_hf_dir(d: Path, slices: Slices | None = None,
-                 config: LlamaConfig | None = None) -> tuple[LlamaConfig, StateDict]:
-    """Config and state dict; with `slices`, only those parts of the split tensors (shard.py), read at offsets.
-    config: `hf_dir_config(d)`, where the caller has it."""
+def _read_hf_dir(d: Path, slices: Slices | None = None, config: LlamaConfig | None = None,
+                 place: Place = as_read) -> tuple[LlamaConfig, StateDict]:
+    """Config and state dict; with `slices`, only those parts of the split tensors (shard.py), read at offsets,
+    each `place`d as it is read. config: `hf_dir_config(d)`, where the caller has it."""
     from safetensors import safe_open
 
     # sliced: the tie decided first, from the whole tensors, as every rank must decide it alike
@@ -81,7 +81,7 @@ def _read_hf_dir(d: Path, slices: Slices | None = None,
     found: dict[str, Path] = {}
     for f in _hf_files(d):
         if slices is not None:
-            part = _read_slices(f, slices, config)
+            part = _read_slices(f, slices, config, place)
         else:
             try:
                 with utf8_name(f) as name, safe_open(name, framework="pt") as st:
@@ -104,8 +104,8 @@ def _read_hf_dir(d: Path, slices: Slices | None = None,
     return config, sd
 
 
-def _read_slices(f: Path, slices: Slices, config: LlamaConfig) -> StateDict:
-    """The tensors of one .safetensors file, those named in `slices` cut to their parts."""
+def _read_slices(f: Path, slices: Slices, config: LlamaConfig, place: Place = as_read) -> StateDict:
+    """The tensors of one .safetensors file, those named in `slices` cut to their parts, each `place`d."""
     try:
         with open(f, "rb") as fh:
             sd, want = {}, expected_shapes(config)
@@ -117,7 +117,7 @@ def _read_slices(f: Path, slices: Slices, config: LlamaConfig) -> StateDict:
                 if key in slices and shape != want.get(key):  # the whole shape, before it is cut
                     raise WeightsError(f"{f}: tensor {key} has shape {shape} but the config implies "
                                        f"{want.get(key)} (config and weights do not match)")
-                sd[key] = read_tensor(fh, offset, shape, dtype, slices.get(key))
+                sd[key] = place(read_tensor(fh, offset, shape, dtype, slices.get(key)))
             return sd
     except CORRUPT as e:
         raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None

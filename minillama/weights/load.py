@@ -106,11 +106,16 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
         model = Llama(config)
     slices = shard(model)
     meta = None
+
+    def place(t: torch.Tensor) -> torch.Tensor:  # each tensor where it goes as it is read: the peak is about the
+        # model's weights and one tensor as read, not the whole checkpoint as read beside them (nor, for a GPU,
+        # the whole model in host memory)
+        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)  # keeps strides
+
     if gguf is not None:
-        config, sd, meta = read_gguf(path, slices, gguf)
+        config, sd, meta = read_gguf(path, slices, gguf, place)
     else:
-        config, sd = load_state_dict(path, slices, config)
-    sd = _placed(sd, device, dtype)
+        config, sd = load_state_dict(path, slices, config, place)
     if config.tie_word_embeddings:  # the head is the embedding, or on a rank a view of its vocabulary rows
         embed, cut = sd["model.embed_tokens.weight"], slices.get("lm_head.weight")
         sd["lm_head.weight"] = embed if cut is None else embed[cut[1]:cut[2]]
@@ -120,12 +125,3 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
     del sd  # the model holds the parts now, so laying them out frees each part it replaces
     return model.column_major_().eval(), meta
 
-
-def _placed(sd: StateDict, device: str | torch.device, dtype: torch.dtype) -> StateDict:
-    """The tensors on `device`, floating ones in `dtype`, each read tensor dropped once moved (the peak is
-    about the larger of the two state dicts, not both). `.to` keeps strides: a part read column-major stays so."""
-    out = {}
-    for k in list(sd):
-        v = sd.pop(k)
-        out[k] = v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
-    return out

@@ -15,7 +15,7 @@ from minillama.tokenizer import TokenizerError, load_tokenizer
 
 from .layout import (META_NAMES, StateDict, WeightsError, _unpermute_qk, check_state_dict, expected_shapes,
                      map_name)
-from .shard import Slices
+from .shard import Place, Slices, as_read
 
 
 # The dimension Meta's model-parallel layers split each 2-D weight on (fairscale's ColumnParallel: 0,
@@ -24,9 +24,9 @@ from .shard import Slices
 META_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0, "w3": 0, "w2": 1, "output": 0}
 
 
-def _read_meta_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, StateDict]:
+def _read_meta_dir(d: Path, slices: Slices | None = None, place: Place = as_read) -> tuple[LlamaConfig, StateDict]:
     """Config and state dict; with `slices`, only those parts of the split tensors, cut from the memory-mapped
-    shards (`_part`) without joining the whole tensor first."""
+    shards (`_part`) without joining the whole tensor first; each `place`d as it is cut."""
     config, raw = _open_meta_dir(d)
     sd = {}
     want = expected_shapes(config)
@@ -39,7 +39,7 @@ def _read_meta_dir(d: Path, slices: Slices | None = None) -> tuple[LlamaConfig, 
         if _shape(pieces, axis) != want[name]:  # the whole shape, before it is cut or its Q/K rows permuted
             raise WeightsError(f"{d}: tensor {name} has shape {_shape(pieces, axis)} but the config implies "
                                f"{want[name]} (config and weights do not match)")
-        sd[name] = _unpermute_qk(name, _part(pieces, axis, (slices or {}).get(name)), config)
+        sd[name] = place(_unpermute_qk(name, _part(pieces, axis, (slices or {}).get(name)), config))
     check_state_dict(config, sd, d, slices)
     return config, sd
 

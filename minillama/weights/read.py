@@ -15,7 +15,7 @@ from .gguf import _checked_gguf_config, check_gguf_types, gguf_metadata, open_gg
 from .hf import _read_hf_dir, hf_dir_config
 from .layout import StateDict, WeightsError
 from .meta import _read_meta_dir, meta_config
-from .shard import Slices
+from .shard import Place, Slices, as_read
 
 
 CHECKPOINT = "a checkpoint (an HF or Meta directory or a .gguf file)"
@@ -100,19 +100,20 @@ def _what_is(p: Path) -> str:
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
 
 
-def load_state_dict(path: str | Path, slices: Slices | None = None,
-                    config: LlamaConfig | None = None) -> tuple[LlamaConfig, StateDict]:
+def load_state_dict(path: str | Path, slices: Slices | None = None, config: LlamaConfig | None = None,
+                    place: Place = as_read) -> tuple[LlamaConfig, StateDict]:
     """Config and HF-named, rotate-half state dict of any supported checkpoint. Tensors keep their
     stored dtype (GGUF tensors are dequantized to float32); lm_head.weight is absent when tied. With
     `slices` (shard.py), the tensors it names are only their parts, and only their bytes are read.
     config: the directory's config as `read_config` decided it, where the caller has it (an HF tie is then
-    decided, and a stored head that breaks it said, once)."""
+    decided, and a stored head that breaks it said, once). place: where each tensor goes once read, with
+    `slices` (its device and dtype: the read one is dropped before the next is read)."""
     fmt = detect_format(path)
     if fmt == "hf":
-        return _read_hf_dir(Path(path), slices, config)
+        return _read_hf_dir(Path(path), slices, config, place)
     if fmt == "meta":
-        return _read_meta_dir(Path(path), slices)
-    config, sd, _ = read_gguf(path, slices)
+        return _read_meta_dir(Path(path), slices, place)
+    config, sd, _ = read_gguf(path, slices, place=place)
     return config, sd
 
 

@@ -21,11 +21,17 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import torch
 
 Slices = dict[str, tuple[int, int, int]]
+Place = Callable[[torch.Tensor], torch.Tensor]  # where each tensor goes once read (its device and dtype)
+
+
+def as_read(t: torch.Tensor) -> torch.Tensor:
+    """The `Place` that keeps a tensor as read."""
+    return t
 
 BLOCK_BYTES = 2 << 20  # rows of a column slice read per block before they are laid out column-major (a
 # transient buffer every rank holds beside its part: small, so the part dominates the peak)
