@@ -211,11 +211,11 @@ def test_ctrl_c_under_torchrun_is_said_once_by_the_rank_that_writes(ckpt, tmp_pa
     big.write_text("".join(json.dumps({"doc": DOCS[0], "questions": QUESTIONS[:3]}) + "\n" for _ in range(150)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "minillama",
            "generate", "--model", str(ckpt), "--input", str(big), "--json", "-n", "4", "--mode", "independent"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    first = proc.stdout.readline()  # answers are coming: both ranks are at work
+    first = proc.stdout.readline().decode()  # answers are coming: both ranks are at work (unbuffered: see below)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C, to the whole group
-    out, err = proc.communicate(timeout=120)
+    out, err = (b.decode() for b in proc.communicate(timeout=120))
     said = [line for line in err.splitlines() if line.startswith("interrupted:")]
     assert first and len(said) == 1, err[-3000:]
     assert said[0] == f"interrupted: {1 + out.count(chr(10))} of 450 answers written", (said, err[-2000:])
@@ -229,13 +229,15 @@ def test_ctrl_c_under_procs_is_said_by_rank_0_with_its_count(ckpt, tmp_path):
     big.write_text("".join(json.dumps({"doc": DOCS[0], "questions": QUESTIONS[:3]}) + "\n" for _ in range(150)))
     cmd = [sys.executable, "-m", "minillama", "generate", "--model", str(ckpt), "--input", str(big), "--json",
            "-n", "4", "--mode", "independent", "--procs", "2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # Unbuffered bytes: a buffered readline() would keep the lines read with the first (answers that come
+    # together), which communicate() (reading the pipe itself) never sees: rank 0 said "3 of 450", one was seen.
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        first = proc.stdout.readline()  # answers are coming: both ranks are at work
+        first = proc.stdout.readline().decode()  # answers are coming: both ranks are at work
         ranks = _children(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, err = (b.decode() for b in proc.communicate(timeout=120))
     finally:
         proc.kill()
     time.sleep(1)
