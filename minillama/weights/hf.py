@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import torch
 
@@ -15,7 +16,7 @@ from minillama.family import hf_fields
 from minillama.files import utf8_name
 
 from .layout import HF_NAMES, StateDict, WeightsError, check_state_dict, expected_shapes, map_name
-from .shard import CORRUPT, Place, Slices, as_read, read_tensor, safetensors_index, unreadable
+from .shard import CORRUPT, Place, Slices, as_read, read_tensor, safetensors_index
 
 
 def _is_hf_dir(d: Path) -> bool:
@@ -90,10 +91,7 @@ def _read_hf_dir(d: Path, slices: Slices | None = None, config: LlamaConfig | No
                 raise
             except Exception as e:  # safetensors raises SafetensorError for a truncated or corrupt file
                 raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
-        again = sorted(part.keys() & found.keys())
-        if again:  # which copy is meant is not known: one file's would silently win
-            raise WeightsError(f"{f}: tensor {again[0]} is stored here and in {found[again[0]].name}; a checkpoint "
-                               "stores each tensor once")
+        _stored_once(f, part, found)  # which copy is meant is not known: one file's would silently win
         found.update(dict.fromkeys(part, f))
         sd.update(part)
     if slices is None:
@@ -112,8 +110,7 @@ def _read_slices(f: Path, slices: Slices, config: LlamaConfig, place: Place = as
             for key, (offset, shape, dtype) in safetensors_index(fh).items():
                 if map_name(key, HF_NAMES, f) is None or (key == "lm_head.weight" and config.tie_word_embeddings):
                     continue
-                if unreadable(f, key, dtype):
-                    raise WeightsError(unreadable(f, key, dtype))
+                _check_readable(f, key, dtype)
                 if key in slices and shape != want.get(key):  # the whole shape, before it is cut
                     raise WeightsError(f"{f}: tensor {key} has shape {shape} but the config implies "
                                        f"{want.get(key)} (config and weights do not match)")
@@ -121,6 +118,20 @@ def _read_slices(f: Path, slices: Slices, config: LlamaConfig, place: Place = as
             return sd
     except CORRUPT as e:
         raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
+
+
+def _stored_once(f: Path, here: Iterable[str], seen: Mapping[str, Path]) -> None:
+    """Refuse a tensor of file `f` (names `here`) that file `seen[name]` stores too."""
+    again = sorted(set(here) & seen.keys())
+    if again:
+        raise WeightsError(f"{f}: tensor {again[0]} is stored here and in {seen[again[0]].name}; a checkpoint "
+                           "stores each tensor once")
+
+
+def _check_readable(f: Path, name: str, dtype: torch.dtype | str) -> None:
+    """Refuse a needed tensor whose dtype `safetensors_index` gave as a name: one minillama does not read."""
+    if isinstance(dtype, str):
+        raise WeightsError(f"{f}: tensor {name} has dtype {dtype}, which minillama does not read")
 
 
 def hf_dir_config(d: Path) -> LlamaConfig:
@@ -138,13 +149,10 @@ def hf_dir_config(d: Path) -> LlamaConfig:
                          if k in ("lm_head.weight", "model.embed_tokens.weight")}
         except CORRUPT as e:
             raise WeightsError(f"{f}: truncated or corrupt safetensors file ({e})") from None
-        for k in found.keys() & where.keys():  # a tied head is read nowhere else: its copies are told apart here
-            raise WeightsError(f"{f}: tensor {k} is stored here and in {where[k][0].name}; a checkpoint stores each "
-                               "tensor once")
+        _stored_once(f, found, {k: v[0] for k, v in where.items()})  # a tied head is read nowhere else
         where.update(found)
     for key, (f, _, _, dtype) in where.items():
-        if unreadable(f, key, dtype):
-            raise WeightsError(unreadable(f, key, dtype))
+        _check_readable(f, key, dtype)
     if len(where) == 2:
         for key, (f, offset, shape, dtype) in where.items():
             try:

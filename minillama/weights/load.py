@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,8 +30,7 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
 
     check_state_dict(config, {k: v for k, v in state_dict.items()
                               if not (config.tie_word_embeddings and k == "lm_head.weight")}, "state dict")
-    sd = {k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
-          for k, v in state_dict.items()}
+    sd = {k: _placed(v, device, dtype) for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     with torch.device("meta"), _no_random_init():  # a skeleton, nothing drawn or laid out: each weight assigned next
@@ -40,6 +40,11 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
         model.lm_head.weight = model.model.embed_tokens.weight
     model.units = config.num_key_value_heads  # lays the weights out for the units (column_major_)
     return model.eval()
+
+
+def _placed(t: torch.Tensor, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor on `device`, in `dtype` where it is floating point; `.to` keeps its strides."""
+    return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
 
 
 @contextlib.contextmanager
@@ -107,11 +112,9 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
     slices = shard(model)
     meta = None
 
-    def place(t: torch.Tensor) -> torch.Tensor:  # each tensor where it goes as it is read: the peak is about the
-        # model's weights and one tensor as read, not the whole checkpoint as read beside them (nor, for a GPU,
-        # the whole model in host memory)
-        return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)  # keeps strides
-
+    # each tensor where it goes as it is read: the peak is about the model's weights and one tensor as read, not
+    # the whole checkpoint as read beside them (nor, for a GPU, the whole model in host memory)
+    place = functools.partial(_placed, device=device, dtype=dtype)
     if gguf is not None:
         config, sd, meta = read_gguf(path, slices, gguf, place)
     else:
@@ -124,4 +127,3 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
         model.lm_head.weight = model.model.embed_tokens.weight  # one parameter, as build_model ties it
     del sd  # the model holds the parts now, so laying them out frees each part it replaces
     return model.column_major_().eval(), meta
-

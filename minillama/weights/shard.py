@@ -76,13 +76,13 @@ def read_tensor(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.d
     out = torch.empty(b - a, rows, dtype=dtype)  # column-major (rows, b - a), as out.t()
     if not out.numel():
         return out.t()
-    # transient rows in a map of their own, unmapped whole once dropped: taken from malloc's heap between the
-    # weights it kept, they left holes there (one process's peak varied by 60-110 MB from run to run)
     if b - a == cols:  # every column (one process's column-major weight): one transposing copy from a map of
         # the tensor's pages, unmapped once copied (a map of the whole file would keep them resident)
         out.copy_(_mapped(f, offset, rows, cols, dtype).t())  # contiguous out: ATen's blocked transpose, ~20x
         return out.t()                                        # a strided one
     step = max(1, BLOCK_BYTES // ((b - a) * item))
+    # the transient rows in a map of their own, unmapped whole once dropped: taken from malloc's heap between
+    # the weights it kept, they left holes there (one process's peak varied by 60-110 MB from run to run)
     block = _transient(min(rows, step), b - a, dtype)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -94,7 +94,7 @@ def read_tensor(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.d
 
 def _mapped(f: BinaryIO, offset: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """The row-major (rows, cols) tensor at `offset` of an open file, as a private map of its pages."""
-    item = torch.empty(0, dtype=dtype).element_size()
+    item = dtype.itemsize
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     size = offset - start + rows * cols * item
     if offset + rows * cols * item > os.fstat(f.fileno()).st_size:  # a map past the end faults when read
@@ -105,8 +105,7 @@ def _mapped(f: BinaryIO, offset: int, rows: int, cols: int, dtype: torch.dtype) 
 
 def _transient(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised (rows, cols) tensor in an anonymous map of its own, unmapped when dropped."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, rows * cols * item), dtype=dtype).view(rows, cols)
+    return torch.frombuffer(mmap.mmap(-1, rows * cols * dtype.itemsize), dtype=dtype).view(rows, cols)
 
 
 # The safetensors library's names for the dtypes it loads into torch (FP8 included: a whole load reads them,
@@ -130,7 +129,7 @@ def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torc
     little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the data. A file
     that is not one raises ValueError (OSError where it cannot be read), as the library refuses it. A dtype
     minillama does not read (the library's sub-byte ones) is given as its name: refused where the tensor is
-    needed (`unreadable`), passed over where it is not."""
+    needed (hf.py `_check_readable`), passed over where it is not."""
     import json
 
     f.seek(0)
@@ -171,13 +170,6 @@ def safetensors_index(f: BinaryIO) -> dict[str, tuple[int, tuple[int, ...], torc
     if at != size:
         raise ValueError(f"the tensors hold {at} bytes of data, the file {size}")
     return out
-
-
-def unreadable(f: object, name: str, dtype: torch.dtype | str) -> str | None:
-    """The one-line refusal of a needed tensor whose dtype `safetensors_index` gave as a name, else None."""
-    if isinstance(dtype, str):
-        return f"{f}: tensor {name} has dtype {dtype}, which minillama does not read"
-    return None
 
 
 def _count(x: object) -> bool:
