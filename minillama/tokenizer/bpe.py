@@ -122,22 +122,12 @@ def llama_class_tokenizer(lib: Any, prepend_scheme: str, keep_added: bool, code_
     CodeLlamaTokenizer builds it, whose BPE knows `unk_token` and whose decoder strips the first space whatever
     the scheme (its post-processor the caller sets: `bos_eos_processor`). A model other than BPE is the file's
     tokenizer unchanged."""
-    from tokenizers import Tokenizer as _Tok
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import pre_tokenizers
 
-    model = json.loads(lib.to_str())["model"]
-    if model.get("type") != "BPE":
-        return lib
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
     unk = {"unk_token": unk_token} if code_llama and unk_token is not None else {}
-    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, fuse_unk=True, byte_fallback=True, dropout=None,
-                          **unk))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme, split=False)
-    tok.decoder = llama_class_decoder("first" if code_llama else prepend_scheme)
-    tok.post_processor = lib.post_processor
-    if keep_added:
-        tok.add_tokens([t for _, t in sorted(lib.get_added_tokens_decoder().items())])
-    return tok
+    return _as_class(lib, keep_added, dict(fuse_unk=True, byte_fallback=True, **unk), None,
+                     pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme, split=False),
+                     llama_class_decoder("first" if code_llama else prepend_scheme))
 
 
 def qwen2_class_tokenizer(lib: Any, add_prefix_space: bool, keep_added: bool) -> Any:
@@ -146,21 +136,31 @@ def qwen2_class_tokenizer(lib: Any, add_prefix_space: bool, keep_added: bool) ->
     normalization, text split by Qwen2's expression (digits one by one) then byte-level, a space put before each
     split where `add_prefix_space`, a byte-level decoder. The file's added tokens are kept where `keep_added`. A
     model other than BPE is the file's tokenizer unchanged."""
-    from tokenizers import Regex
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    bpe = dict(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    return _as_class(lib, keep_added, bpe, normalizers.NFC(), pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)]), decoders.ByteLevel())
+
+
+def _as_class(lib: Any, keep_added: bool, bpe: dict[str, Any], normalizer: Any, pre_tokenizer: Any,
+              decoder: Any) -> Any:
+    """The tokenizer.json `lib`'s vocabulary, merges and post-processor under a tokenizer class's own rules: its
+    BPE options `bpe`, normalizer (None: none), pre-tokenizer and decoder; the file's added tokens kept where
+    `keep_added`. A model other than BPE is `lib` unchanged."""
     from tokenizers import Tokenizer as _Tok
-    from tokenizers import decoders, models, normalizers, pre_tokenizers
+    from tokenizers import models
 
     model = json.loads(lib.to_str())["model"]
     if model.get("type") != "BPE":
         return lib
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
-    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, dropout=None, unk_token=None,
-                          continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
+    tok = _Tok(models.BPE(vocab=model["vocab"], merges=merges, dropout=None, **bpe))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoder
     tok.post_processor = lib.post_processor
     if keep_added:
         tok.add_tokens([t for _, t in sorted(lib.get_added_tokens_decoder().items())])

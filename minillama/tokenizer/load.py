@@ -13,8 +13,7 @@ import numpy as np
 
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
 from .bpe import (HFTokenizer, _unique, bos_eos_processor, byte_bpe_tokenizer, llama_class_tokenizer,
-                  qwen2_class_tokenizer,
-                  read_tokenizer_json)
+                  qwen2_class_tokenizer, read_tokenizer_json)
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
 
@@ -323,8 +322,6 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
 # leaves the named class, as HF does for most.
 MODEL_TYPE_TOKENIZER: dict[str, str | None] = {"llama": None, "qwen3": None, "mistral": "TokenizersBackend",
                                                "mixtral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}
-
-
 QWEN2_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # model types whose own class is Qwen2Tokenizer
 
 
