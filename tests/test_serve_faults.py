@@ -243,6 +243,13 @@ def start_server(ckpt, *extra: str, cwd: Path = ROOT) -> tuple[subprocess.Popen,
     return p, line.split()[-1].strip()
 
 
+def _kill_if_running(p: subprocess.Popen) -> None:
+    """A server a failed test left running: killed and reaped, so no process outlives the test."""
+    if p.poll() is None:
+        p.kill()
+        p.wait()
+
+
 def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
     p, url = start_server(ckpt)
     try:
@@ -272,9 +279,7 @@ def test_sigterm_lets_the_answer_in_flight_finish_and_exits_0(ckpt):
         reader.join(120)
         code = p.wait(60)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        _kill_if_running(p)
     err = p.stderr.read()
     assert code == 0 and not failed, (code, failed, err)
     assert chunks[-1] == "[DONE]" and json.loads(chunks[-2])["choices"][0]["finish_reason"] == "length"
@@ -319,9 +324,7 @@ def test_requests_still_running_when_the_server_stops_get_503_and_an_error_event
             c.join(120)
         code = p.wait(60)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        _kill_if_running(p)
     err = p.stderr.read()
     assert code == 0 and "failed" not in got, (code, got, err)
     r = got["whole"]
@@ -358,9 +361,7 @@ def test_a_client_that_reads_no_more_is_closed_after_the_engine_stops(ckpt):
         took = time.monotonic() - t0
         client.close()
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        _kill_if_running(p)
     err = p.stderr.read()
     assert code == 0 and STUCK_S <= took, (code, took, err)
     assert "1 connection(s) still sending" in err and "Traceback" not in err and "ERROR" not in err, err
