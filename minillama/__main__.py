@@ -16,7 +16,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from .errors import run_command
+from .errors import OneLineParser, run_command
 from .interrupts import hold_interrupts
 
 # subcommand -> (module whose main() runs it, what it does)
@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown command {args[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     hold_interrupts()  # a Ctrl-C while the tool imports torch: "interrupted", from the tool's run_command
+    if argv is None:  # the `minillama` command itself: the tool names itself so in its usage and help
+        OneLineParser.invoked_as = f"minillama {args[0]}"
     module = importlib.import_module(COMMANDS[args[0]][0])
     return module.main(args[1:])
 

@@ -85,7 +85,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise BadInput(message)
 
+    invoked_as: str | None = None  # "minillama generate" when the `minillama` command runs the tool (__main__)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        prog = kwargs.get("prog") or ""
+        if self.invoked_as and prog.startswith("python -m minillama."):  # a tool's own name, in its usage and help,
+            # as the user typed it (a subcommand's parser is named after its tool's, so it follows)
+            kwargs["prog"] = self.invoked_as + prog[len(prog.split()[2]) + len("python -m "):]
         super().__init__(*args, **kwargs)
         for name in (None, "store"):  # every argument that stores one value, in argument groups too
             self.register("action", name, _Once)

@@ -167,6 +167,17 @@ def test_help_to_a_full_stdout_is_one_line(tool):
     assert one_line_error(p) == "error: cannot write the output (No space left on device)"
 
 
+@pytest.mark.parametrize("tool", [["generate"], ["weights", "fetch"], ["oracle", "compare"], ["bench"], ["serve"]])
+def test_a_tools_usage_names_it_as_the_user_typed_it(tool):
+    """`minillama weights fetch --help` said "usage: python -m minillama.weights fetch", and `python -m
+    minillama.serve --help` said "usage: minillama serve": each tool named itself one way, however run."""
+    module = "minillama." + tool[0]
+    for argv, name in ((["-m", "minillama", *tool], f"minillama {' '.join(tool)}"),
+                       (["-m", module, *tool[1:]], f"python -m {module} {' '.join(tool[1:])}".rstrip())):
+        p = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert p.returncode == 0 and p.stdout.startswith(f"usage: {name} ["), (argv, p.stdout[:80], p.stderr)
+
+
 def _read_only_stderr() -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 2)

@@ -37,7 +37,7 @@ STUCK_S = 10.0  # once the engine has stopped, how long a request may take to se
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="minillama serve", allow_abbrev=False,
+    p = OneLineParser(prog="python -m minillama.serve", allow_abbrev=False,
                       description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
                                   "/health) whose answers are bit-identical to each request run alone, "
                                   "whatever else it is serving.")
