@@ -1094,3 +1094,30 @@ def test_a_qwen2_class_directory_tokenizes_as_transformers_builds_it(tmp_path, c
         assert tok.decode(cut) == ref.decode(cut), cut
     chat = [{"role": "user", "content": "e\u0301 DON'T $x 123"}]
     assert tok.encode_chat(chat, False) == ref.apply_chat_template(chat, tokenize=True)["input_ids"]
+
+
+def test_every_model_type_transformers_gives_the_qwen2_class_takes_it(tmp_path):
+    """HF transformers builds its Qwen2Tokenizer class for a directory naming no class whose config.json's model_type
+    is any of those its TOKENIZER_MAPPING_NAMES maps to that class (qwen2_vl, qwen2_5_vl, qwen3_next, internvl, ...);
+    minillama took it for qwen2, qwen2_moe, qwen3 and qwen3_moe only, and used the others' tokenizer.json as
+    written (a decomposed "e" + accent gave other ids, and no EOS where the config named none)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from minillama.tokenizer.load import QWEN2_MODEL_TYPES
+
+    model_types = sorted(t for t, c in TOKENIZER_MAPPING_NAMES.items() if (c or "").removesuffix("Fast") ==
+                         "Qwen2Tokenizer")
+    assert len(model_types) >= 4 and sorted(QWEN2_MODEL_TYPES) == model_types
+    lib = byte_bpe_tokenizer()  # split as GPT-2 does, no normalizer: the class's rules are seen
+    lib.post_processor = processors.ByteLevel(trim_offsets=False)
+    for model_type in model_types:
+        d = tmp_path / model_type
+        d.mkdir()
+        lib.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+        (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert type(AutoTokenizer.from_pretrained(str(d))).__name__ == "Qwen2Tokenizer", model_type
+        tok, ref = _dir_tokenizes_as_transformers(d)
+        assert tok.eos_ids[:1] == [ref.eos_token_id] == [0], model_type

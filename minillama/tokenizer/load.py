@@ -322,7 +322,11 @@ def _config_added_tokens(cfg: dict[str, Any], stm: dict[str, Any], given: dict[s
 # leaves the named class, as HF does for most.
 MODEL_TYPE_TOKENIZER: dict[str, str | None] = {"llama": None, "qwen3": None, "mistral": "TokenizersBackend",
                                                "mixtral": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}
-QWEN2_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")  # model types whose own class is Qwen2Tokenizer
+# The model types whose own class is Qwen2Tokenizer (HF's TOKENIZER_MAPPING_NAMES): Qwen's and models built on Qwen's.
+QWEN2_MODEL_TYPES = ("audioflamingo3", "colqwen2", "cosmos3_omni", "dots3_note", "fun_asr_nano", "hunyuan_vl",
+                     "internvl", "lighton_ocr", "moss_transcribe_diarize", "ovis2", "qianfan_ocr", "qwen2",
+                     "qwen2_5_omni", "qwen2_5_vl", "qwen2_audio", "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_asr",
+                     "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_vl", "qwen3_vl_moe", "vibevoice")
 
 
 def hf_tokenizer_class(d: Path, cfg: dict[str, Any]) -> str:
