@@ -224,7 +224,8 @@ def write_gguf(path: Path, config: LlamaConfig, sd: dict[str, torch.Tensor], tok
         w.add_token_types(tok_meta["types"])
         w.add_bos_token_id(tok_meta["bos"])
         w.add_eos_token_id(tok_meta["eos"])
-        w.add_add_bos_token(tok_meta["add_bos"])
+        if tok_meta["add_bos"] is not None:  # None: no tokenizer.ggml.add_bos_token, as in older files
+            w.add_add_bos_token(tok_meta["add_bos"])
         if tok_meta.get("chat_template"):
             w.add_chat_template(tok_meta["chat_template"])
     src = _source_layout(config, sd, GGUF_NAMES, interleave=arch == "llama")

@@ -218,6 +218,8 @@ BPE_PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
     "llama3": (_LLAMA3_SPLIT, False, True),
     "qwen2": (_QWEN2_SPLIT, False, False),
 }
+# Where a gpt2 vocabulary's file has no `tokenizer.ggml.add_bos_token`, llama.cpp adds BOS after these (Llama 3's).
+BOS_BY_DEFAULT = {"llama-bpe", "llama3"}
 
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

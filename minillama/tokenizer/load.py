@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .base import NORMAL, Tokenizer, TokenizerError, check_template
-from .bpe import (HFTokenizer, _unique, bos_eos_processor, byte_bpe_tokenizer, llama_class_tokenizer,
-                  qwen2_class_tokenizer, read_tokenizer_json)
+from .bpe import (BOS_BY_DEFAULT, HFTokenizer, _unique, bos_eos_processor, byte_bpe_tokenizer,
+                  llama_class_tokenizer, qwen2_class_tokenizer, read_tokenizer_json)
 from .spm import SentencePieceTokenizer, sentencepiece_proto
 
 
@@ -56,13 +56,14 @@ def _gguf_tokenizer(meta: dict[str, Any], source: str, kind: Any, tokens: list, 
         except TokenizerError as e:
             raise TokenizerError(f"{source}: {e}") from None
     if kind == "gpt2":
-        add_bos, add_eos = _flag(meta, "add_bos_token", False, source), _flag(meta, "add_eos_token", False, source)
         if "tokenizer.ggml.pre" not in meta:  # older files: llama.cpp then splits its own "default" way
             raise TokenizerError(f"{source}: tokenizer.ggml.pre missing: which pre-tokenizer splits the text is not "
                                  "said (llama.cpp guesses 'default'); convert the model again with a current llama.cpp")
         if "tokenizer.ggml.merges" not in meta:  # without them every text would split byte by byte
             raise TokenizerError(f"{source}: tokenizer.ggml.merges missing: a gpt2 (byte-level BPE) tokenizer "
                                  "needs its merges")
+        add_bos = _flag(meta, "add_bos_token", meta["tokenizer.ggml.pre"] in BOS_BY_DEFAULT, source)
+        add_eos = _flag(meta, "add_eos_token", False, source)
         try:
             tok = byte_bpe_tokenizer(tokens, meta.get("tokenizer.ggml.merges") or [], types,
                                      meta["tokenizer.ggml.pre"], bos_id=bos_id, add_bos=add_bos,

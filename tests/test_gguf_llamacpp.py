@@ -1,0 +1,80 @@
+"""GGUF files against llama.cpp itself (llama-cpp-python, in process): tokenizers read from `tokenizer.ggml.*`
+(each gpt2 pre-tokenizer minillama supports, and a sentencepiece `llama` vocabulary) encode and decode as llama.cpp
+does, BOS added as llama.cpp adds it, and a tiny random model's logits from its metadata (RoPE scalings, tied
+head, F16) as llama.cpp computes them. Tiny files written here; llama.cpp loads them in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from _ckpt_writers import (byte_bpe_tokenizer, gguf_tokenizer_metadata, random_state_dict, sentencepiece_model,
+                           sp_gguf_tokenizer_metadata, tiny_config, write_gguf)
+from minillama.tokenizer import load_tokenizer
+from minillama.tokenizer.bpe import BPE_PRE_TOKENIZERS
+from minillama.weights import load_model
+from minillama.weights.gguf import llama3_rope_factors
+
+try:
+    import llama_cpp
+except ImportError:  # CI installs it (.ci/run) and sets MINILLAMA_REQUIRE_LLAMA_CPP: there a missing one fails
+    if os.environ.get("MINILLAMA_REQUIRE_LLAMA_CPP"):
+        raise
+    pytest.skip("llama_cpp is not installed (pip install 'llama-cpp-python[server]==0.3.36')", allow_module_level=True)
+
+TEXTS = ["Hello world", "  two  spaces   and three ", "\n\n\nnewlines\n \n", "digits 1234567 3.14159", "\ttab\t",
+         "naïve café Straße 日本語", "emoji 🙂🚀 x²", "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b", "",
+         " leading", "<s> and </s> and <unk>", "<sep> sep"]
+
+
+def llama_cpp_vocab(path) -> "llama_cpp.Llama":
+    return llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+
+
+def llama_cpp_decode(llm, ids: list[int], specials: bool) -> str:
+    """llama.cpp's detokenizer (`llama_detokenize`): control tokens written out or left out, nothing else removed."""
+    buf = ctypes.create_string_buffer(1 << 14)
+    n = llama_cpp.llama_detokenize(llm._model.vocab, (llama_cpp.llama_token * len(ids))(*ids), len(ids), buf,
+                                   len(buf), False, specials)
+    assert n >= 0
+    return buf.raw[:n].decode()
+
+
+def gguf_file(tmp_path, pre: str | None, **tok: object):
+    """A tiny model's GGUF with a gpt2 vocabulary split by `pre`, or (None) a sentencepiece `llama` one."""
+    meta = gguf_tokenizer_metadata(byte_bpe_tokenizer()) if pre else sp_gguf_tokenizer_metadata(sentencepiece_model())
+    config = tiny_config(vocab=len(meta["tokens"]))
+    return write_gguf(tmp_path / f"{pre or 'llama'}.gguf", config, random_state_dict(config),
+                      {**meta, **({"pre": pre} if pre else {}), **tok})
+
+
+@pytest.mark.parametrize("pre", [*BPE_PRE_TOKENIZERS, None])
+def test_gguf_tokenizers_encode_and_decode_as_llama_cpp(tmp_path, pre):
+    path = gguf_file(tmp_path, pre)
+    ours, llm = load_tokenizer(path), llama_cpp_vocab(path)
+    control = {ours.token_to_id(t) for t in ours.special_tokens()}
+    for text in TEXTS:
+        for special in (False, True):
+            for add in (False, True):
+                ids = llm.tokenize(text.encode(), add_bos=add, special=special)
+                assert ours.encode(text, add_special=add, parse_special=special) == ids, (text, special, add)
+                # Not a sentencepiece text after a control token: minillama decodes it as sentencepiece does, with
+                # no space for its "▁", where llama.cpp writes the space
+                if pre or not control & set(ids):
+                    for skip in (False, True):
+                        assert ours.decode(ids, skip_special=skip) == llama_cpp_decode(llm, ids, not skip), ids
+
+
+@pytest.mark.parametrize("pre", [*BPE_PRE_TOKENIZERS, None])
+def test_a_gguf_without_add_bos_token_adds_bos_as_llama_cpp_does(tmp_path, pre):
+    """No `tokenizer.ggml.add_bos_token` (older files): llama.cpp's default, which is to add BOS for a
+    sentencepiece vocabulary and Llama 3's pre-tokenizers (llama-bpe, llama3), and not for the others."""
+    path = gguf_file(tmp_path, pre, add_bos=None)
+    want = llama_cpp_vocab(path).tokenize(b"hi there", add_bos=True, special=True)
+    assert load_tokenizer(path).encode("hi there", add_special=True) == want
