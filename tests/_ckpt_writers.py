@@ -223,7 +223,8 @@ def write_gguf(path: Path, config: LlamaConfig, sd: dict[str, torch.Tensor], tok
             w.add_token_scores(tok_meta["scores"])
         w.add_token_types(tok_meta["types"])
         w.add_bos_token_id(tok_meta["bos"])
-        w.add_eos_token_id(tok_meta["eos"])
+        if tok_meta["eos"] is not None:
+            w.add_eos_token_id(tok_meta["eos"])
         if tok_meta["add_bos"] is not None:  # None: no tokenizer.ggml.add_bos_token, as in older files
             w.add_add_bos_token(tok_meta["add_bos"])
         if tok_meta.get("chat_template"):

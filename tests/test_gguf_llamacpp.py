@@ -78,3 +78,13 @@ def test_a_gguf_without_add_bos_token_adds_bos_as_llama_cpp_does(tmp_path, pre):
     path = gguf_file(tmp_path, pre, add_bos=None)
     want = llama_cpp_vocab(path).tokenize(b"hi there", add_bos=True, special=True)
     assert load_tokenizer(path).encode("hi there", add_special=True) == want
+
+
+
+def test_a_sentencepiece_gguf_without_eos_token_id_ends_as_llama_cpp_ends(tmp_path):
+    """No `tokenizer.ggml.eos_token_id` in a `llama` vocabulary: llama.cpp's EOS is sentencepiece's own, id 2,
+    and generation stops there."""
+    path = gguf_file(tmp_path, None, eos=None)
+    llm = llama_cpp_vocab(path)
+    eog = [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, i)]
+    assert load_tokenizer(path).eos_ids == eog == [llm.token_eos()]

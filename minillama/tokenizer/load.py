@@ -34,8 +34,11 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str = "GGUF file"
             raise TokenizerError(f"{source}: tokenizer.ggml.{key}_token_id {i!r} is not a token id (the "
                                  f"{len(tokens)} tokens have ids 0 to {len(tokens) - 1})")
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_ids = _unique([int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                                "tokenizer.ggml.eom_token_id") if meta.get(k) is not None])
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if eos is None and kind == "llama" and len(tokens) > 2:  # llama.cpp's EOS where a sentencepiece vocabulary
+        eos = 2  # names none: sentencepiece's own, as its BOS is 1 (the model's, in SentencePieceTokenizer)
+    eos_ids = _unique([int(i) for i in (eos, meta.get("tokenizer.ggml.eot_token_id"),
+                                        meta.get("tokenizer.ggml.eom_token_id")) if i is not None])
     template = meta.get("tokenizer.chat_template")
     if template is not None:
         check_template(template, f"{source}, field tokenizer.chat_template")
