@@ -88,3 +88,37 @@ def test_a_sentencepiece_gguf_without_eos_token_id_ends_as_llama_cpp_ends(tmp_pa
     llm = llama_cpp_vocab(path)
     eog = [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, i)]
     assert load_tokenizer(path).eos_ids == eog == [llm.token_eos()]
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+MODELS = {  # name: (config changes, architecture, weights' type, max |dlogit|)
+    "f32": ({}, "llama", Q.F32, 1e-4), "f16": ({}, "llama", Q.F16, 2e-2),
+    "theta-eps": ({"rope_theta": 500000.0, "rms_norm_eps": 1e-2}, "llama", Q.F32, 1e-4),
+    "tied-mqa": ({"tied": True, "kv_heads": 1}, "llama", Q.F32, 1e-4),
+    "head-dim": ({"head_dim": 32}, "llama", Q.F32, 1e-4),
+    "linear": ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "llama", Q.F32, 1e-4),
+    "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+             "llama", Q.F32, 1e-4),
+    "llama3": ({"rope_scaling": LLAMA3, "rope_theta": 500000.0, "hidden": 128, "heads": 2, "kv_heads": 1},
+               "llama", Q.F32, 1e-4),
+    "qwen2": ({"model_type": "qwen2"}, "qwen2", Q.F32, 1e-4), "qwen3": ({"model_type": "qwen3"}, "qwen3", Q.F32, 1e-4),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_tiny_gguf_gives_llama_cpp_logits(tmp_path, name):
+    """The model read from the file's metadata (RoPE base, scaling and llama3 `rope_freqs`, RMSNorm epsilon, head
+    counts, head size, a head tied to the embedding) computes llama.cpp's logits, to float32 rounding (F16 weights:
+    llama.cpp's F16 products), at 60 positions, past yarn's original context."""
+    from minillama.oracle.backends import LlamaCppBackend
+
+    changes, arch, qtype, tol = MODELS[name]
+    config = tiny_config(**changes)
+    freqs = llama3_rope_factors(LLAMA3, config.head_dim, config.rope_theta) if name == "llama3" else None
+    path = write_gguf(tmp_path / f"{name}.gguf", config, random_state_dict(config), gguf_tokenizer_metadata(
+        byte_bpe_tokenizer()), qtype=qtype, arch=arch, rope_freqs=freqs)
+    model, _ = load_model(path)
+    ids = np.random.default_rng(1).integers(3, config.vocab_size, 60).tolist()
+    want = LlamaCppBackend(path, n_ctx=64, kv_type="f32").logits(ids)
+    assert (model(torch.tensor(ids)) - want).abs().max().item() <= tol
