@@ -1,9 +1,9 @@
 """The tokenizer interface minillama works with, and chat templates rendered as HF transformers renders them.
 
 Chat templates are the checkpoint's own Jinja source, rendered in a sandboxed environment with
-`raise_exception`, `strftime_now` and `tojson` (`apply_chat_template`). `encode_chat` tokenizes a rendered
-chat so that only the template's own markers are control tokens: "<|im_end|>" written in a document is
-text, it cannot close a turn.
+`raise_exception`, `strftime_now` and `tojson` (`apply_chat_template`), on the messages as HF transformers
+passes them (`template_messages`). `encode_chat` tokenizes a rendered chat so that only the template's own
+markers are control tokens: "<|im_end|>" written in a document is text, it cannot close a turn.
 
 A template is the user's file, so whatever it does wrong is a `TokenizerError` naming the file and the field
 (`template_source`), one line: a syntax error when the tokenizer is loaded (`check_template`), and, when it
@@ -139,7 +139,7 @@ class Tokenizer:
             raise TokenizerError("this tokenizer has no chat template")
         template = check_template(self.chat_template, self.template_source)
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return template.render(messages=template_messages(messages), add_generation_prompt=add_generation_prompt,
                                    range=_bounded_range(), **{**self.named_tokens, "bos_token": self.bos_token or "",
                                                               "eos_token": self.eos_token or "", "tools": None,
                                                               "documents": None, **variables})
@@ -319,6 +319,13 @@ def _markers(specials: Sequence[str]) -> re.Pattern:
 def _mark(k: int) -> str:
     """Message k's stand-in in a chat's skeleton: private-use characters around its index."""
     return f"\ue000{k}\ue001"
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as HF transformers hands them to a template: a key whose value is None left out. An OpenAI
+    client's assistant turn carries `"tool_calls": null`; a template that asks `'tool_calls' in message` (Llama
+    3.1's) takes that for a tool call and fails, or writes "null"."""
+    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
 
 
 RANGE_BUDGET = 100_000  # items over every `range` of one rendering: a prompt template loops over messages

@@ -1,0 +1,120 @@
+"""Chat templates render as HF transformers renders them: the templates the Llama family's common checkpoints
+ship (tests/chat_templates/*.jinja: Llama 3.1 and 3.2, Qwen2.5, Mistral v0.3, SmolLM2, the DeepSeek-R1
+distills, Gemma 2 and 3), on chats with system turns, tools, tool calls and their results, content parts,
+extra keys and non-ASCII text, with and without a generation prompt, each compared with
+`AutoTokenizer.apply_chat_template` run in the test. Where HF's rendering raises (a Mistral template refusing
+two user turns in a row), minillama's raises a one-line TokenizerError."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _ckpt_writers import byte_bpe_tokenizer
+from minillama.tokenizer import TokenizerError, load_tokenizer
+
+TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
+LLAMA3 = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+R1 = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+GEMMA = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+# template file -> (bos_token, eos_token, the special tokens its tokenizer declares)
+FAMILIES = {
+    "llama-3.1": ("<|begin_of_text|>", "<|eot_id|>", LLAMA3),
+    "llama-3.2": ("<|begin_of_text|>", "<|eot_id|>", LLAMA3),
+    "qwen-2.5": (None, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+    "mistral-v0.3": ("<s>", "</s>", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                     "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]),
+    "smollm2": ("<|im_start|>", "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+    "deepseek-r1-distill": (R1[0], R1[1], R1),
+    "gemma-2": ("<bos>", "<eos>", GEMMA),
+    "gemma-3": ("<bos>", "<eos>", GEMMA),
+}
+
+SYSTEM = {"role": "system", "content": "Be brief. Réponds en français, 日本語も可"}
+USER = {"role": "user", "content": "  What is 2+2? « ça » 🙂  "}
+ANSWER = {"role": "assistant", "content": "4."}
+AGAIN = {"role": "user", "content": "And 3+3?\nThanks."}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The wéather in a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALL = {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+CHATS = {
+    "user": [USER],
+    "system, user": [SYSTEM, USER],
+    "turns": [SYSTEM, USER, ANSWER, AGAIN],
+    "turns, no system": [USER, ANSWER, AGAIN],
+    "two user turns": [USER, AGAIN],
+    "system only": [SYSTEM],
+    "content parts": [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "wörld"}]}],
+    "extra keys": [{"role": "user", "content": "hi", "name": "bob", "meta": {"k": ["é", {"n": 1, "<b>": "&"}]}}],
+    "tool call": [SYSTEM, USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                  {"role": "tool", "content": '{"temp": 20, "unit": "°C"}', "tool_call_id": "call00001"}, ANSWER],
+}
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Any:
+    return byte_bpe_tokenizer()
+
+
+def directory(root: Path, bpe: Any, family: str, template: str | None = None) -> Path:
+    """An HF tokenizer directory: the byte-level BPE with the family's special tokens, and its template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    bos, eos, specials = FAMILIES[family]
+    d = root / family
+    d.mkdir(exist_ok=True)
+    tok = Tokenizer.from_str(bpe.to_str())
+    tok.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    tok.save(str(d / "tokenizer.json"))
+    template = (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8") if template is None else template
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                         "bos_token": bos, "eos_token": eos,
+                                                         "chat_template": template}))
+    return d
+
+
+def assert_renders_as_transformers(d: Path, chat: list[dict[str, Any]], **variables: Any) -> str | None:
+    """minillama's rendering of `chat` equals HF's, or both refuse it (minillama in one line); the text."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    try:
+        expected = ref.apply_chat_template(chat, tokenize=False, **variables)
+    except Exception:  # noqa: BLE001 - the template's own refusal, whatever it raises
+        with pytest.raises(TokenizerError, match=r"chat_template: the template failed: [^\n]*$"):
+            load_tokenizer(d).apply_chat_template(chat, **variables)
+        return None
+    assert load_tokenizer(d).apply_chat_template(chat, **variables) == expected
+    return expected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoints_templates_render_as_transformers(tmp_path, bpe, family):
+    d = directory(tmp_path, bpe, family)
+    rendered = []
+    for chat in CHATS.values():
+        for generation in (True, False):
+            rendered.append(assert_renders_as_transformers(d, chat, add_generation_prompt=generation))
+        rendered.append(assert_renders_as_transformers(d, chat, add_generation_prompt=True, tools=TOOLS))
+    rendered.append(assert_renders_as_transformers(d, [USER], add_generation_prompt=True, date_string="1 Jan 2030"))
+    assert sum(r is not None for r in rendered) >= len(rendered) // 3  # a third or more render: it compares text
+
+
+@pytest.mark.parametrize("family", ["llama-3.1", "qwen-2.5", "mistral-v0.3", "deepseek-r1-distill"])
+def test_a_null_field_is_no_field_as_transformers_passes_it(tmp_path, bpe, family):
+    """HF leaves out a message's keys whose value is None. An OpenAI client's assistant turn carries
+    `"tool_calls": null`: Llama 3.1's template asks `'tool_calls' in message` and failed on it ("object of type
+    'NoneType' has no len()"), a chat HF renders; a tool-calling turn's `"content": null` rendered where HF's
+    DeepSeek template refuses it."""
+    d = directory(tmp_path, bpe, family)
+    called = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    result = {"role": "tool", "content": "20", "tool_call_id": "call00001", "name": None}
+    for generation in (True, False):
+        echoed = assert_renders_as_transformers(d, [USER, {**ANSWER, "tool_calls": None}, AGAIN],
+                                                add_generation_prompt=generation)
+        assert echoed is not None and "4." in echoed  # rendered, as a plain answer
+        assert_renders_as_transformers(d, [USER, called, result], add_generation_prompt=generation)
