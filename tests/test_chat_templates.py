@@ -1,5 +1,5 @@
 """Chat templates render as HF transformers renders them: the templates the Llama family's common checkpoints
-ship (tests/chat_templates/*.jinja: Llama 3.1 and 3.2, Qwen2.5, Mistral v0.3, SmolLM2, the DeepSeek-R1
+ship (tests/chat_templates/*.jinja: Llama 3.1 and 3.2, Qwen2.5 and 3, Mistral v0.3, SmolLM2, the DeepSeek-R1
 distills, Gemma 2 and 3), on chats with system turns, tools, tool calls and their results, content parts,
 extra keys and non-ASCII text, with and without a generation prompt, each compared with
 `AutoTokenizer.apply_chat_template` run in the test. Where HF's rendering raises (a Mistral template refusing
@@ -25,6 +25,7 @@ FAMILIES = {
     "llama-3.1": ("<|begin_of_text|>", "<|eot_id|>", LLAMA3),
     "llama-3.2": ("<|begin_of_text|>", "<|eot_id|>", LLAMA3),
     "qwen-2.5": (None, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+    "qwen-3": (None, "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
     "mistral-v0.3": ("<s>", "</s>", ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                                      "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]),
     "smollm2": ("<|im_start|>", "<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
@@ -101,6 +102,7 @@ def test_checkpoints_templates_render_as_transformers(tmp_path, bpe, family):
             rendered.append(assert_renders_as_transformers(d, chat, add_generation_prompt=generation))
         rendered.append(assert_renders_as_transformers(d, chat, add_generation_prompt=True, tools=TOOLS))
     rendered.append(assert_renders_as_transformers(d, [USER], add_generation_prompt=True, date_string="1 Jan 2030"))
+    rendered.append(assert_renders_as_transformers(d, [USER], add_generation_prompt=True, enable_thinking=False))
     assert sum(r is not None for r in rendered) >= len(rendered) // 3  # a third or more render: it compares text
 
 
@@ -118,3 +120,17 @@ def test_a_null_field_is_no_field_as_transformers_passes_it(tmp_path, bpe, famil
                                                 add_generation_prompt=generation)
         assert echoed is not None and "4." in echoed  # rendered, as a plain answer
         assert_renders_as_transformers(d, [USER, called, result], add_generation_prompt=generation)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking", "reasoning"])
+def test_a_messages_reasoning_reaches_the_template_under_each_name_as_transformers_passes_it(tmp_path, bpe, field):
+    """HF hands a message's reasoning, given as `reasoning_content`, `thinking` or `reasoning`, to the template
+    as both `reasoning_content` (Qwen3's template reads it) and `thinking`: under the other names it was lost."""
+    d = directory(tmp_path, bpe, "qwen-3")
+    text = assert_renders_as_transformers(d, [USER, {**ANSWER, field: "2 and 2 make 4"}], add_generation_prompt=False)
+    assert "<think>\n2 and 2 make 4\n</think>" in text
+    assert_renders_as_transformers(d, [USER, {**ANSWER, field: "2 and 2 make 4"}, AGAIN], add_generation_prompt=True)
+    reads = "{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }}|{{ m | tojson }}\n{% endfor %}"
+    d = directory(tmp_path, bpe, "smollm2", template=reads)
+    chat = [{**ANSWER, field: "why"}, {**ANSWER, "thinking": "a", "reasoning": "b"}, {**ANSWER, "reasoning": "c"}]
+    assert "why|why|" in assert_renders_as_transformers(d, chat, add_generation_prompt=False)

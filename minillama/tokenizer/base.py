@@ -321,11 +321,24 @@ def _mark(k: int) -> str:
     return f"\ue000{k}\ue001"
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning goes by
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages as HF transformers hands them to a template: a key whose value is None left out. An OpenAI
-    client's assistant turn carries `"tool_calls": null`; a template that asks `'tool_calls' in message` (Llama
-    3.1's) takes that for a tool call and fails, or writes "null"."""
-    return [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+    """The messages as HF transformers hands them to a template: a key whose value is None left out (an OpenAI
+    client's assistant turn carries `"tool_calls": null`; a template that asks `'tool_calls' in message`, Llama
+    3.1's, takes that for a tool call and fails), and a message's reasoning, under whichever of
+    `REASONING_FIELDS` comes first, also as `reasoning_content` (Qwen3's template reads it) and, where not
+    given, as `thinking`."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            m = {k: v for k, v in m.items() if v is not None}
+            reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
+            if reasoning is not None:
+                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}  # HF's order of keys (`tojson`)
+        out.append(m)
+    return out
 
 
 RANGE_BUDGET = 100_000  # items over every `range` of one rendering: a prompt template loops over messages
