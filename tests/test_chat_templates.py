@@ -134,3 +134,29 @@ def test_a_messages_reasoning_reaches_the_template_under_each_name_as_transforme
     d = directory(tmp_path, bpe, "smollm2", template=reads)
     chat = [{**ANSWER, field: "why"}, {**ANSWER, "thinking": "a", "reasoning": "b"}, {**ANSWER, "reasoning": "c"}]
     assert "why|why|" in assert_renders_as_transformers(d, chat, add_generation_prompt=False)
+
+
+def test_continuing_a_message_refuses_a_template_that_drops_an_earlier_one(tmp_path, bpe):
+    """Mistral v0.3's template writes the system turn only before a final user turn. Continuing an assistant
+    turn (`continued_chat`, the server's continue_final_message) dropped the system text without a word, where
+    the same chat not continued is refused (HF renders both without it): now both are refused in one line, and
+    the server answers 400 naming messages, as it answers the template's own raise_exception."""
+    from transformers import AutoTokenizer
+
+    from minillama.serve.schema import BadRequest, Limits, parse
+
+    d = directory(tmp_path, bpe, "mistral-v0.3")
+    tok, ref = load_tokenizer(d), AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    chat = [SYSTEM, USER, {"role": "assistant", "content": "Bonjour"}]
+    for call in (lambda: tok.encode_chat(chat, add_generation_prompt=False), lambda: tok.continued_chat(chat)):
+        with pytest.raises(TokenizerError, match=r"message 0's content \(role 'system'\): it would be lost$"):
+            call()
+    assert tok.continued_chat(chat[1:]) == ref.apply_chat_template(chat[1:], tokenize=False,
+                                                                   continue_final_message=True)
+    limits = Limits(4096, tok.vocab_size, 16)
+    for body, says in (({"messages": chat, "add_generation_prompt": False, "continue_final_message": True},
+                        "it would be lost"),
+                       ({"messages": [USER, AGAIN]}, "conversation roles must alternate")):
+        with pytest.raises(BadRequest, match=rf"^messages: the chat template refused them \(.*{says}") as e:
+            parse(body, True, tok, limits, "tiny")
+        assert e.value.status == 400 and "\n" not in str(e.value)

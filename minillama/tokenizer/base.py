@@ -155,11 +155,7 @@ class Tokenizer:
         Without such text in the messages this is `encode(apply_chat_template(...))`, token for token."""
         text = self.apply_chat_template(messages, add_generation_prompt, **variables)
         skeleton = self._skeleton(messages, add_generation_prompt, variables)
-        lost = [k for k, m in enumerate(messages)
-                if isinstance(m.get("content"), str) and m["content"].strip() and _mark(k) not in skeleton]
-        if lost:  # a template that skips a role (a system turn) would answer without the text given
-            raise TokenizerError(f"{self.template_source}: the template does not write message {lost[0]}'s content "
-                                 f"(role {messages[lost[0]].get('role')!r}): it would be lost")
+        self._refuse_lost(messages, skeleton)
         spans = self._message_spans(messages, text, skeleton)
         if spans is None:  # a template that rewrites the text (`upper`) may; one that cuts it (`[:50]`) may not
             folded = text.casefold()
@@ -203,9 +199,11 @@ class Tokenizer:
     def continued_chat(self, messages: list[dict[str, Any]], **variables: Any) -> str:
         """The rendered chat (no generation prompt) cut at the end of its final message's text, as written
         (whole or trimmed), so that an answer continues that message. Where the template writes it
-        (`_message_spans`), not where its text last occurs: "|>" also ends the trailer "<|im_end|>"."""
+        (`_message_spans`), not where its text last occurs: "|>" also ends the trailer "<|im_end|>". A message
+        before it that the template does not write is refused, as `encode_chat` refuses it."""
         text = self.apply_chat_template(messages, False, **variables)
         skeleton = self._skeleton(messages, False, variables)
+        self._refuse_lost(messages[:-1], skeleton)  # Mistral's writes the system turn only before a final user turn
         spans = self._message_spans(messages, text, skeleton)
         if spans is None:
             raise Uncontinuable(f"{self.template_source}: the template changes the message text, so the end of the "
@@ -214,6 +212,15 @@ class Tokenizer:
         if not ends:
             raise Uncontinuable("the chat template does not write the final message")
         return text[:ends[-1]]
+
+    def _refuse_lost(self, messages: list[dict[str, Any]], skeleton: str) -> None:
+        """TokenizerError where the `skeleton` holds no mark of a message with text: a template that skips a role
+        (a system turn) would answer without the text given."""
+        lost = [k for k, m in enumerate(messages)
+                if isinstance(m.get("content"), str) and m["content"].strip() and _mark(k) not in skeleton]
+        if lost:
+            raise TokenizerError(f"{self.template_source}: the template does not write message {lost[0]}'s content "
+                                 f"(role {messages[lost[0]].get('role')!r}): it would be lost")
 
     def _skeleton(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
         """The chat rendered with a mark (`_mark(k)`) in place of each message's text. A mark's characters in
