@@ -160,3 +160,39 @@ def test_continuing_a_message_refuses_a_template_that_drops_an_earlier_one(tmp_p
         with pytest.raises(BadRequest, match=rf"^messages: the chat template refused them \(.*{says}") as e:
             parse(body, True, tok, limits, "tiny")
         assert e.value.status == 400 and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "additional_chat_templates"])
+def test_given_tools_the_tool_use_template_renders_as_transformers_picks_it(tmp_path, bpe, where):
+    """A checkpoint with named templates (Hermes 2 Pro and Hermes 3, Llama-based, ship "default" and
+    "tool_use") renders "tool_use" where tools are given, as HF picks it: minillama rendered "default", a prompt
+    without the tools. Saved and loaded again, it still does."""
+    from transformers import AutoTokenizer
+
+    default, tool_use = ((TEMPLATES / f"{f}.jinja").read_text(encoding="utf-8") for f in ("smollm2", "qwen-2.5"))
+    if where == "tokenizer_config.json":
+        d = directory(tmp_path, bpe, "qwen-2.5", [{"name": "default", "template": default},
+                                                  {"name": "tool_use", "template": tool_use}])
+    else:  # transformers 5's files, which come before tokenizer_config.json's field
+        d = directory(tmp_path, bpe, "qwen-2.5", "unused")
+        (d / "chat_template.jinja").write_text(default, encoding="utf-8")
+        (d / "additional_chat_templates").mkdir()
+        (d / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use, encoding="utf-8")
+    chat = [SYSTEM, USER]
+    assert "get_weather" in assert_renders_as_transformers(d, chat, add_generation_prompt=True, tools=TOOLS)
+    assert "get_weather" not in assert_renders_as_transformers(d, chat, add_generation_prompt=True)
+    ref = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    assert load_tokenizer(d).encode_chat(chat, tools=TOOLS) == ref.apply_chat_template(
+        chat, tools=TOOLS, add_generation_prompt=True)["input_ids"]
+    (tmp_path / "again").mkdir()
+    load_tokenizer(d).save(tmp_path / "again")
+    assert load_tokenizer(tmp_path / "again").apply_chat_template(chat, tools=TOOLS) == \
+        ref.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    if where == "tokenizer_config.json":  # a broken one is said when the tokenizer is loaded, naming it
+        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        cfg["chat_template"][1]["template"] = "{% for m in messages %}"
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    else:
+        (d / "additional_chat_templates" / "tool_use.jinja").write_text("{% for m in messages %}")
+    with pytest.raises(TokenizerError, match=r"tool_use(\.jinja|\]): not a valid Jinja template \(line 1"):
+        load_tokenizer(d)

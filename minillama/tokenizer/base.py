@@ -2,7 +2,8 @@
 
 Chat templates are the checkpoint's own Jinja source, rendered in a sandboxed environment with
 `raise_exception`, `strftime_now` and `tojson` (`apply_chat_template`), on the messages as HF transformers
-passes them (`template_messages`). `encode_chat` tokenizes a rendered chat so that only the template's own
+passes them (`template_messages`); given tools, the checkpoint's template named "tool_use" where it has one
+(`tool_template`), as HF picks it. `encode_chat` tokenizes a rendered chat so that only the template's own
 markers are control tokens: "<|im_end|>" written in a document is text, it cannot close a turn.
 
 A template is the user's file, so whatever it does wrong is a `TokenizerError` naming the file and the field
@@ -50,6 +51,7 @@ class Tokenizer:
     split_special: bool = False  # tokenizer_config.json's split_special_tokens: control tokens in any text are text
     source: str = "the tokenizer"  # the file it was read from, for messages
     template_source: str = "the chat template"  # the file and field the chat template was read from
+    tool_template: tuple[str, str] | None = None  # a checkpoint's template named "tool_use", and where it was read
 
     @property
     def vocab_size(self) -> int:
@@ -134,17 +136,21 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **variables: Any) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]). Encode it with
-        `encode(text)`: templates write BOS themselves where the model wants it."""
-        if self.chat_template is None:
+        `encode(text)`: templates write BOS themselves where the model wants it. Where `tools` are given and
+        the checkpoint names a template "tool_use", that one renders, as HF transformers picks it."""
+        source, where = self.chat_template, self.template_source
+        if variables.get("tools") is not None and self.tool_template is not None:
+            source, where = self.tool_template
+        if source is None:
             raise TokenizerError("this tokenizer has no chat template")
-        template = check_template(self.chat_template, self.template_source)
+        template = check_template(source, where)
         try:
             return template.render(messages=template_messages(messages), add_generation_prompt=add_generation_prompt,
                                    range=_bounded_range(), **{**self.named_tokens, "bos_token": self.bos_token or "",
                                                               "eos_token": self.eos_token or "", "tools": None,
                                                               "documents": None, **variables})
         except Exception as e:  # noqa: BLE001 - the template is the user's program: whatever it raises is its fault
-            raise TokenizerError(f"{self.template_source}: the template failed: "
+            raise TokenizerError(f"{where}: the template failed: "
                                  f"{' '.join(str(e).split()) or type(e).__name__}") from None
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -258,11 +264,15 @@ class Tokenizer:
 
     def _config_json(self) -> dict[str, Any]:
         """tokenizer_config.json, in the keys HF transformers reads."""
+        template: Any = self.chat_template
+        if self.tool_template is not None and template is not None:  # HF's list of named templates
+            template = [{"name": "default", "template": template},
+                        {"name": "tool_use", "template": self.tool_template[0]}]
         return {
             "bos_token": self.bos_token, "eos_token": self.eos_token, **self.named_tokens,
             "add_bos_token": self.add_bos, "add_eos_token": self.add_eos,
             "clean_up_tokenization_spaces": False, **({"split_special_tokens": True} if self.split_special else {}),
-            "chat_template": self.chat_template,
+            "chat_template": template,
             # Every end-of-generation id (EOS, end-of-turn, ...); HF reads eos_token only.
             "eos_token_ids": self.eos_ids,
         }

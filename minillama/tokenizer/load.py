@@ -186,6 +186,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if template is not None:
         tok.template_source = template_source
         check_template(template, template_source)  # a syntax error is found now, before any work
+    tok.tool_template = _tool_template(p, cfg)
     return tok
 
 
@@ -420,6 +421,23 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
         if not (t is None or isinstance(t, str)):
             raise TokenizerError(f"{where} must be a string, got {json.dumps(t)[:80]}")
     return t, where
+
+
+def _tool_template(d: Path, cfg: dict[str, Any]) -> tuple[str, str] | None:
+    """The template named "tool_use" and where it was read from: additional_chat_templates/tool_use.jinja where
+    the directory holds template files (HF transformers then reads none from tokenizer_config.json), else the
+    config's list of templates."""
+    path, named = d / "additional_chat_templates" / "tool_use.jinja", cfg.get("chat_template")
+    where = f"{d / 'tokenizer_config.json'}, field chat_template[tool_use]"
+    t = next((x["template"] for x in named if x.get("name") == "tool_use"), None) if isinstance(named, list) else None
+    if (d / "chat_template.jinja").exists() or any((d / "additional_chat_templates").glob("*.jinja")):
+        try:
+            t, where = (path.read_text(encoding="utf-8") if path.is_file() else None), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{path}: not a readable UTF-8 file ({e})") from None
+    if t is not None:
+        check_template(t, where)  # a syntax error is found now, before any work
+    return None if t is None else (t, where)
 
 
 def _eos_ids_from_configs(d: Path) -> list[int]:
