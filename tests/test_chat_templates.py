@@ -196,3 +196,19 @@ def test_given_tools_the_tool_use_template_renders_as_transformers_picks_it(tmp_
         (d / "additional_chat_templates" / "tool_use.jinja").write_text("{% for m in messages %}")
     with pytest.raises(TokenizerError, match=r"tool_use(\.jinja|\]): not a valid Jinja template \(line 1"):
         load_tokenizer(d)
+
+
+def test_a_refusal_of_the_tool_use_template_names_its_file(tmp_path, bpe):
+    """A message the "tool_use" template does not write was refused naming the default template's file, which
+    writes it."""
+    d = directory(tmp_path, bpe, "qwen-2.5", "unused")
+    (d / "chat_template.jinja").write_text((TEMPLATES / "smollm2.jinja").read_text(encoding="utf-8"), encoding="utf-8")
+    (d / "additional_chat_templates").mkdir()
+    (d / "additional_chat_templates" / "tool_use.jinja").write_text(  # drops the system turn
+        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    tok = load_tokenizer(d)
+    tok.encode_chat([SYSTEM, USER])  # the default template writes both
+    for call in (lambda: tok.encode_chat([SYSTEM, USER], tools=TOOLS),
+                 lambda: tok.continued_chat([SYSTEM, USER, {"role": "assistant", "content": "4"}], tools=TOOLS)):
+        with pytest.raises(TokenizerError, match=r"tool_use\.jinja: the template does not write message 0's"):
+            call()

@@ -138,9 +138,7 @@ class Tokenizer:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]). Encode it with
         `encode(text)`: templates write BOS themselves where the model wants it. Where `tools` are given and
         the checkpoint names a template "tool_use", that one renders, as HF transformers picks it."""
-        source, where = self.chat_template, self.template_source
-        if variables.get("tools") is not None and self.tool_template is not None:
-            source, where = self.tool_template
+        source, where = self._template(variables)
         if source is None:
             raise TokenizerError("this tokenizer has no chat template")
         template = check_template(source, where)
@@ -153,6 +151,12 @@ class Tokenizer:
             raise TokenizerError(f"{where}: the template failed: "
                                  f"{' '.join(str(e).split()) or type(e).__name__}") from None
 
+    def _template(self, variables: dict[str, Any]) -> tuple[str | None, str]:
+        """The template that renders a chat with these variables, and the file and field it was read from."""
+        if variables.get("tools") is not None and self.tool_template is not None:
+            return self.tool_template
+        return self.chat_template, self.template_source
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **variables: Any) -> list[int]:
         """Token ids of the rendered chat (`apply_chat_template`), with the messages' text kept as text:
@@ -160,15 +164,15 @@ class Tokenizer:
         out and cannot end a turn or open a new one; only the template's own markers are control tokens.
         Without such text in the messages this is `encode(apply_chat_template(...))`, token for token."""
         text = self.apply_chat_template(messages, add_generation_prompt, **variables)
-        skeleton = self._skeleton(messages, add_generation_prompt, variables)
-        self._refuse_lost(messages, skeleton)
+        skeleton, where = self._skeleton(messages, add_generation_prompt, variables), self._template(variables)[1]
+        self._refuse_lost(messages, skeleton, where)
         spans = self._message_spans(messages, text, skeleton)
         if spans is None:  # a template that rewrites the text (`upper`) may; one that cuts it (`[:50]`) may not
             folded = text.casefold()
             cut = [k for k, m in enumerate(messages)
                    if isinstance(m.get("content"), str) and m["content"].strip().casefold() not in folded]
             if cut:
-                raise TokenizerError(f"{self.template_source}: the template does not write message {cut[0]}'s "
+                raise TokenizerError(f"{where}: the template does not write message {cut[0]}'s "
                                      f"content whole (role {messages[cut[0]].get('role')!r}): it cuts it, and the "
                                      "text given would be lost")
         specials = self.special_tokens()
@@ -180,7 +184,7 @@ class Tokenizer:
                 return self.encode(text)
         pattern = _markers(specials)
         if spans is None:  # a template that rewrites the text (`upper`): its control tokens cannot be told apart
-            raise TokenizerError(f"{self.template_source}: the template changes the message text; message text with "
+            raise TokenizerError(f"{where}: the template changes the message text; message text with "
                                  "control tokens cannot be kept as text")
         # Runs of text between the template's markers are encoded whole (message text and template
         # text together, as `encode` would), with control-token parsing off inside them; a marker that takes
@@ -208,24 +212,26 @@ class Tokenizer:
         (`_message_spans`), not where its text last occurs: "|>" also ends the trailer "<|im_end|>". A message
         before it that the template does not write is refused, as `encode_chat` refuses it."""
         text = self.apply_chat_template(messages, False, **variables)
-        skeleton = self._skeleton(messages, False, variables)
-        self._refuse_lost(messages[:-1], skeleton)  # Mistral's writes the system turn only before a final user turn
+        skeleton, where = self._skeleton(messages, False, variables), self._template(variables)[1]
+        # Mistral's writes the system turn only before a final user turn
+        self._refuse_lost(messages[:-1], skeleton, where)
         spans = self._message_spans(messages, text, skeleton)
         if spans is None:
-            raise Uncontinuable(f"{self.template_source}: the template changes the message text, so the end of the "
+            raise Uncontinuable(f"{where}: the template changes the message text, so the end of the "
                                 "final message cannot be found to continue it")
         ends = [hi for k, _, hi in spans if k == len(messages) - 1]
         if not ends:
             raise Uncontinuable("the chat template does not write the final message")
         return text[:ends[-1]]
 
-    def _refuse_lost(self, messages: list[dict[str, Any]], skeleton: str) -> None:
+    @staticmethod
+    def _refuse_lost(messages: list[dict[str, Any]], skeleton: str, where: str) -> None:
         """TokenizerError where the `skeleton` holds no mark of a message with text: a template that skips a role
         (a system turn) would answer without the text given."""
         lost = [k for k, m in enumerate(messages)
                 if isinstance(m.get("content"), str) and m["content"].strip() and _mark(k) not in skeleton]
         if lost:
-            raise TokenizerError(f"{self.template_source}: the template does not write message {lost[0]}'s content "
+            raise TokenizerError(f"{where}: the template does not write message {lost[0]}'s content "
                                  f"(role {messages[lost[0]].get('role')!r}): it would be lost")
 
     def _skeleton(self, messages: list[dict[str, Any]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:
