@@ -212,3 +212,19 @@ def test_a_refusal_of_the_tool_use_template_names_its_file(tmp_path, bpe):
                  lambda: tok.continued_chat([SYSTEM, USER, {"role": "assistant", "content": "4"}], tools=TOOLS)):
         with pytest.raises(TokenizerError, match=r"tool_use\.jinja: the template does not write message 0's"):
             call()
+
+
+def test_an_answer_sent_back_with_its_reasoning_is_refused_saying_what_to_send(tmp_path, bpe):
+    """DeepSeek-R1's template writes an earlier answer from its '</think>' on: minillama refuses the cut (the text
+    would be lost), and now says what to send instead; the answer without its reasoning renders as HF renders it."""
+    d = directory(tmp_path, bpe, "deepseek-r1-distill")
+    tok = load_tokenizer(d)
+    thought = {"role": "assistant", "content": "2 and 2 make 4.\n</think>\n\nIt is 4."}
+    with pytest.raises(TokenizerError, match=r"message 1's content whole \(role 'assistant'\): it cuts it, and the "
+                                             r"text given would be lost; send an earlier answer without its reasoning"):
+        tok.encode_chat([USER, thought, AGAIN])
+    (tmp_path / "cut").mkdir()
+    cuts = load_tokenizer(directory(tmp_path / "cut", bpe, "qwen-2.5", "{{ messages[0].content[:5] }}"))
+    with pytest.raises(TokenizerError, match=r"would be lost$"):  # no such hint where no reasoning was cut
+        cuts.encode_chat([USER])
+    assert_renders_as_transformers(d, [USER, {**thought, "content": "It is 4."}, AGAIN], add_generation_prompt=True)

@@ -172,9 +172,11 @@ class Tokenizer:
             cut = [k for k, m in enumerate(messages)
                    if isinstance(m.get("content"), str) and m["content"].strip().casefold() not in folded]
             if cut:
+                hint = ("; send an earlier answer without its reasoning, the text up to '</think>'" if "</think>" in
+                        messages[cut[0]]["content"] and messages[cut[0]].get("role") == "assistant" else "")
                 raise TokenizerError(f"{where}: the template does not write message {cut[0]}'s "
                                      f"content whole (role {messages[cut[0]].get('role')!r}): it cuts it, and the "
-                                     "text given would be lost")
+                                     f"text given would be lost{hint}")
         specials = self.special_tokens()
         if not any(self.spells_control(m.get("content")) for m in messages):
             # a template that rewrites the text (`lower`) may make control tokens of it: then the render holds
