@@ -49,7 +49,8 @@ CHATS = {
     "turns, no system": [USER, ANSWER, AGAIN],
     "two user turns": [USER, AGAIN],
     "system only": [SYSTEM],
-    "content parts": [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "wörld"}]}],
+    "content parts": [{"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                                    {"type": "text", "text": "wörld"}]}],
     "extra keys": [{"role": "user", "content": "hi", "name": "bob", "meta": {"k": ["é", {"n": 1, "<b>": "&"}]}}],
     "tool call": [SYSTEM, USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
                   {"role": "tool", "content": '{"temp": 20, "unit": "°C"}', "tool_call_id": "call00001"}, ANSWER],
@@ -205,7 +206,8 @@ def test_a_refusal_of_the_tool_use_template_names_its_file(tmp_path, bpe):
     (d / "chat_template.jinja").write_text((TEMPLATES / "smollm2.jinja").read_text(encoding="utf-8"), encoding="utf-8")
     (d / "additional_chat_templates").mkdir()
     (d / "additional_chat_templates" / "tool_use.jinja").write_text(  # drops the system turn
-        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+        "{% for m in messages if m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}")
     tok = load_tokenizer(d)
     tok.encode_chat([SYSTEM, USER])  # the default template writes both
     for call in (lambda: tok.encode_chat([SYSTEM, USER], tools=TOOLS),
