@@ -31,8 +31,8 @@ except ImportError:  # CI installs it (.ci/run) and sets MINILLAMA_REQUIRE_LLAMA
 # No space before ?!., or an apostrophe here: llama.cpp's decoding takes those out after some pre-tokenizers (gpt-2,
 # llama3, starcoder: HF's clean_up_tokenization_spaces), minillama's never does.
 TEXTS = ["Hello world", "  two  spaces   and three ", "\n\n\nnewlines\n \n", "digits 1234567 3.14159", "\ttab\t",
-         "naïve café Straße 日本語", "emoji 🙂🚀 x²", "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b", "",
-         " leading", "<s> and </s> and <unk>", "<sep> sep"]
+         "naïve café Straße 日本語", "emoji 🙂🚀 x²", "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b",
+         "", " leading", "<s> and </s> and <unk>", "<sep> sep"]
 
 
 def llama_cpp_vocab(path) -> "llama_cpp.Llama":
