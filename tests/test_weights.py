@@ -624,6 +624,35 @@ def test_a_quantized_hf_checkpoint_is_refused_naming_its_quantization(tmp_path, 
     assert len(err) == 1 and "quant_method 'fp8'" in err[0], err
 
 
+@pytest.mark.parametrize("fmt", ["hf-bf16", "hf-f32", "gguf-BF16", "gguf-F32"])
+def test_a_weight_past_float16s_range_is_refused_in_float16_and_kept_in_wider_dtypes(tmp_path, config, hf_tok, bpe,
+                                                                                     fmt):
+    """A finite weight past float16's largest value (65504) becomes inf in a float16 model (HF transformers'
+    cast lets it, and the logits turn NaN): float16 refuses it in one line naming the dtypes that hold it, from
+    either loader; bfloat16 and float32 keep it as transformers' (or `gguf`'s) reading of the file has it."""
+    import transformers
+
+    name = "model.layers.0.mlp.down_proj.weight"
+    sd = random_state_dict(config, seed=6)
+    sd[name][0, :2] = torch.tensor([1e5, -7e4])
+    if fmt.startswith("hf"):
+        stored = {k: v.bfloat16() for k, v in sd.items()} if fmt == "hf-bf16" else sd
+        path = write_hf_dir(tmp_path / "hf", config, stored, hf_tok)
+        want = lambda dtype: transformers.LlamaForCausalLM.from_pretrained(  # noqa: E731
+            str(path), dtype=dtype).state_dict()[name]
+    else:
+        qtype = getattr(Q, fmt.split("-")[1])
+        path = write_gguf(tmp_path / "m.gguf", config, sd, gguf_tokenizer_metadata(bpe), qtype)
+        want = lambda dtype: gguf_round_trip(config, sd, qtype)[name].to(dtype)  # noqa: E731
+    for dtype in (torch.float32, torch.bfloat16):
+        got = load_model(path, dtype=dtype)[0].state_dict()[name]
+        assert got.dtype == dtype and torch.equal(got, want(dtype)) and got[0, 0] >= 65504, dtype
+    message = r"a weight of shape \(64, 192\) holds \d+, past float16's largest value 65504 .*bfloat16 or float32"
+    for load in (load_model, lambda p, dtype: weights.build_model(*load_state_dict(p), dtype=dtype)):
+        with pytest.raises(WeightsError, match=message):
+            load(path, dtype=torch.float16)
+
+
 def test_not_a_checkpoint(tmp_path):
     _raises(r"nothing: no such file", load_model, tmp_path / "nothing")
     (tmp_path / "empty").mkdir()

@@ -30,7 +30,7 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
 
     check_state_dict(config, {k: v for k, v in state_dict.items()
                               if not (config.tie_word_embeddings and k == "lm_head.weight")}, "state dict")
-    sd = {k: _placed(v, device, dtype) for k, v in state_dict.items()}
+    sd = {k: _placed(v, device, dtype, f"state dict: {k}") for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     with torch.device("meta"), _no_random_init():  # a skeleton, nothing drawn or laid out: each weight assigned next
@@ -42,9 +42,23 @@ def build_model(config: LlamaConfig, state_dict: StateDict, device: str | torch.
     return model.eval()
 
 
-def _placed(t: torch.Tensor, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A checkpoint tensor on `device`, in `dtype` where it is floating point; `.to` keeps its strides."""
-    return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+def _placed(t: torch.Tensor, device: str | torch.device, dtype: torch.dtype,
+            source: object = "state dict") -> torch.Tensor:
+    """A checkpoint tensor on `device`, in `dtype` where it is floating point; `.to` keeps its strides.
+
+    float16 holds magnitudes up to 65504 only: a finite bfloat16 or float32 value past that would become inf
+    and every answer NaN, so it is refused, naming the dtypes that hold it (values below float16's smallest
+    round towards 0, as any rounding to 16 bits does)."""
+    if not t.is_floating_point():
+        return t.to(device)
+    out = t.to(device=device, dtype=dtype)
+    if dtype == torch.float16 and t.dtype != dtype and out.isinf().any():
+        past = out.isinf() & t.to(out.device).isfinite()
+        if past.any():
+            big = t.to(out.device)[past].abs().max().item()
+            raise WeightsError(f"{source}: a weight of shape {tuple(t.shape)} holds {big:g}, past float16's largest "
+                               "value 65504 (it would become inf): load it in bfloat16 or float32")
+    return out
 
 
 @contextlib.contextmanager
@@ -114,7 +128,7 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
 
     # each tensor where it goes as it is read: the peak is about the model's weights and one tensor as read, not
     # the whole checkpoint as read beside them (nor, for a GPU, the whole model in host memory)
-    place = functools.partial(_placed, device=device, dtype=dtype)
+    place = functools.partial(_placed, device=device, dtype=dtype, source=path)
     if gguf is not None:
         config, sd, meta = read_gguf(path, slices, gguf, place)
     else:
