@@ -326,7 +326,8 @@ class AnswerWriter:
         if not self.warned_nan and not all(math.isfinite(x) for x in r.logprobs):
             self.warned_nan = True
             print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: the model's logits "
-                  "are not finite (NaN or inf: the checkpoint's weights are broken), so its answers mean nothing"
+                  f"are not finite (NaN or inf: {precision.why_not_finite(precision.DTYPES[self.args.dtype])}), so "
+                  "its answers mean nothing"
                   + ("; such log-probs are written as null" if self.args.json else "") + "; this warning is "
                   "shown once", file=sys.stderr, flush=True)
         if self.args.json:

@@ -115,6 +115,15 @@ def describe(device: torch.device | str, dtype: torch.dtype) -> str:
     return f"float32 products on {name} storage ({why})"
 
 
+def why_not_finite(dtype: torch.dtype) -> str:
+    """Why a model's logits may hold NaN or inf, for a message: broken weights, or in float16 (largest value
+    65504) activations past its range, which bfloat16 and float32 hold (a weight past it is refused on loading)."""
+    broken = "the checkpoint's weights hold NaN or inf"
+    if dtype == torch.float16:
+        return f"the activations passed float16's largest value, 65504 (bfloat16 and float32 hold them), or {broken}"
+    return broken
+
+
 GEMM_ENV = "MINILLAMA_CPU_GEMM"
 GEMM_CHOICES = ("auto", "onednn", "mm")
 

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import BadInput
+from .precision import why_not_finite
 from .sampling import sample_rows, stream_key
 from .tokenizer.base import decoded_after, whole_characters
 from .transfer import Later, to_device
@@ -110,8 +111,9 @@ class Chosen:
     way to the host, with their log-probs and NaN flags (`record` reads them, and only then waits)."""
 
     def __init__(self, tokens: torch.Tensor, host: Later, sampled: list[bool], logits: torch.Tensor | None,
-                 next_pos: list[int]):
+                 next_pos: list[int], dtype: torch.dtype):
         self.tokens, self.host, self.sampled, self.logits = tokens, host, sampled, logits
+        self.dtype = dtype  # the model's: the cause a NaN's message names
         self.next_pos = next_pos  # each question's position after this step, as it was when chosen
 
     def record(self, questions: list[Question], max_positions: int,
@@ -123,8 +125,8 @@ class Chosen:
             agree([int(t) for t in toks])
         rows = [i for i, q in enumerate(questions) if not q.done]
         if any(self.sampled[i] and nans[i] for i in rows):
-            raise BadInput("the model's logits hold NaN: there is nothing to sample from (the checkpoint's "
-                           "weights hold NaN or inf)")
+            raise BadInput("the model's logits hold NaN: there is nothing to sample from "
+                           f"({why_not_finite(self.dtype)})")
         host = self.logits.detach().cpu() if self.logits is not None else None  # only where logits are kept
         for i in rows:
             q = questions[i]
@@ -155,7 +157,7 @@ def choose_tokens(questions: list[Question], logits: torch.Tensor, draws: list[i
     # Token ids, their log-probs and the NaN flags in one float64 tensor (all exact there): one copy to the host.
     host = Later(torch.stack([toks.double(), logp.gather(1, toks[:, None])[:, 0].double(), nan.double()]))
     keep = any(q.answer.logits is not None for q in questions)
-    return Chosen(toks, host, sampled, logits if keep else None, [q.next_pos for q in questions])
+    return Chosen(toks, host, sampled, logits if keep else None, [q.next_pos for q in questions], logits.dtype)
 
 
 def take_tokens(questions: list[Question], logits: torch.Tensor, max_positions: int,

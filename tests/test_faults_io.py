@@ -259,6 +259,33 @@ def test_nan_weights_write_valid_json_and_warn(ckpt, inputs, tmp_path):
     assert "logits hold NaN" in one_line_error(p)
 
 
+def test_float16_activations_past_its_range_are_named_as_the_cause(ckpt, inputs, tmp_path):
+    """Finite weights (float32 answers with finite log-probs) whose activations pass 65504 in float16: the
+    warning and the sampler's error name float16's range and the dtypes that hold it, not broken weights."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "big"
+    d.mkdir()
+    for f in ckpt.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(d / "model.safetensors"))
+    for name, scale in (("up_proj", 300.0), ("down_proj", 300.0)):
+        sd[f"model.layers.0.mlp.{name}.weight"] *= scale
+    assert all(v.abs().max() < 65504 for v in sd.values())  # every weight fits float16
+    save_file(sd, str(d / "model.safetensors"))
+    run = ("generate", "--model", d, "--doc", inputs["doc"], "--questions", inputs["questions"], "-n", "2", "--json",
+           "--logprobs")
+    p = run_tool(*run)
+    assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
+    assert all(x is not None for line in p.stdout.splitlines() for x in json.loads(line)["logprobs"])
+    cause = "the activations passed float16's largest value, 65504 (bfloat16 and float32 hold them)"
+    p = run_tool(*run, "--dtype", "float16")
+    assert p.returncode == 0, p.stderr
+    assert sum("warning:" in line and "not finite" in line and cause in line for line in p.stderr.splitlines()) == 1
+    p = run_tool(*run, "--dtype", "float16", "--temperature", "0.7")
+    assert "logits hold NaN" in one_line_error(p) and cause in one_line_error(p)
+
+
 # --- one runner for every tool: the exit statuses --------------------------------------------------------
 
 
