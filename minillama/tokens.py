@@ -125,7 +125,7 @@ class Chosen:
             agree([int(t) for t in toks])
         rows = [i for i, q in enumerate(questions) if not q.done]
         if any(self.sampled[i] and nans[i] for i in rows):
-            raise BadInput("the model's logits hold NaN: there is nothing to sample from "
+            raise BadInput("the model's logits hold NaN or +inf: there is nothing to sample from "
                            f"({why_not_finite(self.dtype)})")
         host = self.logits.detach().cpu() if self.logits is not None else None  # only where logits are kept
         for i in rows:
@@ -153,7 +153,8 @@ def choose_tokens(questions: list[Question], logits: torch.Tensor, draws: list[i
                             filtered=[s and bool(q.params.top_k or q.params.top_p < 1)  # the rows to sort
                                       for q, s in zip(questions, sampled)])
         toks = torch.where(column(sampled, torch.bool), drawn, toks)
-    nan = torch.isnan(logits).any(dim=-1)  # a sampled row of NaN has nothing to sample from
+    # a sampled row holding NaN or +inf has nothing to sample from (its softmax is NaN); greedy takes its first +inf
+    nan = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
     # Token ids, their log-probs and the NaN flags in one float64 tensor (all exact there): one copy to the host.
     host = Later(torch.stack([toks.double(), logp.gather(1, toks[:, None])[:, 0].double(), nan.double()]))
     keep = any(q.answer.logits is not None for q in questions)

@@ -477,3 +477,23 @@ def test_the_kernel_switches_refuse_to_change_under_a_call(model, mode):
     assert_same_answers(solo, generate(model, prompts, params, mode=mode, on_token=flips))  # its own callback
     model.invariant = False  # between calls: as before
     model.invariant = True
+
+
+def test_a_sampled_row_of_logits_with_plus_inf_is_refused_as_nan_is():
+    """A row holding +inf (float16 logits past its range) has no distribution to sample from (its softmax is NaN),
+    yet a sampled question picked its first +inf token without a word, with a NaN log-prob; now it is refused in
+    one line, as a row of NaN is. A greedy question takes the first +inf, the argmax, as before."""
+    from minillama.errors import BadInput
+
+    logits = torch.tensor([[0.0, float("inf"), 1.0, float("inf")]] * 2)
+    greedy = tokens_module.Question(0, SamplingParams(max_new_tokens=4), eos=set())
+    tokens_module.take_tokens([greedy], logits[:1], max_positions=100)
+    assert greedy.answer.token_ids == [1]
+    for bad in (float("inf"), float("nan")):
+        row = torch.tensor([[0.0, bad, 1.0, 2.0]])
+        sampled = tokens_module.Question(0, SamplingParams(max_new_tokens=4, temperature=0.7, seed=1), eos=set())
+        with pytest.raises(BadInput, match=r"^the model's logits hold NaN or \+inf: there is nothing to sample from"):
+            tokens_module.take_tokens([sampled], row, max_positions=100)
+    fine = tokens_module.Question(0, SamplingParams(max_new_tokens=4, temperature=0.7, seed=1), eos=set())
+    tokens_module.take_tokens([fine], torch.tensor([[0.0, float("-inf"), 1.0, 2.0]]), max_positions=100)  # -inf: never
+    assert fine.answer.token_ids[0] != 1
