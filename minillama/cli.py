@@ -405,7 +405,8 @@ def summary_line(s: dict[str, Any]) -> str:
             f"{s['generated_tokens']} generated in {s['generate_s']:.2f} s ({s['tokens_per_s']:.1f} tokens/s); "
             f"load {s['load_s']:.2f} s; peak memory {s['peak_memory_mb']:.0f} MB" +
             (f"; waves of {_count(s['parallel_size'], 'question')}, {_count(s['batch_docs'], 'document')} per pass "
-             f"(planned {s['planned_memory_mb']:.0f} MiB of --max-memory {s['max_memory_mb']:g})"
+             f"(planned {s['planned_memory_mb']:.0f} MiB" +
+             (f" of --max-memory {s['max_memory_mb']:g})" if s["max_memory_mb"] else "; --max-memory 0: no bound)")
              if s["mode"] == "parallel" else ""))
 
 

@@ -90,6 +90,9 @@ def test_summary_line_counts_in_words():
     line = cli.summary_line({**one, "documents": 2, "questions": 5, "parallel_size": 5, "batch_docs": 2})
     assert line.startswith("2 documents, 5 questions, mode parallel:")
     assert "waves of 5 questions, 2 documents per pass" in line
+    assert line.endswith("(planned 3 MiB of --max-memory 1024)")
+    # --max-memory 0 is no bound: not "planned 3 MiB of --max-memory 0", a plan that reads as over its budget
+    assert cli.summary_line({**one, "max_memory_mb": 0}).endswith("(planned 3 MiB; --max-memory 0: no bound)")
 
 
 def test_json_output(ckpt, files):
