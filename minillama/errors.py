@@ -77,6 +77,13 @@ ENVIRONMENT_ERRNOS = frozenset(getattr(errno, n) for n in (
     "ENAMETOOLONG", "ELOOP", "EMFILE", "ENFILE", "ENOMEM", "EBADF") if hasattr(errno, n))
 
 
+def say_at_terminal(msg: str) -> None:
+    """Progress of slow work (downloading, converting, a load check), for a person at a terminal; logs and
+    pipes get only the outcome, so a failure stays the one line that names it."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        print(f"minillama: {msg}", file=sys.stderr, flush=True)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one `BadInput` line (argparse prints the usage block, then the error),
     and an option of one value given twice is refused (argparse kept the last: `--questions a.txt

@@ -219,6 +219,33 @@ def test_a_refused_request_counts_as_differing_and_says_why(monkeypatch):
     assert "6 got no answer, e.g. HTTP 429: the server is busy" in under_load.report(got)
 
 
+def test_the_run_says_its_progress_at_a_terminal_only(monkeypatch, capsys):
+    """`oracle load` with its default 200 probes ran for minutes with nothing said; at a terminal it now says
+    each phase and every tenth of the probes sent alone (a log or a pipe gets the report alone)."""
+    import io
+
+    from minillama.oracle import under_load
+
+    monkeypatch.setattr(under_load, "_try", lambda client, url, body: [answer([1], [-1.0])])
+    monkeypatch.setattr(under_load, "probe_server", lambda client, url, model, prompts: under_load.Server(url, "m"))
+    said: list[str] = []
+    under_load.run("http://127.0.0.1:9/v1", requests=20, clients=2, say=said.append)
+    assert said[0] == "20 probes, each sent alone four times (cold, alone, again, streamed)"
+    assert said[1:-1] == [f"  {n} of 20 probes sent alone" for n in range(2, 21, 2)]
+    assert said[-1].startswith("under load: the probes among ") and said[-1].endswith(" from 2 clients")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        monkeypatch.setattr(under_load, "report", lambda r: "THE REPORT")
+        assert main(["load", "--url", "http://127.0.0.1:9/v1", "--requests", "3"]) == 0
+        assert ("minillama: 3 probes, each sent alone" in stream.getvalue()) == shown, stream.getvalue()
+    assert capsys.readouterr().out.count("THE REPORT") == 2
+
+
 def generate(ckpt, files, capsys, *flags) -> list[tuple[list[int], list[float]]]:
     capsys.readouterr()
     assert cli.main(["--model", str(ckpt), "--doc", str(files[0]), "--questions", str(files[1]), "-n", "4",

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import distributed
-from ..errors import BadInput, OneLineParser, check_device, run_command
+from ..errors import BadInput, OneLineParser, check_device, run_command, say_at_terminal
 from ..files import json_text, write_file
 from ..generate import MODES
 from ..precision import DTYPES
@@ -391,7 +391,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     if args.reference_model:
         reference = _load_reference_model(Path(args.reference_model), args), load_tokenizer(Path(args.reference_model))
     result = loadcheck.run(args.url, args.model, args.requests, args.clients, args.seed, args.max_tokens,
-                           args.prompts, args.timeout)
+                           args.prompts, args.timeout, say_at_terminal)
     text, passed, refused = loadcheck.report(result), True, None
     if reference is not None:
         try:

@@ -28,7 +28,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import BadInput
 from ..serve.client import Refused, ask
@@ -245,8 +245,10 @@ def summarize(runs: dict[str, list], probes: list[dict]) -> dict[str, Any]:
 
 
 def run(url: str, model: str | None = None, requests: int = 200, clients: int = 16, seed: int = 0,
-        max_tokens: int = 16, prompts: str = "auto", timeout: float = 600.0) -> dict[str, Any]:
-    """The whole check against the server at `url` (.../v1): the result `report` reads and `--json` writes."""
+        max_tokens: int = 16, prompts: str = "auto", timeout: float = 600.0,
+        say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+    """The whole check against the server at `url` (.../v1): the result `report` reads and `--json` writes.
+    `say`: where its progress goes (the command's: a terminal's stderr), a line a tenth of the probes."""
     for name, value in (("--requests", requests), ("--clients", clients), ("--max-tokens", max_tokens)):
         if value < 1:
             raise BadInput(f"{name} must be at least 1, got {value}")
@@ -256,7 +258,15 @@ def run(url: str, model: str | None = None, requests: int = 200, clients: int = 
     with _client(timeout, clients) as client:
         server = probe_server(client, url, model, prompts)
         probes, others = workload(rng, server, requests, max_tokens)
-        runs = _send_alone(client, url, probes)
+        step = max(1, len(probes) // 10)
+
+        def sent(i: int) -> None:
+            if (i + 1) % step == 0 or i + 1 == len(probes):
+                say(f"  {i + 1} of {len(probes)} probes sent alone")
+
+        say(f"{len(probes)} probes, each sent alone four times (cold, alone, again, streamed)")
+        runs = _send_alone(client, url, probes, sent)
+        say(f"under load: the probes among {len(others)} other requests, from {clients} clients")
         runs["load"], others_failed = _send_under_load(client, url, probes, others, clients, rng)
     causes = summarize(runs, probes)
     return {"server": {"url": url, "model": server.model, "token_id_prompts": server.ids,

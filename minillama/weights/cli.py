@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from minillama.errors import OneLineParser, run_command
+from minillama.errors import OneLineParser, run_command, say_at_terminal
 from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_metadata
 
-from .convert import _say, convert, fits
+from .convert import convert, fits
 from .default import fetch_default
 from .gguf import _checked_gguf_config, check_gguf_layout, check_gguf_types, gguf_metadata, open_gguf
 from .layout import WeightsError, expected_shapes
@@ -83,7 +83,7 @@ def _main(argv: Sequence[str] | None) -> int:
     elif args.cmd == "convert":
         t0 = time.perf_counter()
         out = convert(args.src, args.out, replace=args.force)
-        _say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+        say_at_terminal(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     else:
         d = info(args.path)
         if args.json:

