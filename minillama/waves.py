@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import BadInput
@@ -72,3 +73,21 @@ def memory_budget(max_memory_mb: float | None, llama: Any) -> int:
         weights = sum(math.prod(shape) for shape in expected_shapes(llama.config).values()) * weight
         return max(torch.cuda.get_device_properties(llama.device).total_memory - weights, 0) // 2
     return DEFAULT_MAX_MEMORY_MB * 2**20
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a process may still take on this machine: Linux's MemAvailable and free swap, within
+    the limit of the process's cgroup (v2) where it has one; None where unknown (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f) if v.strip()}
+        free = fields["MemAvailable"] + fields.get("SwapFree", 0)
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(free, 0)

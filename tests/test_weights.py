@@ -103,6 +103,39 @@ def test_a_model_is_built_around_its_weights_laid_out_once(config, sd, monkeypat
     assert torch.equal(model.model.layers[0].mlp.gate_proj.weight, sd["model.layers.0.mlp.gate_proj.weight"])
 
 
+def test_weights_past_the_memory_left_are_refused_before_the_load(tmp_path, hf_tok, bpe, monkeypatch):
+    """A checkpoint whose weights, in the dtype asked for, exceed the memory left (an 8B model in float32 on a
+    16 GB laptop) was read until the kernel ended the process part way, without a word (exit 137). It is now
+    refused before a tensor is read, in one line that gives both sizes and, in float32, the dtype of half the
+    size. What is counted is what the process holds: a tied head once, a rank's head view not at all."""
+    import minillama.weights.load as loading
+    from minillama.model import Llama
+
+    config = tiny_config(vocab=320, tied=True)
+    path = write_hf_dir(tmp_path / "hf", config, random_state_dict(config, seed=5), hf_tok)
+    with torch.device("meta"):
+        skeleton = Llama(config)
+    need = sum(p.numel() for p in skeleton.parameters()) * 4  # float32; tied: the embedding once
+    for left, dtype, refused in ((need - 1, torch.float32, True), (need, torch.float32, False),
+                                 (need // 2 - 1, torch.bfloat16, True), (need // 2, torch.bfloat16, False)):
+        monkeypatch.setattr(loading, "available_memory", lambda: left)
+        if not refused:
+            load_model(path, dtype=dtype)
+            continue
+        half = "load it in bfloat16 (--dtype bfloat16: half of that) or " if dtype == torch.float32 else ""
+        size = f"{need * dtype.itemsize // 4 / 2**20:.1f} MiB"
+        with pytest.raises(WeightsError, match=re.escape(f"{path}: its weights take {size} in "
+                                                         f"{str(dtype)[6:]} and this machine has")) as e:
+            load_model(path, dtype=dtype)
+        assert str(e.value).endswith(f"free, so it cannot load: {half}use a machine with more memory")
+    skeleton.lm_head.weight = torch.nn.Parameter(skeleton.model.embed_tokens.weight[:160])  # a rank's tied head
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need, 2 * need))  # a GPU's free memory
+    loading.check_room(path, skeleton, "cuda:0", torch.float32)
+    with pytest.raises(WeightsError, match=r"its weights take [0-9.]+ MiB in float32 and cuda:0 has [0-9.]+ MiB free"):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need - 1, 2 * need))
+        loading.check_room(path, skeleton, "cuda:0", torch.float32)
+
+
 @pytest.mark.parametrize("fmt", ["hf", "hf-bf16", "hf-tied-3-files", "meta-2-shards", "gguf-q8", "gguf-f16"])
 def test_load_model_is_build_model_around_the_state_dict(tmp_path, hf_tok, bpe, fmt):
     """`load_model` reads each weight straight into the layout the model keeps (weights/load.py `_laid_out`);

@@ -17,6 +17,8 @@ import socket
 import sys
 from typing import Any, Sequence
 
+from ..waves import available_memory
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,18 +36,6 @@ def usable_cpus() -> int:
 
 RANKS_PER_CPU = 2  # ranks past the cores take turns on them; twice lets a small machine run a bigger layout
 RANK_MEMORY = 256 << 20  # a rank before its model: Python, torch and a process group (about 220 MiB resident)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available for new processes (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_procs(args: argparse.Namespace) -> None:

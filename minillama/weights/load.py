@@ -12,6 +12,7 @@ import torch
 
 from minillama.config import LlamaConfig
 from minillama.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_metadata
+from minillama.waves import available_memory
 
 from .default import fetch_default
 from .gguf import open_gguf, read_gguf
@@ -107,6 +108,28 @@ def _laid_out(device: str | torch.device, dtype: torch.dtype) -> Callable[[torch
     return parts
 
 
+def check_room(path: Path, skeleton: torch.nn.Module, device: str | torch.device, dtype: torch.dtype) -> None:
+    """WeightsError where the weights this process would hold (`skeleton`'s, on the meta device: a rank's parts
+    on a rank) in `dtype` exceed the memory its device has left: a load that cannot finish (on a CPU the
+    kernel ends the process part way, without a word, once the memory and swap are spent)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        left, where = available_memory(), "this machine has"
+    elif device.type == "cuda":
+        left, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
+    else:
+        return
+    head = skeleton.lm_head.weight  # tied on a rank: a view of the embedding's rows, no memory of its own
+    head = head if skeleton.config.tie_word_embeddings and head is not skeleton.model.embed_tokens.weight else None
+    need = sum(p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+               for p in skeleton.parameters() if p is not head)
+    if left is not None and need > left:
+        size = lambda n: f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"  # noqa: E731
+        half = "load it in bfloat16 (--dtype bfloat16: half of that) or " if dtype.itemsize == 4 else ""
+        raise WeightsError(f"{path}: its weights take {size(need)} in {str(dtype).removeprefix('torch.')} and "
+                           f"{where} {size(left)} free, so it cannot load: {half}use a machine with more memory")
+
+
 def load_model_part(path: str | Path, device: str | torch.device, dtype: torch.dtype,
                     shard: Callable[[torch.nn.Module], Slices]) -> torch.nn.Module:
     """A tensor-parallel rank's model alone (`load_model` with `shard`, no tokenizer read): only its parts of
@@ -124,6 +147,7 @@ def _model_part(path: Path, device: str | torch.device, dtype: torch.dtype,
     with torch.device("meta"), _no_random_init():
         model = Llama(config)
     slices = shard(model)
+    check_room(path, model, device, dtype)
     meta = None
 
     # each tensor where it goes as it is read: the peak is about the model's weights and one tensor as read, not
