@@ -274,7 +274,9 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
         for q in questions:
             if q.done:  # max_new_tokens == 0: finished before it starts
                 on_answer(q.index, q.answer)
-    with model.steps.answering():  # model.invariant and .units refuse to change under it (any thread)
+    call = object()  # this call, under way (Steps.answering): model.invariant and .units refuse to change
+    try:
+        model.steps.answering(call)
         if mode == "independent":
             for q, p in zip(questions, prompts):
                 _prefill_and_decode(model, [(q, p, None)], None, prefill_chunk, stats, on_token)
@@ -287,6 +289,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], params: SamplingPar
             for b in range(0, len(order), per_batch := batch_docs or len(order)):
                 _parallel(model, prompts, questions, docs, order[b:b + per_batch], parallel_size, prefill_chunk,
                           stats, on_token)
+    finally:
+        model.steps.calls.discard(call)  # first, with no call before it: a Ctrl-C cannot come in between
     return [q.answer for q in questions]
 
 

@@ -27,13 +27,12 @@ every pass is then laid out in buckets with its attention items held at once, so
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import threading
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -343,19 +342,18 @@ class Steps:
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
         self.spare: CapturedSteps | None = None  # the last finished cache's storage and graphs
         self.overlap: bool | None = OVERLAP  # decoding one step ahead of the host (`overlapping`); None: by device
-        self.calls = 0  # generate calls and serving engines under way on the model, in every thread (`answering`)
+        self.calls: set[object] = set()  # generate calls and serving engines under way, in every thread (`answering`)
 
-    @contextlib.contextmanager
-    def answering(self) -> Iterator[None]:
-        """A generate call or a serving engine's loop under way: until it ends, the switches that choose the
-        kernels (`Llama.invariant`, `.units`) refuse to change (`unchanged`), from any thread: no answer mixes two."""
+    def answering(self, call: object) -> None:
+        """`call` (one object per generate call or serving engine's loop) is under way: until it ends, the
+        switches that choose the kernels (`Llama.invariant`, `.units`) refuse to change (`unchanged`), from any
+        thread: no answer mixes two. The caller calls this first thing in a `try` whose `finally` opens with
+        `model.steps.calls.discard(call)`, so that a Ctrl-C (raised between bytecodes, as a call returns) finds no
+        moment where `call` is added and no `finally` will discard it. A count kept by a context manager had two
+        (after the count was raised, and in its exit before it was lowered): it stayed raised for good after about
+        one in 250 interrupts of a call that ran no pass, and every later `model.units = ...` was refused."""
         with self.lock:
-            self.calls += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.calls -= 1
+            self.calls.add(call)
 
     def unchanged(self, name: str) -> None:
         """Refuse (RuntimeError) to change `name` while `answering`; called with the lock held."""

@@ -139,19 +139,19 @@ class Engine:
         return self
 
     def run(self) -> None:
-        """Run the loop in the calling thread until `stop()`. `minillama serve` runs it on the model loader's
-        thread: OpenMP keeps a team of worker threads per calling thread, and a second team beside the loader's
-        made every pass 1.7x slower on a 2-core machine (docs/serve.md, "One thread computes"). While it runs,
-        `model.invariant` and `.units` refuse to change (`Steps.answering`): a cached block and each answer are
-        computed by the kernels the whole run has."""
+        """Run the loop in the calling thread until `stop()`. `minillama serve` runs it on the model loader's thread:
+        OpenMP keeps a team of worker threads per calling thread, and a second team beside the loader's made every pass
+        1.7x slower on a 2-core machine (docs/serve.md, "One thread computes"). While it runs, `model.invariant` and
+        `.units` refuse to change (`Steps.answering`): the run's cached blocks and answers share its kernels."""
         with self.lock:
             if self.owner is not None:
                 raise RuntimeError("the engine's loop runs once")
             self.owner = threading.current_thread()
         try:
-            with self.model.steps.answering():
-                self._loop()
+            self.model.steps.answering(self)  # this engine: its loop runs once
+            self._loop()
         finally:
+            self.model.steps.calls.discard(self)  # first, with no call before it: a Ctrl-C cannot come in between
             self.ended.set()
 
     @property
