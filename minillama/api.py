@@ -12,7 +12,7 @@ at the boundary; docs/design.md). So the modes differ only in how the same token
 
 One loaded model may answer in several threads at once (a threaded web app's): each call gets its own
 cache, and each answer the bits of its solo run. While a call is under way, setting
-`model.llama.invariant` or `.units` raises RuntimeError, from any thread or callback.
+`model.llama.invariant`, `.units` or `.steps.compiled` raises RuntimeError, from any thread or callback.
 """
 
 from __future__ import annotations

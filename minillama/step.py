@@ -336,7 +336,7 @@ class Steps:
         self.kernels = kernels  # the model's: a tensor-parallel rank's collectives run eagerly
         self.captured: bool | None = None
         self.capture: Callable = cuda_graph
-        self.compiled = False
+        self._compiled = False  # `compiled`
         self._compiled_block: Callable | None = None
         # Each live cache's captured steps, in a box that follows it when it grows (a new storage).
         self._by_cache: weakref.WeakKeyDictionary[KVCache, list[CapturedSteps]] = weakref.WeakKeyDictionary()
@@ -345,15 +345,18 @@ class Steps:
         self.calls: set[object] = set()  # generate calls and serving engines under way, in every thread (`answering`)
 
     def answering(self, call: object) -> None:
-        """`call` (one object per generate call or serving engine's loop) is under way: until it ends, the
-        switches that choose the kernels (`Llama.invariant`, `.units`) refuse to change (`unchanged`), from any
-        thread: no answer mixes two. The caller calls this first thing in a `try` whose `finally` opens with
-        `model.steps.calls.discard(call)`, so that a Ctrl-C (raised between bytecodes, as a call returns) finds no
-        moment where `call` is added and no `finally` will discard it. A count kept by a context manager had two
-        (after the count was raised, and in its exit before it was lowered): it stayed raised for good after about
-        one in 250 interrupts of a call that ran no pass, and every later `model.units = ...` was refused."""
+        """`call` (one object per generate call or engine loop) is under way, and the kernels' switches refuse to
+        change (`unchanged`), until its caller's `finally` discards it first thing (a Ctrl-C leaves no call behind)."""
         with self.lock:
             self.calls.add(call)
+
+    compiled = property(lambda self: self._compiled, doc="Every step's layers through torch.compile (`compile_block`).")
+
+    @compiled.setter
+    def compiled(self, on: bool) -> None:
+        with self.lock:  # refused under a call, as `Llama.invariant` is: compiled bits are not eager bits
+            self.unchanged("steps.compiled")
+            self._compiled = on
 
     def unchanged(self, name: str) -> None:
         """Refuse (RuntimeError) to change `name` while `answering`; called with the lock held."""

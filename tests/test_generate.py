@@ -483,6 +483,26 @@ def test_the_kernel_switches_refuse_to_change_under_a_call(model, mode):
 
 
 
+
+def test_compiled_steps_refuse_to_switch_under_a_call(model):
+    """`model.steps.compiled` chooses the kernels as `model.invariant` does (compiled bits are not eager bits): set
+    by a callback or another thread while a call answers, it raises RuntimeError. It took effect at the next pass,
+    and the answer's later logits were compiled ones after eager ones: the solo bits of neither."""
+    prompts, params = _prompts(n=2), SamplingParams(max_new_tokens=4, ignore_eos=True, keep_logits=True)
+    solo, refused = generate(model, prompts, params), []
+
+    def flips(_):
+        try:
+            model.steps.compiled = True
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    assert_same_answers(solo, generate(model, prompts, params, on_token=flips))
+    assert refused and all("model.steps.compiled cannot change while generate" in r for r in refused)
+    assert not model.steps.compiled
+    model.steps.compiled = True  # between calls: as before
+    model.steps.compiled = False
+
 def test_an_interrupt_anywhere_in_a_call_leaves_no_call_under_way(model):
     """A Ctrl-C (KeyboardInterrupt, raised between bytecodes wherever it lands) that ends a call at any point,
     the bookkeeping of `Steps.answering` included, leaves the model as it was: no call under way, so the kernel
