@@ -327,9 +327,8 @@ class AnswerWriter:
             self.warned_nan = True
             print(f"warning: document {r.doc_index + 1}, question {r.question_index + 1}: the model's logits "
                   f"are not finite (NaN or inf: {precision.why_not_finite(precision.DTYPES[self.args.dtype])}), so "
-                  "its answers mean nothing"
-                  + ("; such log-probs are written as null" if self.args.json else "") + "; this warning is "
-                  "shown once", file=sys.stderr, flush=True)
+                  "its answers mean nothing" + ("; such log-probs are written as null" if self.args.json else "")
+                  + "; this warning is shown once", file=sys.stderr, flush=True)
         if self.args.json:
             return json_text(reply_json(r, self.args.logprobs), ensure_ascii=False) + "\n"
         head = f"=== document {r.doc_index + 1} ===\n\n" if self.n_docs > 1 and r.question_index == 0 else ""
