@@ -54,7 +54,7 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        return self.llama.config.max_position_embeddings
+        return self.llama.config.context
 
 
 @dataclass
@@ -253,7 +253,7 @@ def ask_many(model: LoadedModel, jobs: Sequence[tuple[str, Sequence[str]]], para
                                        or not all(is_int(k) and k >= 0 for k in first_question)):
         raise ValueError(f"first_question must hold one integer >= 0 for each of the {len(jobs)} documents, "
                          f"got {repr(first_question)[:80]}")
-    prompts, docs, where = build_prompts(tok, jobs, system, chat_template, llama.config.max_position_embeddings)
+    prompts, docs, where = build_prompts(tok, jobs, system, chat_template, llama.config.context)
     eos = list(dict.fromkeys([*tok.eos_ids, *llama.config.eos_token_ids]))
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
 

@@ -71,6 +71,18 @@ class LlamaConfig:
         return 2 * self.num_hidden_layers * heads * self.head_dim * element_size
 
     @property
+    def context(self) -> int:
+        """The positions a pass may reach: `max_position_embeddings`, or with YaRN whose pretraining length is
+        given, that length times its factor where that is more (Qwen2.5's model card adds YaRN, factor 4 over
+        32,768, to answer over 131,072 tokens; HF sets no bound at all). YaRN's frequencies do not depend on the
+        pass, so a position past `max_position_embeddings` is rotated alike in every pass, as HF rotates it."""
+        s = self.rope_scaling or {}
+        if s.get("rope_type", s.get("type")) != "yarn" or s.get("original_max_position_embeddings") is None:
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings,
+                   min(int(s["original_max_position_embeddings"] * s["factor"]), MAX_CONTEXT))
+
+    @property
     def qkv_bias(self) -> bool:
         """q, k and v projections carry biases (Qwen2 always; others with attention_bias)."""
         return self.attention_bias or self.model_type == "qwen2"

@@ -175,7 +175,7 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
     read, and gets no row in step t + 1; one that step t stops (a stop token or string) has one already: that row is
     dropped unread, and rows being independent, no other row's bits change (tests/test_generate.py).
     """
-    max_pos = model.config.max_position_embeddings
+    max_pos = model.config.context
     ahead = model.steps.overlapping(cache.k.device)
     live = [q for q in active if not q.done]
     feed = None  # the live questions' token ids on the device (the step before's choice), or None: the host's
@@ -208,7 +208,7 @@ def _decode(model: Llama, cache: KVCache, active: list[Question], stats: Stats,
 def _read(step: list[Question], chosen: Chosen, model: Llama, cache: KVCache, stats: Stats,
           on_token: Callable[[int], None] | None) -> None:
     """Record a step's tokens (`Chosen.record`), free the segments of the questions they end, count them."""
-    recorded = chosen.record(step, model.config.max_position_embeddings, _agreement(model))
+    recorded = chosen.record(step, model.config.context, _agreement(model))
     for q in recorded:
         if q.done:
             cache.release(q.segment)
@@ -309,7 +309,7 @@ def _checked(model: Any, prompts: Any, params: Any, docs: Any, streams: Any, sta
         raise ValueError(NEEDS_TOKENIZER)
     if not isinstance(prompts, (list, tuple)):
         raise options.BadType(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
-    vocab, max_pos, out = model.config.vocab_size, model.config.max_position_embeddings, []
+    vocab, max_pos, out = model.config.vocab_size, model.config.context, []
     for i, p in enumerate(prompts):
         ids = p.tolist() if hasattr(p, "dtype") else p  # a tensor or an array
         if not isinstance(ids, (list, tuple)) or not all(type(t) is int or options.is_int(t) for t in ids):
@@ -404,7 +404,7 @@ def _seqbatch(model, questions, prompts, chunk, stats, on_token) -> None:
     cache = model.new_cache()
     shared = shared_prefix_length(prompts) if len(prompts) > 1 else len(prompts[0]) - 1
     seg = cache.new_segment()
-    max_pos = model.config.max_position_embeddings
+    max_pos = model.config.context
     pending = list(prompts[0][:shared])
     for q, p in zip(questions, prompts):
         pending.extend(p[shared:])

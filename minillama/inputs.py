@@ -95,9 +95,9 @@ def model_context(path: str | None) -> int:
         if p.is_dir() and (p / "config.json").exists():
             from .weights.hf import hf_config
 
-            return min(hf_config(p / "config.json").max_position_embeddings, MAX_CONTEXT)
+            return min(hf_config(p / "config.json").context, MAX_CONTEXT)
         if p.is_dir() and (p / "params.json").exists():
-            return min(LlamaConfig.from_meta_params(p / "params.json", 1).max_position_embeddings, MAX_CONTEXT)
+            return min(LlamaConfig.from_meta_params(p / "params.json", 1).context, MAX_CONTEXT)
         if p.is_file():
             from .weights.gguf import gguf_metadata, open_gguf
 

@@ -313,9 +313,9 @@ class Llama(nn.Module):
         if segments is None and not torch.equal(positions.cpu(), torch.arange(n)):  # a new root segment's
             raise ValueError(f"without segments the tokens are one new sequence, at positions 0 .. {n - 1}, got "
                              f"{repr(positions.tolist())[:80]}")
-        if n and int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
-                             f"({self.config.max_position_embeddings})")
+        if n and int(positions.max()) >= self.config.context:
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context ({self.config.context} "
+                             f"positions; max_position_embeddings {self.config.max_position_embeddings})")
         cache = self.new_cache(n + 2) if cache is None else cache
         self._check_pass(tokens, positions, cache, logits_rows)
         if segments is None:  # every check passed: only now does the cache change
@@ -401,7 +401,7 @@ class Llama(nn.Module):
         dtype."""
         key = (self.device, dtype)
         if getattr(self, "_rope", (None,))[0] != key:
-            positions = torch.arange(self.config.max_position_embeddings, device=self.device)
+            positions = torch.arange(self.config.context, device=self.device)
             cos, sin = rope_cos_sin(positions, inv_frequencies(self.config), dtype, attention_scaling(self.config))
             self._rope = (key, (cos, signed_sin(sin)))
         return self._rope[1]

@@ -30,7 +30,7 @@ def wave_plan(config: Any, dtype_bytes: int, doc_tokens: Sequence[int], question
     MLP's hidden rows). The KV cache grows by doubling, so its part is counted twice. `attention_bytes`:
     what attention may hold in a pass whatever the waves (a compiled model's `AttentionTiles.at_once`),
     set aside from the budget first."""
-    max_new_tokens = min(max_new_tokens, config.max_position_embeddings)  # no answer runs past the context
+    max_new_tokens = min(max_new_tokens, config.context)  # no answer runs past the context
     kv_per_token = config.kv_bytes_per_token(dtype_bytes)
     per_row = 4 * (2 * config.vocab_size + 3 * config.intermediate_size + 4 * config.hidden_size)
     per_question = [2 * kv_per_token * (max(q, default=0) + max_new_tokens) + per_row for q in question_tokens]

@@ -54,6 +54,8 @@ CASES = {
     "qwen2-tied-gqa": ("Qwen2Config", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2-window-all-layers": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=33, max_window_layers=0)),
     "qwen2-yarn": ("Qwen2Config", dict(rope_scaling=YARN)),
+    # as Qwen2.5's model card adds YaRN: over max_position_embeddings itself, so SEQ runs past it (HF has no bound)
+    "qwen2-yarn-past-its-context": ("Qwen2Config", dict(rope_scaling=YARN, max_position_embeddings=64)),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "qwen3-head-dim-8-bias": ("Qwen3Config", dict(head_dim=8, attention_bias=True)),
     "qwen3-tied-mha": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True, num_key_value_heads=4)),
@@ -131,7 +133,8 @@ def test_a_config_without_model_type_is_read_as_its_architectures_class(tmp_path
 # GGUF where llama.cpp's converter writes one: Llama (biases, linear/yarn RoPE), Qwen2 and Qwen3, and Mistral
 # without a window (the `llama` architecture has none; with one, the converter's file is a different model).
 GGUF_CASES = ["llama-attention-bias", "llama-both-biases-tied", "llama-mlp-bias", "llama-linear", "llama-yarn",
-              "mistral-no-window", "qwen2", "qwen2-tied-gqa", "qwen2-yarn", "qwen3", "qwen3-head-dim-8-bias"]
+              "mistral-no-window", "qwen2", "qwen2-tied-gqa", "qwen2-yarn", "qwen2-yarn-past-its-context", "qwen3",
+              "qwen3-head-dim-8-bias"]
 
 
 @pytest.mark.parametrize("name", GGUF_CASES)
@@ -383,3 +386,23 @@ def test_gguf_rope_scaling_reads_as_llama_cpp_reads_it(tmp_path, extra, want):
     sd = {k: torch.ones(s) for k, s in expected_shapes(config).items()}
     got, _ = load_state_dict(write_gguf(tmp_path / "m.gguf", config, sd, None, extra=extra))
     assert got.rope_scaling == want
+
+
+def test_yarn_over_its_own_context_answers_to_original_times_factor(tmp_path):
+    """YaRN added over `max_position_embeddings` itself (Qwen2.5's model card: factor 4 over 32,768) was refused
+    past that length, where HF runs on (no bound) and the factor says the model answers four times as far. The
+    context is now the pretraining length times the factor: a document past 64 positions answers in parallel
+    as each question does alone, to the bit; position 256 is refused."""
+    from minillama.generate import SamplingParams, generate
+    from test_parity import assert_same_answers
+
+    hf_checkpoint("qwen2-yarn-past-its-context", tmp_path / "hf")
+    model = build_model(*load_state_dict(tmp_path / "hf"))
+    assert (model.config.max_position_embeddings, model.config.context) == (64, 256)
+    g = torch.Generator().manual_seed(3)
+    doc = torch.randint(3, 101, (120,), generator=g).tolist()
+    prompts = [doc + torch.randint(3, 101, (n,), generator=g).tolist() for n in (5, 9, 14)]
+    params = SamplingParams(max_new_tokens=6, keep_logits=True, ignore_eos=True)
+    assert_same_answers(generate(model, prompts, params, mode="independent"), generate(model, prompts, params))
+    with pytest.raises(ValueError, match=r"position 256 is beyond the model's context \(256 positions"):
+        model(torch.arange(257) % 100 + 1)

@@ -110,7 +110,7 @@ def profile_table(p: dict[str, Any]) -> str:
 
 def _profile_main(ctx: Context, out: Path, doc_tokens: int, questions: int, model_name: str,
                   new_tokens: int = 8) -> int:
-    context = ctx.model.config.max_position_embeddings
+    context = ctx.model.config.context
     if doc_tokens >= context:  # before a document of that many tokens is written (1e20: it never ended)
         raise BadInput(f"--doc-tokens {doc_tokens}: the model's context is {context} tokens")
     # Numbered questions: every one distinct, as in the many-questions sweep.

@@ -220,7 +220,7 @@ def run(cases: list[Case], ctx: Context, repeats: int, log: Callable[[str], None
     records = []
     tasks = [make_task(ctx.tokenizer, case.task, plain_prompt_ids(ctx.tokenizer)) for case in cases]
     for case, task in zip(cases, tasks):  # every case checked before any runs (hours in, in a full sweep)
-        check_fits(task, case.task.new_tokens, ctx.model.config.max_position_embeddings,
+        check_fits(task, case.task.new_tokens, ctx.model.config.context,
                    f"the {case.sweep} case {case.label or case.task.doc_tokens}")
     # Independent first in each case, so that every later method is checked against it.
     for case, task in zip(cases, tasks):

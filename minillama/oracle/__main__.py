@@ -172,7 +172,7 @@ def _make_reference(args: argparse.Namespace, hidden: bool = False):
     if here is not None:
         parallel.place(model, args, here)
     p = read_prompts(args, path, model.config)
-    context = model.config.max_position_embeddings
+    context = model.config.context
     for i, ids in enumerate(p["prompts"], 1):
         if len(ids) + args.max_new_tokens > context:
             raise BadInput(f"prompt {i}: {len(ids)} tokens + {args.max_new_tokens} new ones exceed the model's "

@@ -62,7 +62,7 @@ def read_prompts(args: argparse.Namespace, path: Path, config: Any) -> dict[str,
         raise BadInput("--doc and --questions go together")
     if args.doc:  # read and checked as the command line reads them (a line ends at "\n" only, ...)
         ((doc, questions),) = read_jobs(argparse.Namespace(input=None, doc=args.doc, questions=args.questions),
-                                        config.max_position_embeddings)
+                                        config.context)
     else:
         doc, questions = EXAMPLE_DOC, EXAMPLE_QUESTIONS
     from ..api import build_prompts

@@ -267,7 +267,7 @@ class Engine:
         rows: list[int] = []  # rows whose logits are wanted
         decode: list[Choice] = []
         prefilled: list[tuple[Choice, int, int]] = []  # (sequence, its first wanted row, row count)
-        max_pos = self.model.config.max_position_embeddings
+        max_pos = self.model.config.context
         ahead = [] if self.pending is None else [  # row i of the pending choice feeds decode row len(ahead)
             i for i, s in enumerate(self.pending.seqs) if not (s.finished or s.q.done) and not s.q.ends_by_length(
                 len(s.q.answer.token_ids) + 1, max_pos)]
@@ -361,7 +361,7 @@ class Engine:
         same, and a failure is the failure of the sequences it belongs to, never of the others."""
         keep = [i for i, s in enumerate(launched.seqs) if not (s.finished or s.q.done)]
         seqs, raw = [launched.seqs[i] for i in keep], launched.raw
-        max_pos = self.model.config.max_position_embeddings
+        max_pos = self.model.config.context
         # (a random stream has no state to put back: its draw number is the tokens the answer holds)
         saved = [(len(s.q.answer.token_ids), s.q.answer.finish_reason, s.q.done) for s in seqs]
         alone = launched.chosen is None

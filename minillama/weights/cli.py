@@ -50,7 +50,7 @@ def info(path: str | Path) -> dict[str, Any]:
     fits(tok, config)
     n_params = sum(math.prod(s) for s in expected_shapes(config).values())
     return {
-        "path": str(p), "format": fmt, "config": config.to_dict(), "parameters": n_params,
+        "path": str(p), "format": fmt, "config": config.to_dict(), "context": config.context, "parameters": n_params,
         "tensors": n_tensors, "tensor_types": kinds,
         "tokenizer": None if tok is None else {
             "kind": type(tok).__name__, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
@@ -105,7 +105,7 @@ def _print_info(d: dict[str, Any]) -> None:
           f"heads {c['num_attention_heads']} (kv {c['num_key_value_heads']}, head dim {c['head_dim']}), "
           f"vocab {c['vocab_size']}")
     print(f"  rope theta {c['rope_theta']:g}, scaling {c['rope_scaling']}, rms eps {c['rms_norm_eps']:g}, "
-          f"context {c['max_position_embeddings']}, tied embeddings {c['tie_word_embeddings']}")
+          f"context {d['context']}, tied embeddings {c['tie_word_embeddings']}")
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(d["tensor_types"].items()))
     print(f"  {d['tensors']} tensors: {kinds}")
     t = d["tokenizer"]
