@@ -263,11 +263,7 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
     comes before tokenizer_config.json's field as HF transformers takes them, then that field, then a
     processor's chat_template.json."""
     if (d / "chat_template.jinja").exists():
-        where = str(d / "chat_template.jinja")
-        try:
-            return (d / "chat_template.jinja").read_text(encoding="utf-8"), where
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{where}: not a readable UTF-8 file ({e})") from None
+        return _template_file(d / "chat_template.jinja"), str(d / "chat_template.jinja")
     t, where = cfg.get("chat_template"), f"{d / 'tokenizer_config.json'}, field chat_template"
     if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {x.get("name"): x.get("template") for x in t}
@@ -284,6 +280,14 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> tuple[str | None, str]:
     return t, where
 
 
+def _template_file(path: Path) -> str:
+    """A chat template's .jinja file, or TokenizerError naming it where it is not readable UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenizerError(f"{path}: not a readable UTF-8 file ({e})") from None
+
+
 def _tool_template(d: Path, cfg: dict[str, Any]) -> tuple[str, str] | None:
     """The template named "tool_use" and where it was read from: additional_chat_templates/tool_use.jinja where
     the directory holds template files (HF transformers then reads none from tokenizer_config.json), else the
@@ -292,10 +296,7 @@ def _tool_template(d: Path, cfg: dict[str, Any]) -> tuple[str, str] | None:
     where = f"{d / 'tokenizer_config.json'}, field chat_template[tool_use]"
     t = next((x["template"] for x in named if x.get("name") == "tool_use"), None) if isinstance(named, list) else None
     if (d / "chat_template.jinja").exists() or any((d / "additional_chat_templates").glob("*.jinja")):
-        try:
-            t, where = (path.read_text(encoding="utf-8") if path.is_file() else None), str(path)
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{path}: not a readable UTF-8 file ({e})") from None
+        t, where = (_template_file(path) if path.is_file() else None), str(path)
     if t is not None:
         check_template(t, where)  # a syntax error is found now, before any work
     return None if t is None else (t, where)
