@@ -54,9 +54,10 @@ def _placed(t: torch.Tensor, device: str | torch.device, dtype: torch.dtype,
         return t.to(device)
     out = t.to(device=device, dtype=dtype)
     if dtype == torch.float16 and t.dtype != dtype and out.isinf().any():
-        past = out.isinf() & t.to(out.device).isfinite()
+        wide = t.to(out.device)
+        past = out.isinf() & wide.isfinite()
         if past.any():
-            big = t.to(out.device)[past].abs().max().item()
+            big = wide[past].abs().max().item()
             raise WeightsError(f"{source}: a weight of shape {tuple(t.shape)} holds {big:g}, past float16's largest "
                                "value 65504 (it would become inf): load it in bfloat16 or float32")
     return out
